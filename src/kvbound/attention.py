@@ -1,0 +1,50 @@
+"""Attention over cached slots plus the new tokens, optionally returning per-key attention scores.
+
+This PyTorch version is the reference (the oracle in tests) and the CPU path. Eviction policies need
+the post-softmax probabilities each cached key received, summed over the query heads of its GQA group
+(and over the new query tokens); fused kernels normally throw those away, so we return them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+           v_cache: torch.Tensor, score_mode: str | None = None):
+    """q: [T, Hq, D]; k_new/v_new: [T, Hkv, D]; k_cache/v_cache: [n, Hkv, D] (keys already rotated).
+
+    Query t sees every cached key and the new keys 0..t (causal). Returns (out [T, Hq, D], key_scores):
+    key_scores is None, or [n + T, Hkv] float32 with, per key, the probability it received summed over
+    the query heads of its KV head and over the T queries; with score_mode="normalized" each query's
+    probabilities are first multiplied by the number of keys it attended to.
+    """
+    t, hq, d = q.shape
+    n, hkv = k_cache.shape[0], k_new.shape[1]
+    k = torch.cat([k_cache, k_new]) if n else k_new
+    v = torch.cat([v_cache, v_new]) if n else v_new
+    scale = d ** -0.5
+    if score_mode is None:
+        mask = None if t == 1 else _causal_mask(t, n, q.device)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None].to(q.dtype), v.transpose(0, 1)[None].to(q.dtype),
+            attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
+        return out[0].transpose(0, 1), None
+    g = hq // hkv
+    qf = q.float().view(t, hkv, g, d)
+    logits = torch.einsum("thgd,mhd->hgtm", qf, k.float()) * scale
+    if t > 1:
+        logits = logits.masked_fill(~_causal_mask(t, n, q.device), float("-inf"))
+    probs = logits.softmax(-1)
+    out = torch.einsum("hgtm,mhd->thgd", probs, v.float()).reshape(t, hq, d).to(q.dtype)
+    if score_mode == "normalized":
+        seen = torch.arange(n + 1, n + t + 1, device=q.device, dtype=torch.float32)
+        probs = probs * seen[:, None]
+    elif score_mode != "sum":
+        raise ValueError(f"unknown score_mode {score_mode!r}")
+    return out, probs.sum(dim=(1, 2)).transpose(0, 1).contiguous()
+
+
+def _causal_mask(t: int, n: int, device) -> torch.Tensor:
+    """[T, n+T] bool, True where query t may attend key m."""
+    return torch.arange(n + t, device=device)[None, :] <= (n + torch.arange(t, device=device))[:, None]

@@ -1,0 +1,157 @@
+"""KV cache of one sequence: per-layer slots, per-(slot, KV head) positions and scores, and a policy.
+
+Layout: K/V of layer l live in `k[l]`, `v[l]` shaped [slots, kv_heads, head_dim]; the cache's tokens
+are always slots [0, n). With kv-head granularity each KV head keeps its own tokens, so one slot holds
+different tokens in different heads; attention does not care, because keys are stored rotated.
+
+Eviction is slot replacement: the incoming token's K/V is written into the slot of the evicted token.
+With evict_every > 1 the cache grows to budget + evict_every - 1, then evicts down to budget; the few
+kept tokens that sit past slot `budget` are moved into the holes, so slots [0, n) stay dense.
+"""
+from __future__ import annotations
+
+import torch
+
+from .attention import attend
+from .policies import FullPolicy
+from .kv_store import make_store
+
+
+class KVCache:
+    def __init__(self, config, policy=None, device="cpu", dtype=torch.float32, kv_bits=None,
+                 kv_group_size: int = 64, quantized_kv_start: int = 0, initial_slots: int = 256):
+        self.cfg = config
+        self.policy = policy or FullPolicy()
+        self.bounded = self.policy.budget is not None
+        self.budget = self.policy.budget
+        layers, h = config.num_layers, config.num_kv_heads
+        cap = self.budget + self.policy.evict_every - 1 if self.bounded else initial_slots
+        self.store = make_store(layers, cap, h, config.head_dim, device, dtype, kv_bits, kv_group_size,
+                                quantized_kv_start, self.policy)
+        self.pos = torch.full((layers, cap, h), -1, dtype=torch.long, device=device)
+        self.score = torch.zeros((layers, cap, h), dtype=torch.float32, device=device) if self.policy.score else None
+        self.n = [0] * layers
+        self.seen = 0  # tokens processed so far: the next token's position
+        self.device = device
+
+    @property
+    def capacity(self) -> int:
+        return self.pos.shape[1]
+
+    def __len__(self) -> int:
+        return self.n[0]
+
+    def next_positions(self, t: int) -> torch.Tensor:
+        return torch.arange(self.seen, self.seen + t, device=self.device)
+
+    def advance(self, t: int):
+        self.seen += t
+
+    # --- called by each attention layer -------------------------------------------------------
+    def attend(self, layer: int, q, k, v, positions):
+        n = self.n[layer]
+        kc, vc = self.store.read(layer, n)
+        score_mode = None
+        if self.policy.score:
+            score_mode = "normalized" if self.policy.score == "normalized" else "sum"
+        out, key_scores = attend(q, k, v, kc, vc, score_mode)
+        if key_scores is not None and self.policy.granularity == "layer":
+            key_scores = key_scores.sum(1, keepdim=True).expand_as(key_scores)
+        self._insert(layer, k, v, positions, key_scores)
+        return out
+
+    def _insert(self, layer, k, v, positions, key_scores):
+        t, n, h = k.shape[0], self.n[layer], k.shape[1]
+        new_pos = positions[:, None].expand(t, h)
+        new_score = None
+        if key_scores is not None:
+            old = self.score[layer, :n]
+            if self.policy.score == "ema":
+                a = self.policy.ema_decay
+                old.mul_(a).add_(key_scores[:n], alpha=1 - a)
+                new_score = key_scores[n:] * (1 - a)
+            else:
+                old.add_(key_scores[:n])
+                new_score = key_scores[n:]
+        if not self.bounded:
+            self._grow(n + t)
+        if n + t <= self.capacity:
+            slots = torch.arange(n, n + t, device=k.device)[:, None].expand(t, h)
+            self._write(layer, slots, k, v, new_pos, new_score)
+            self.n[layer] = n + t
+            return
+        if t == 1 and n == self.budget and self.policy.new_token_kept():
+            self._replace_one(layer, k, v, new_pos, new_score)
+            return
+        self._evict_and_write(layer, k, v, new_pos, new_score)
+
+    def _write(self, layer, slots, k, v, pos, score):
+        """slots: [T, H] destination slot of each new token in each KV head."""
+        heads = torch.arange(k.shape[1], device=k.device)[None, :].expand_as(slots)
+        self.store.write(layer, slots, heads, k, v)
+        self.pos[layer, slots, heads] = pos
+        if score is not None:
+            self.score[layer, slots, heads] = score
+
+    def _replace_one(self, layer, k, v, new_pos, new_score):
+        """Decode fast path at evict_every=1: each KV head's lowest-ranked token gives its slot to the new one."""
+        n = self.n[layer]
+        pos = self.pos[layer, :n]
+        keep = self.policy.keep_mask(torch.cat([pos, new_pos]), None if self.score is None else
+                                     torch.cat([self.score[layer, :n], new_score]))
+        victim = (~keep[:n]).int().argmax(0)  # exactly one unkept cached token per head
+        self._write(layer, victim[None, :], k, v, new_pos, new_score)
+
+    def _evict_and_write(self, layer, k, v, new_pos, new_score):
+        """General path: keep `budget` of the n cached + T new tokens; fill slots [0, budget) densely."""
+        n, t, h, b = self.n[layer], k.shape[0], k.shape[1], self.budget
+        cand_pos = torch.cat([self.pos[layer, :n], new_pos])
+        cand_score = None if self.score is None else torch.cat([self.score[layer, :n], new_score])
+        keep = self.policy.keep_mask(cand_pos, cand_score)
+        for head in range(h):
+            kept_old = keep[:n, head]
+            holes = (~kept_old[:b]).nonzero().flatten()
+            if n < b:
+                holes = torch.cat([holes, torch.arange(n, b, device=k.device)])
+            movers = kept_old[b:].nonzero().flatten() + b
+            fresh = keep[n:, head].nonzero().flatten()
+            assert len(holes) == len(movers) + len(fresh), "policy kept a wrong number of tokens"
+            dst_move, dst_new = holes[:len(movers)], holes[len(movers):]
+            if len(movers):
+                self.store.move(layer, head, movers, dst_move)
+                self.pos[layer, dst_move, head] = self.pos[layer, movers, head]
+                if self.score is not None:
+                    self.score[layer, dst_move, head] = self.score[layer, movers, head]
+            if len(fresh):
+                self.store.write(layer, dst_new[:, None], torch.full_like(dst_new[:, None], head),
+                                 k[fresh, head][:, None], v[fresh, head][:, None])
+                self.pos[layer, dst_new, head] = new_pos[fresh, head]
+                if self.score is not None:
+                    self.score[layer, dst_new, head] = new_score[fresh, head]
+        self.pos[layer, b:] = -1
+        self.n[layer] = b
+
+    def _grow(self, need: int):
+        if need <= self.capacity:
+            return
+        cap = max(need, 2 * self.capacity)
+        self.store.grow(cap)
+        extra = cap - self.capacity
+        self.pos = torch.cat([self.pos, self.pos.new_full((self.pos.shape[0], extra, self.pos.shape[2]), -1)], 1)
+        if self.score is not None:
+            self.score = torch.cat([self.score, self.score.new_zeros(self.score.shape[0], extra, self.score.shape[2])], 1)
+
+    # --- introspection ------------------------------------------------------------------------
+    def kept_positions(self, layer: int, head: int) -> list[int]:
+        return sorted(self.pos[layer, :self.n[layer], head].tolist())
+
+    def nbytes(self) -> dict:
+        """KV bytes actually held for this sequence's tokens (data + scales/biases + scores + positions)."""
+        held = sum(self.n)
+        per_layer_token = self.store.bytes_per_token()
+        meta = self.cfg.num_kv_heads * (8 + (4 if self.score is not None else 0))
+        total = sum(self.store.bytes_held(layer, self.n[layer]) for layer in range(len(self.n))) + held * meta
+        bf16 = 2 * 2 * self.cfg.num_kv_heads * self.cfg.head_dim * self.seen * len(self.n)
+        return {"held_bytes": total, "tokens_held": len(self), "full_bf16_bytes": bf16,
+                "bytes_per_token_layer": per_layer_token,
+                "compression": bf16 / total if total else float("inf")}

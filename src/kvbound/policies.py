@@ -1,0 +1,220 @@
+"""Eviction policies: which cached tokens to keep when the cache is over its budget.
+
+A policy is a small object with:
+  - `budget` (None = unbounded) and `evict_every`; the cache holds at most budget + evict_every - 1 tokens
+    and, when that would be exceeded, evicts down to `budget`;
+  - `score` ("cumulative" | "ema" | "normalized" | None when it needs no attention scores);
+  - `keep_mask(pos, score)`: given candidate tokens' stream positions and scores, [M, H] each (one column
+    per KV head), return a bool mask keeping exactly `budget` tokens per column.
+Ties on score keep the newer token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import KvboundError
+
+SCORES = ("cumulative", "ema", "normalized")
+GRANULARITIES = ("kv-head", "layer")
+
+
+def _check_nonneg(**kw):
+    for k, v in kw.items():
+        if not isinstance(v, int) or v < 0:
+            raise KvboundError(f"policy: {k} must be a non-negative integer, got {v!r}")
+
+
+def _check_spans(spans):
+    out = []
+    for s in spans:
+        try:
+            a, b = (int(x) for x in s)
+        except (TypeError, ValueError):
+            raise KvboundError(f"policy: pinned span {s!r} must be (start, end)") from None
+        if a < 0 or b <= a:
+            raise KvboundError(f"policy: pinned span {s!r} must satisfy 0 <= start < end")
+        out.append((a, b))
+    return tuple(out)
+
+
+def _protected_base(pos: torch.Tensor, sink: int, pinned) -> torch.Tensor:
+    prot = pos < sink
+    for a, b in pinned:
+        prot |= (pos >= a) & (pos < b)
+    return prot
+
+
+def _pinned_count(sink: int, pinned) -> int:
+    marked = set(range(sink))
+    for a, b in pinned:
+        marked.update(range(a, b))
+    return len(marked)
+
+
+def select_keep(pos: torch.Tensor, rank: torch.Tensor, protected: torch.Tensor, budget: int) -> torch.Tensor:
+    """Keep every protected token, then the highest-`rank` others up to `budget` per column (newer wins ties)."""
+    key = rank.float().masked_fill(protected, float("inf"))
+    by_age = pos.argsort(dim=0, descending=True, stable=True)
+    by_key = key.gather(0, by_age).argsort(dim=0, descending=True, stable=True)
+    chosen = by_age.gather(0, by_key[:budget])
+    return torch.zeros_like(protected).scatter_(0, chosen, True)
+
+
+@dataclass(frozen=True)
+class FullPolicy:
+    """No bound: the baseline."""
+    name: str = "full"
+    budget: None = None
+    evict_every: int = 1
+    score: None = None
+    granularity: str = "kv-head"
+
+    def describe(self) -> str:
+        return "full"
+
+
+@dataclass(frozen=True)
+class WindowPolicy:
+    """`sink` first tokens (+ pinned spans) and the most recent tokens up to `budget` (StreamingLLM)."""
+    budget: int
+    sink: int = 4
+    evict_every: int = 1
+    pinned: tuple = field(default_factory=tuple)
+    name: str = "window"
+    score: None = None
+    granularity: str = "layer"
+
+    def __post_init__(self):
+        _check_nonneg(budget=self.budget, sink=self.sink)
+        if self.evict_every < 1:
+            raise KvboundError(f"policy: evict_every must be >= 1, got {self.evict_every}")
+        object.__setattr__(self, "pinned", _check_spans(self.pinned))
+        protected = _pinned_count(self.sink, self.pinned)
+        if protected >= self.budget:
+            raise KvboundError(f"window: sink + pinned tokens ({protected}) must be < budget ({self.budget})")
+
+    def keep_mask(self, pos, score):
+        return select_keep(pos, pos, _protected_base(pos, self.sink, self.pinned), self.budget)
+
+    def new_token_kept(self) -> bool:
+        return True
+
+    def describe(self) -> str:
+        return f"window(budget={self.budget},sink={self.sink})"
+
+
+@dataclass(frozen=True)
+class H2OPolicy:
+    """Heavy-hitter oracle: sinks + pinned spans + `recent` newest tokens + the highest-scored others.
+
+    Pinned tokens count against the budget: heavy hitters fill what sinks, pins and the window leave.
+    """
+    sink: int
+    heavy: int
+    recent: int
+    score: str = "cumulative"
+    ema_decay: float = 0.95
+    granularity: str = "kv-head"
+    evict_every: int = 1
+    pinned: tuple = field(default_factory=tuple)
+    name: str = "h2o"
+
+    def __post_init__(self):
+        _check_nonneg(sink=self.sink, heavy=self.heavy, recent=self.recent)
+        if self.score not in SCORES:
+            raise KvboundError(f"h2o: unknown score {self.score!r} (choose from {', '.join(SCORES)})")
+        if self.granularity not in GRANULARITIES:
+            raise KvboundError(f"h2o: unknown granularity {self.granularity!r} (choose from {', '.join(GRANULARITIES)})")
+        if not 0.0 < float(self.ema_decay) < 1.0:
+            raise KvboundError(f"h2o: ema-decay must be in (0, 1), got {self.ema_decay}")
+        if self.evict_every < 1:
+            raise KvboundError(f"policy: evict_every must be >= 1, got {self.evict_every}")
+        if self.budget < 1:
+            raise KvboundError("h2o: budget (sink + heavy + recent) must be at least 1")
+        object.__setattr__(self, "pinned", _check_spans(self.pinned))
+        protected = _pinned_count(self.sink, self.pinned) + self.recent
+        if protected > self.budget:
+            raise KvboundError(f"h2o: sink + pinned + recent ({protected}) exceeds budget ({self.budget})")
+
+    @property
+    def budget(self) -> int:
+        return self.sink + self.heavy + self.recent
+
+    def keep_mask(self, pos, score):
+        last = pos.max()
+        protected = _protected_base(pos, self.sink, self.pinned) | (pos > last - self.recent)
+        return select_keep(pos, score, protected, self.budget)
+
+    def new_token_kept(self) -> bool:
+        return self.recent >= 1
+
+    def describe(self) -> str:
+        return (f"h2o(sink={self.sink},heavy={self.heavy},recent={self.recent},score={self.score},"
+                f"granularity={self.granularity})")
+
+
+def named_policy(name: str, budget: int | None, pinned=()):
+    """The evaluation's named strategies, scaled to `budget` (their shapes are given at budget 256)."""
+    if name in ("baseline", "full"):
+        return FullPolicy()
+    if budget is None:
+        raise KvboundError(f"strategy {name!r} needs a budget")
+    if name == "window":
+        return WindowPolicy(budget=budget, sink=4, pinned=pinned)
+    if name in ("h2o-balanced", "h2o-heavy"):
+        heavy = round(budget * (64 if name == "h2o-balanced" else 128) / 256)
+        return H2OPolicy(sink=4, heavy=heavy, recent=budget - 4 - heavy, pinned=pinned)
+    raise KvboundError(f"unknown policy {name!r} (choose from baseline, window, h2o-balanced, h2o-heavy, "
+                       "or a spec like 'h2o:sink=4,heavy=128,recent=124')")
+
+
+def parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
+    """'full' | 'window[:budget=..,sink=..]' | 'h2o:sink=..,heavy=..,recent=..[,score=..,granularity=..,
+    ema_decay=..,evict_every=..]' | a named strategy ('baseline', 'window', 'h2o-balanced', 'h2o-heavy')."""
+    spec = spec.strip()
+    if ":" not in spec:
+        if spec == "h2o":
+            spec = "h2o-heavy"
+        pol = named_policy(spec, budget, pinned)
+        return _with(pol, defaults)
+    kind, _, args = spec.partition(":")
+    kw = {}
+    for item in filter(None, args.split(",")):
+        key, eq, val = item.partition("=")
+        if not eq:
+            raise KvboundError(f"policy spec {spec!r}: expected key=value, got {item!r}")
+        key = key.strip().replace("-", "_")
+        try:
+            kw[key] = float(val) if key == "ema_decay" else (int(val) if key not in ("score", "granularity") else val)
+        except ValueError:
+            raise KvboundError(f"policy spec {spec!r}: bad value {val!r} for {key}") from None
+    kw = {**defaults, **kw}
+    try:
+        if kind == "full":
+            return FullPolicy()
+        if kind == "window":
+            kw.setdefault("budget", budget)
+            if kw["budget"] is None:
+                raise KvboundError(f"policy spec {spec!r}: window needs a budget")
+            return WindowPolicy(pinned=pinned, **{k: v for k, v in kw.items() if k in ("budget", "sink", "evict_every")})
+        if kind == "h2o":
+            if "budget" in kw:
+                b = kw.pop("budget")
+                kw.setdefault("sink", 4)
+                kw.setdefault("recent", b - kw["sink"] - kw.get("heavy", (b - kw["sink"]) // 2))
+                kw.setdefault("heavy", b - kw["sink"] - kw["recent"])
+            return H2OPolicy(pinned=pinned, **kw)
+    except TypeError as e:
+        raise KvboundError(f"policy spec {spec!r}: {e}") from None
+    raise KvboundError(f"unknown policy {kind!r} in {spec!r} (choose from full, window, h2o)")
+
+
+def _with(pol, defaults):
+    """Apply CLI-wide option defaults (score, granularity, ...) to a named policy that accepts them."""
+    from dataclasses import replace
+    ok = {k: v for k, v in defaults.items() if v is not None and hasattr(pol, k) and not isinstance(pol, FullPolicy)}
+    if isinstance(pol, WindowPolicy):
+        ok = {k: v for k, v in ok.items() if k == "evict_every"}
+    return replace(pol, **ok) if ok else pol
