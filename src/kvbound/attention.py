@@ -10,9 +10,8 @@ import torch
 import torch.nn.functional as F
 
 
-def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-           v_cache: torch.Tensor, score_mode: str | None = None):
-    """q: [T, Hq, D]; k_new/v_new: [T, Hkv, D]; k_cache/v_cache: [n, Hkv, D] (keys already rotated).
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mode: str | None = None):
+    """q: [T, Hq, D] new queries; k, v: [n + T, Hkv, D], the n cached keys then the T new ones (rotated).
 
     Query t sees every cached key and the new keys 0..t (causal). Returns (out [T, Hq, D], key_scores):
     key_scores is None, or [n + T, Hkv] float32 with, per key, the probability it received summed over
@@ -20,23 +19,22 @@ def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: t
     probabilities are first multiplied by the number of keys it attended to.
     """
     t, hq, d = q.shape
-    n, hkv = k_cache.shape[0], k_new.shape[1]
-    k = torch.cat([k_cache, k_new]) if n else k_new
-    v = torch.cat([v_cache, v_new]) if n else v_new
+    hkv = k.shape[1]
+    n = k.shape[0] - t
     scale = d ** -0.5
+    mask = None if t == 1 else _causal_mask(t, n, q.device)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None].to(q.dtype), v.transpose(0, 1)[None].to(q.dtype),
+        attn_mask=mask, scale=scale, enable_gqa=hq != hkv)[0].transpose(0, 1)
     if score_mode is None:
-        mask = None if t == 1 else _causal_mask(t, n, q.device)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None].to(q.dtype), v.transpose(0, 1)[None].to(q.dtype),
-            attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
-        return out[0].transpose(0, 1), None
+        return out, None
+    # The scores come from the same logits recomputed in fp32; the output stays SDPA's, so a policy that
+    # has not evicted anything yet gives bit-identical logits to the full cache.
     g = hq // hkv
-    qf = q.float().view(t, hkv, g, d)
-    logits = torch.einsum("thgd,mhd->hgtm", qf, k.float()) * scale
-    if t > 1:
-        logits = logits.masked_fill(~_causal_mask(t, n, q.device), float("-inf"))
+    logits = torch.einsum("thgd,mhd->hgtm", q.float().view(t, hkv, g, d), k.float()) * scale
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
     probs = logits.softmax(-1)
-    out = torch.einsum("hgtm,mhd->thgd", probs, v.float()).reshape(t, hq, d).to(q.dtype)
     if score_mode == "normalized":
         seen = torch.arange(n + 1, n + t + 1, device=q.device, dtype=torch.float32)
         probs = probs * seen[:, None]

@@ -49,41 +49,53 @@ class KVCache:
 
     # --- called by each attention layer -------------------------------------------------------
     def attend(self, layer: int, q, k, v, positions):
-        n = self.n[layer]
-        kc, vc = self.store.read(layer, n)
-        score_mode = None
-        if self.policy.score:
-            score_mode = "normalized" if self.policy.score == "normalized" else "sum"
-        out, key_scores = attend(q, k, v, kc, vc, score_mode)
-        if key_scores is not None and self.policy.granularity == "layer":
-            key_scores = key_scores.sum(1, keepdim=True).expand_as(key_scores)
-        self._insert(layer, k, v, positions, key_scores)
-        return out
+        """Attend the new tokens over the cache and themselves, then store them (evicting if over budget).
 
-    def _insert(self, layer, k, v, positions, key_scores):
-        t, n, h = k.shape[0], self.n[layer], k.shape[1]
-        new_pos = positions[:, None].expand(t, h)
-        new_score = None
-        if key_scores is not None:
-            old = self.score[layer, :n]
-            if self.policy.score == "ema":
-                a = self.policy.ema_decay
-                old.mul_(a).add_(key_scores[:n], alpha=1 - a)
-                new_score = key_scores[n:] * (1 - a)
-            else:
-                old.add_(key_scores[:n])
-                new_score = key_scores[n:]
+        With room, new K/V are written first and attention reads slots [0, n + T) in place; when the
+        cache is full, attention reads the cache plus the new K/V, then the policy picks the slots."""
+        t, n = k.shape[0], self.n[layer]
+        mode = None
+        if self.policy.score:
+            mode = "normalized" if self.policy.score == "normalized" else "sum"
         if not self.bounded:
             self._grow(n + t)
-        if n + t <= self.capacity:
-            slots = torch.arange(n, n + t, device=k.device)[:, None].expand(t, h)
-            self._write(layer, slots, k, v, new_pos, new_score)
+        room = n + t <= self.capacity
+        new_pos = positions[:, None].expand(t, k.shape[1])
+        if room:
+            slots = torch.arange(n, n + t, device=k.device)[:, None].expand_as(new_pos)
+            self._write(layer, slots, k, v, new_pos, None)
+            kc, vc = self.store.read(layer, n + t)
+            out, key_scores = attend(q, kc, vc, mode)
+        else:
+            kc, vc = self.store.read(layer, n)
+            k_in, v_in = self.store.roundtrip(layer, k), self.store.roundtrip(layer, v)
+            out, key_scores = attend(q, torch.cat([kc, k_in.to(kc.dtype)]), torch.cat([vc, v_in.to(vc.dtype)]), mode)
+        new_score = self._update_scores(layer, n, key_scores)
+        if room:
+            if new_score is not None:
+                self.score[layer, n:n + t] = new_score
             self.n[layer] = n + t
-            return
-        if t == 1 and n == self.budget and self.policy.new_token_kept():
+        elif t == 1 and n == self.budget and self.policy.new_token_kept():
             self._replace_one(layer, k, v, new_pos, new_score)
-            return
-        self._evict_and_write(layer, k, v, new_pos, new_score)
+        else:
+            self._evict_and_write(layer, k, v, new_pos, new_score)
+        if hasattr(self.store, "after_insert"):
+            self.store.after_insert(layer, self.n[layer], self.pos[layer], int(positions[-1]))
+        return out
+
+    def _update_scores(self, layer, n, key_scores):
+        """Add this step's attention to the n cached tokens' scores; return the new tokens' scores."""
+        if key_scores is None:
+            return None
+        if self.policy.granularity == "layer":
+            key_scores = key_scores.sum(1, keepdim=True).expand_as(key_scores)
+        old = self.score[layer, :n]
+        if self.policy.score == "ema":
+            a = self.policy.ema_decay
+            old.mul_(a).add_(key_scores[:n], alpha=1 - a)
+            return key_scores[n:] * (1 - a)
+        old.add_(key_scores[:n])
+        return key_scores[n:]
 
     def _write(self, layer, slots, k, v, pos, score):
         """slots: [T, H] destination slot of each new token in each KV head."""
@@ -155,3 +167,30 @@ class KVCache:
         return {"held_bytes": total, "tokens_held": len(self), "full_bf16_bytes": bf16,
                 "bytes_per_token_layer": per_layer_token,
                 "compression": bf16 / total if total else float("inf")}
+
+
+class MultiCache:
+    """Several sequences' caches behind one `attend`: the flat token run is split by `lengths`.
+
+    Lets one forward pass serve several sequences (e.g. every strategy of an evaluation, fed the same
+    tokens), so the weights are read once per step instead of once per sequence.
+    """
+
+    def __init__(self, caches: list[KVCache]):
+        self.caches = caches
+        self.lengths: list[int] = []
+
+    def positions(self, lengths: list[int]) -> torch.Tensor:
+        self.lengths = list(lengths)
+        return torch.cat([c.next_positions(t) for c, t in zip(self.caches, lengths)])
+
+    def advance(self):
+        for c, t in zip(self.caches, self.lengths):
+            c.advance(t)
+
+    def attend(self, layer, q, k, v, positions):
+        outs, i = [], 0
+        for c, t in zip(self.caches, self.lengths):
+            outs.append(c.attend(layer, q[i:i + t], k[i:i + t], v[i:i + t], positions[i:i + t]))
+            i += t
+        return torch.cat(outs)

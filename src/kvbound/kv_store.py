@@ -22,6 +22,10 @@ class DenseStore:
         self.k[layer, slots, heads] = k.to(self.k.dtype)
         self.v[layer, slots, heads] = v.to(self.v.dtype)
 
+    def roundtrip(self, layer, x):
+        """What a written token reads back as (the identity here; quantize+dequantize when quantized)."""
+        return x
+
     def move(self, layer, head, src, dst):
         self.k[layer, dst, head] = self.k[layer, src, head]
         self.v[layer, dst, head] = self.v[layer, src, head]

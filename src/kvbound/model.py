@@ -4,7 +4,7 @@ The model never owns KV memory. Each attention layer hands its rotated K/V to a 
 `attend(layer, q, k, v, positions)`, which stores them in its slots (and may evict). Positions are
 passed in explicitly: a position is the number of tokens processed before that token, so RoPE
 stays right after eviction shrinks the cache.
-Parameter names follow Hugging Face's, so a HF state dict loads as is.
+Parameter names follow Hugging Face's, except the fused qkv_proj and gate_up_proj (see `fuse_hf_names`).
 """
 from __future__ import annotations
 
@@ -60,9 +60,8 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=cfg.qkv_bias)
+        # q, k and v projections in one matmul (the loader concatenates HF's q_proj/k_proj/v_proj)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
@@ -71,9 +70,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, positions, cache):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.h, self.d)
-        k = self.k_proj(x).view(t, self.hkv, self.d)
-        v = self.v_proj(x).view(t, self.hkv, self.d)
+        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], -1)
+        q, k, v = q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -84,12 +82,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # fused, like qkv
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, -1)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -138,3 +136,17 @@ class CausalLM(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+
+
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def fuse_hf_names(tensors: dict) -> dict:
+    """Concatenate HF's separate q/k/v (and gate/up) tensors into this model's fused ones, in place."""
+    for key in [k for k in tensors if ".q_proj." in k or ".gate_proj." in k]:
+        for fused, parts in FUSED.items():
+            if f".{parts[0]}." in key:
+                names = [key.replace(f".{parts[0]}.", f".{p}.") for p in parts]
+                if all(n in tensors for n in names):
+                    tensors[key.replace(f".{parts[0]}.", f".{fused}.")] = torch.cat([tensors.pop(n) for n in names])
+    return tensors

@@ -202,9 +202,16 @@ def parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
         if kind == "h2o":
             if "budget" in kw:
                 b = kw.pop("budget")
-                kw.setdefault("sink", 4)
-                kw.setdefault("recent", b - kw["sink"] - kw.get("heavy", (b - kw["sink"]) // 2))
-                kw.setdefault("heavy", b - kw["sink"] - kw["recent"])
+                sink = kw.setdefault("sink", 4)
+                if "heavy" in kw and "recent" in kw:
+                    if sink + kw["heavy"] + kw["recent"] != b:
+                        raise KvboundError(f"h2o: sink + heavy + recent ({sink + kw['heavy'] + kw['recent']}) "
+                                           f"!= budget ({b})")
+                elif "heavy" in kw:
+                    kw["recent"] = b - sink - kw["heavy"]
+                else:
+                    kw.setdefault("recent", b - sink - (b - sink) // 2)
+                    kw["heavy"] = b - sink - kw["recent"]
             return H2OPolicy(pinned=pinned, **kw)
     except TypeError as e:
         raise KvboundError(f"policy spec {spec!r}: {e}") from None

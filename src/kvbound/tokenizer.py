@@ -48,6 +48,11 @@ class Tokenizer:
         self.add_bos = add_bos
         self.bos_id = tok.token_to_id(bos_token) if bos_token else None
 
+    def meta(self) -> dict:
+        """Constructor arguments besides the `tokenizers.Tokenizer` (to save alongside tokenizer.json)."""
+        return dict(chat_template=self.chat_template, bos_token=self.bos_token, eos_token=self.eos_token,
+                    eos_ids=self.eos_ids, add_bos=self.add_bos)
+
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)

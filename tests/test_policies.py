@@ -1,0 +1,166 @@
+"""Eviction policies against a brute-force reference that replays the whole attention history."""
+import itertools
+import math
+
+import pytest
+import torch
+
+from kvbound.cache import KVCache
+from kvbound.config import KvboundError, ModelConfig
+from kvbound.policies import H2OPolicy, WindowPolicy, parse_policy
+
+HQ, HKV, D = 4, 2, 8
+
+
+def tiny_config():
+    return ModelConfig(arch="LlamaForCausalLM", vocab_size=10, hidden_size=HQ * D, num_layers=1, num_heads=HQ,
+                       num_kv_heads=HKV, head_dim=D, intermediate_size=8)
+
+
+class Reference:
+    """Per KV head: the kept token ids, every token's score, attention over kept+new, and the eviction
+    rule written out with Python lists."""
+
+    def __init__(self, policy):
+        self.p = policy
+        self.kept = [[] for _ in range(HKV)]
+        self.score = [dict() for _ in range(HKV)]
+        self.K, self.V = {}, {}
+        self.seen = 0
+
+    def step(self, q, k, v):
+        p, t = self.p, q.shape[0]
+        new = list(range(self.seen, self.seen + t))
+        for i, tok in enumerate(new):
+            self.K[tok], self.V[tok] = k[i].double(), v[i].double()
+        out = torch.zeros(t, HQ, D, dtype=torch.float64)
+        contrib = [dict() for _ in range(HKV)]
+        g = HQ // HKV
+        for h in range(HKV):
+            for i in range(t):
+                visible = self.kept[h] + new[:i + 1]
+                keys = torch.stack([self.K[j][h] for j in visible])
+                vals = torch.stack([self.V[j][h] for j in visible])
+                for qh in range(h * g, (h + 1) * g):
+                    probs = torch.softmax(keys @ q[i, qh].double() / math.sqrt(D), 0)
+                    out[i, qh] = probs @ vals
+                    w = len(visible) if p.score == "normalized" else 1.0
+                    for j, pr in zip(visible, probs.tolist()):
+                        contrib[h][j] = contrib[h].get(j, 0.0) + pr * w
+        if p.score and p.granularity == "layer":
+            total = {}
+            for h in range(HKV):
+                for j, c in contrib[h].items():
+                    total[j] = total.get(j, 0.0) + c
+            contrib = [total] * HKV
+        for h in range(HKV):
+            for j in self.kept[h] + new:
+                c = contrib[h].get(j, 0.0)
+                if p.score == "ema":
+                    self.score[h][j] = p.ema_decay * self.score[h].get(j, 0.0) + (1 - p.ema_decay) * c
+                elif p.score:
+                    self.score[h][j] = self.score[h].get(j, 0.0) + c
+            cand = self.kept[h] + new
+            cap = p.budget + p.evict_every - 1
+            if len(cand) > cap:
+                cand = self._select(cand, h, new[-1])
+            self.kept[h] = cand
+        self.seen += t
+        return out
+
+    def _select(self, cand, h, last):
+        p = self.p
+        pinned = lambda j: j < p.sink or any(a <= j < b for a, b in p.pinned)  # noqa: E731
+        if isinstance(p, H2OPolicy):
+            protected = [j for j in cand if pinned(j) or j > last - p.recent]
+            rank = lambda j: (self.score[h][j], j)  # noqa: E731  (ties: newer wins)
+        else:
+            protected = [j for j in cand if pinned(j)]
+            rank = lambda j: (j, j)  # noqa: E731
+        rest = sorted((j for j in cand if j not in protected), key=rank, reverse=True)
+        return sorted(protected + rest[:p.budget - len(protected)])
+
+
+POLICIES = [WindowPolicy(budget=12, sink=2), WindowPolicy(budget=12, sink=0, evict_every=3),
+            WindowPolicy(budget=12, sink=2, pinned=((5, 8),))]
+for score, gran, every, pinned in itertools.product(["cumulative", "ema", "normalized"], ["kv-head", "layer"],
+                                                    [1, 4], [(), ((6, 9),)]):
+    POLICIES.append(H2OPolicy(sink=2, heavy=5, recent=5, score=score, granularity=gran, evict_every=every,
+                              pinned=pinned, ema_decay=0.8))
+
+
+def _steps(seed, lengths=(5, 1, 1, 7, 1, 1, 1, 3, 1, 1, 1, 1, 9, 1, 1, 1, 1, 1, 2, 1, 1, 1)):
+    gen = torch.Generator().manual_seed(seed)
+    for t in lengths:
+        yield (torch.randn(t, HQ, D, generator=gen) * 2, torch.randn(t, HKV, D, generator=gen) * 2,
+               torch.randn(t, HKV, D, generator=gen))
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.describe() + f",every={p.evict_every},pin={p.pinned}")
+def test_policy_matches_brute_force_reference(policy):
+    cache, ref = KVCache(tiny_config(), policy), Reference(policy)
+    differed = False
+    for q, k, v in _steps(seed=hash(policy) % 10_000):
+        pos = cache.next_positions(q.shape[0])
+        out = cache.attend(0, q, k, v, pos)
+        cache.advance(q.shape[0])
+        want = ref.step(q, k, v)
+        torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
+        kept = [cache.kept_positions(0, h) for h in range(HKV)]
+        assert kept == ref.kept, f"step at {cache.seen}: {kept} != {ref.kept}"
+        # invariants
+        for h in range(HKV):
+            assert len(kept[h]) <= policy.budget + policy.evict_every - 1
+            assert all(j in kept[h] for j in range(min(policy.sink, cache.seen)))
+            for a, b in policy.pinned:
+                assert all(j in kept[h] for j in range(a, min(b, cache.seen)))
+            if isinstance(policy, H2OPolicy):
+                recent = range(max(0, cache.seen - policy.recent), cache.seen)
+                assert all(j in kept[h] for j in recent)
+        differed |= kept[0] != kept[1]
+    if isinstance(policy, H2OPolicy):
+        assert differed == (policy.granularity == "kv-head"), "kv-head choices should differ between heads"
+
+
+def test_cache_never_exceeds_capacity_in_chunked_prefill():
+    policy = H2OPolicy(sink=1, heavy=3, recent=4)
+    cache = KVCache(tiny_config(), policy)
+    for q, k, v in _steps(1, lengths=(20, 33, 1, 17)):
+        cache.attend(0, q, k, v, cache.next_positions(q.shape[0]))
+        cache.advance(q.shape[0])
+        assert len(cache) <= policy.budget and cache.capacity == policy.budget
+    assert cache.seen == 71  # positions keep counting tokens, not cache length
+
+
+@pytest.mark.parametrize("kwargs, msg", [
+    (dict(budget=4, sink=4), "must be < budget"),
+    (dict(budget=-1, sink=0), "non-negative"),
+])
+def test_window_rejects_bad_config(kwargs, msg):
+    with pytest.raises(KvboundError, match=msg):
+        WindowPolicy(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, msg", [
+    (dict(sink=4, heavy=0, recent=-1), "non-negative"),
+    (dict(sink=4, heavy=4, recent=4, ema_decay=1.0), "ema-decay"),
+    (dict(sink=4, heavy=4, recent=4, ema_decay=0.0), "ema-decay"),
+    (dict(sink=4, heavy=4, recent=4, score="max"), "unknown score"),
+    (dict(sink=4, heavy=4, recent=4, granularity="token"), "unknown granularity"),
+    (dict(sink=4, heavy=0, recent=4, pinned=((10, 20),)), "exceeds budget"),
+])
+def test_h2o_rejects_bad_config(kwargs, msg):
+    with pytest.raises(KvboundError, match=msg):
+        H2OPolicy(**kwargs)
+
+
+def test_parse_policy_specs_and_errors():
+    p = parse_policy("h2o:sink=4,heavy=128,recent=124,score=ema,granularity=layer")
+    assert (p.sink, p.heavy, p.recent, p.score, p.granularity, p.budget) == (4, 128, 124, "ema", "layer", 256)
+    assert parse_policy("h2o-balanced", 256).heavy == 64 and parse_policy("h2o-balanced", 256).recent == 188
+    assert parse_policy("h2o-heavy", 256).heavy == 128 and parse_policy("h2o-heavy", 256).recent == 124
+    assert parse_policy("window", 100).budget == 100
+    with pytest.raises(KvboundError, match="unknown policy"):
+        parse_policy("lru", 64)
+    with pytest.raises(KvboundError, match="!= budget"):
+        parse_policy("h2o:sink=8,heavy=0,recent=8,budget=10")
