@@ -20,6 +20,8 @@ from .kv_store import make_store
 class KVCache:
     def __init__(self, config, policy=None, device="cpu", dtype=torch.float32, kv_bits=None,
                  kv_group_size: int = 64, quantized_kv_start: int = 0, initial_slots: int = 256):
+        """dtype: the dtype unquantized K/V are stored in (bf16 for a realistic cache; the model's dtype
+        for bit-exact comparisons)."""
         self.cfg = config
         self.policy = policy or FullPolicy()
         self.bounded = self.policy.budget is not None

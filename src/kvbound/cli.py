@@ -56,6 +56,8 @@ def add_cache_args(p, policy_default="full"):
     g.add_argument("--kv-bits", default=None, help="8 | 4 | heavy=8,recent=4 (quantized KV)")
     g.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64, 128])
     g.add_argument("--quantized-kv-start", type=int, default=0, help="keep full precision until N tokens")
+    g.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="dtype of unquantized K/V (default: the model's dtype)")
 
 
 def policy_defaults(args) -> dict:
@@ -82,6 +84,10 @@ def load_model(args):
     return model, tok, dtype
 
 
+def kv_dtype(args, model_dtype):
+    return getattr(torch, args.kv_dtype) if getattr(args, "kv_dtype", None) else model_dtype
+
+
 def cmd_generate(args):
     from .cache import KVCache
     from .generate import SamplingParams, generate_ids
@@ -94,7 +100,7 @@ def cmd_generate(args):
     model, tok, dtype = load_model(args)
     prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     ids = tok.encode(prompt)
-    cache = KVCache(model.config, policy, device=args.device, dtype=dtype, kv_bits=bits,
+    cache = KVCache(model.config, policy, device=args.device, dtype=kv_dtype(args, dtype), kv_bits=bits,
                     kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start)
     stream = StreamDecoder(tok)
     if args.echo:

@@ -82,7 +82,8 @@ def parse_strategies(names: list[str], budget: int, args, pinned=()) -> dict:
 
 
 def make_caches(model, strategies: dict, args, device, dtype) -> list[KVCache]:
-    return [KVCache(model.config, pol, device=device, dtype=dtype, kv_bits=bits,
+    from .cli import kv_dtype
+    return [KVCache(model.config, pol, device=device, dtype=kv_dtype(args, dtype), kv_bits=bits,
                     kv_group_size=getattr(args, "kv_group_size", 64),
                     quantized_kv_start=getattr(args, "quantized_kv_start", 0)) for pol, bits in strategies.values()]
 
@@ -256,8 +257,8 @@ def needle_prompt(tok, context: int, depth: float, haystack_dir=None) -> tuple[l
 
 
 def cmd_needle(args):
+    from .cli import kv_dtype
     from .generate import SamplingParams, generate_ids
-    from .cli import policy_defaults  # noqa: F401  (strategy parsing reads args)
     model, tok, dtype = _setup(args)
     names = _with_baseline(args.strategies)
     variants = [False, True] if args.pin_question else [False]
@@ -270,7 +271,7 @@ def cmd_needle(args):
         for name, (pol, bits) in strategies.items():
             if pin and pol.budget is None:
                 continue
-            cache = KVCache(model.config, pol, device=args.device, dtype=dtype, kv_bits=bits,
+            cache = KVCache(model.config, pol, device=args.device, dtype=kv_dtype(args, dtype), kv_bits=bits,
                             kv_group_size=args.kv_group_size)
             out = list(generate_ids(model, ids, SamplingParams(max_tokens=args.max_tokens), cache, tok.eos_ids,
                                     args.prefill_chunk))

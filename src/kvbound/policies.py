@@ -190,7 +190,7 @@ def parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
             kw[key] = float(val) if key == "ema_decay" else (int(val) if key not in ("score", "granularity") else val)
         except ValueError:
             raise KvboundError(f"policy spec {spec!r}: bad value {val!r} for {key}") from None
-    kw = {**defaults, **kw}
+    kw = {**{k: v for k, v in defaults.items() if v is not None}, **kw}
     try:
         if kind == "full":
             return FullPolicy()

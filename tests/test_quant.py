@@ -1,0 +1,125 @@
+"""Quantized KV: round-trip bounds, attention over packed KV, eviction on packed data, mixed precision."""
+import pytest
+import torch
+
+from kvbound.attention import attend
+from kvbound.cache import KVCache
+from kvbound.config import KvboundError, ModelConfig
+from kvbound.policies import H2OPolicy, WindowPolicy
+from kvbound.quant import convert, dequantize, parse_kv_bits, quantize
+
+D = 64
+
+
+def cfg(hkv=2, d=D):
+    return ModelConfig(arch="LlamaForCausalLM", vocab_size=10, hidden_size=4 * d, num_layers=2, num_heads=4,
+                       num_kv_heads=hkv, head_dim=d, intermediate_size=8)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("group", [32, 64])
+def test_roundtrip_error_bound(bits, group):
+    x = torch.randn(50, 3, D, dtype=torch.float64) * 3
+    codes, scale, bias = quantize(x, bits, group)
+    assert codes.dtype == torch.uint8 and codes.shape[-1] == D * bits // 8
+    y = dequantize(codes, scale, bias, bits, group, torch.float64)
+    g = x.reshape(50, 3, D // group, group)
+    step = (g.amax(-1) - g.amin(-1)) / (2 ** bits - 1)
+    # half a step of rounding, plus the float16 rounding of scale and bias
+    bound = (step / 2 + step * (2 ** bits) * 1e-3 + g.abs().amax(-1) * 1e-3)[..., None]
+    assert ((y - x).reshape_as(g).abs() <= bound).all()
+    rel = (y - x).norm() / x.norm()
+    assert rel < (0.01 if bits == 8 else 0.12)
+
+
+def test_4_to_8_conversion_is_exact_and_8_to_4_requantizes():
+    x = torch.randn(20, 2, D)
+    c4 = quantize(x, 4, 32)
+    c8 = convert(*c4, 4, 8, 32)
+    torch.testing.assert_close(dequantize(*c8, 8, 32), dequantize(*c4, 4, 32), atol=2e-3, rtol=0)
+    back = convert(*quantize(x, 8, 32), 8, 4, 32)
+    assert ((dequantize(*back, 4, 32) - x).norm() / x.norm()) < 0.15
+
+
+def test_attention_over_quantized_matches_dequantize_then_attend():
+    c = KVCache(cfg(), None, kv_bits=8, kv_group_size=32)
+    q, k, v = torch.randn(9, 4, D), torch.randn(9, 2, D), torch.randn(9, 2, D)
+    out = c.attend(0, q, k, v, c.next_positions(9))
+    kq = dequantize(*quantize(k, 8, 32), 8, 32)
+    vq = dequantize(*quantize(v, 8, 32), 8, 32)
+    ref, _ = attend(q, kq, vq)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    exact, _ = attend(q, k, v)
+    assert (out - exact).norm() / exact.norm() < 0.02
+
+
+@pytest.mark.parametrize("policy", [WindowPolicy(budget=10, sink=2), H2OPolicy(sink=2, heavy=4, recent=4),
+                                    H2OPolicy(sink=1, heavy=5, recent=4, evict_every=3)])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_eviction_on_packed_data_equals_evict_then_quantize(policy, bits):
+    """Same kept tokens and bit-identical packed bytes as quantizing the kept tokens of a float cache."""
+    torch.manual_seed(0)
+    qc = KVCache(cfg(), policy, kv_bits=bits, kv_group_size=32)
+    fc = KVCache(cfg(), policy, dtype=torch.float32)
+    allk, allv = [], []
+    for t in (6, 1, 1, 5, 1, 1, 1, 1, 1, 7, 1, 1):
+        q, k, v = torch.randn(t, 4, D), torch.randn(t, 2, D), torch.randn(t, 2, D)
+        # feed the float cache the values the quantized cache sees, so both make the same choices
+        kq = dequantize(*quantize(k, bits, 32), bits, 32)
+        vq = dequantize(*quantize(v, bits, 32), bits, 32)
+        allk.append(k)
+        allv.append(v)
+        for layer in (0, 1):
+            qc.attend(layer, q, k, v, qc.next_positions(t))
+            fc.attend(layer, q, kq, vq, fc.next_positions(t))
+        qc.advance(t)
+        fc.advance(t)
+    k_all = torch.cat(allk)
+    for layer in (0, 1):
+        for h in range(2):
+            assert qc.kept_positions(layer, h) == fc.kept_positions(layer, h)
+            n = len(qc)
+            pos = qc.pos[layer, :n, h]
+            codes, scale, bias = quantize(k_all[pos, h], bits, 32)
+            packed = qc.store.k[bits]
+            assert torch.equal(packed.codes[layer, :n, h], codes)
+            assert torch.equal(packed.scale[layer, :n, h], scale)
+            assert torch.equal(packed.bias[layer, :n, h], bias)
+
+
+def test_mixed_precision_converts_once_when_leaving_recent_window():
+    pol = H2OPolicy(sink=2, heavy=6, recent=4)
+    c = KVCache(cfg(), pol, kv_bits={"heavy": 8, "recent": 4}, kv_group_size=32)
+    for t in (5, 1, 1, 1, 1, 1, 1, 1, 1, 1):
+        q, k, v = torch.randn(t, 4, D), torch.randn(t, 2, D), torch.randn(t, 2, D)
+        c.attend(0, q, k, v, c.next_positions(t))
+        c.advance(t)
+        n = c.n[0]
+        pos, width = c.pos[0, :n], c.store.width[0, :n]
+        newest = c.seen - 1
+        in_recent = pos > newest - pol.recent
+        sinks = pos < pol.sink
+        assert (width[in_recent | sinks] == 4).all()
+        assert (width[~in_recent & ~sinks] == 8).all()
+    held = c.nbytes()["held_bytes"]
+    assert 0 < held < c.nbytes()["full_bf16_bytes"]
+
+
+def test_quantized_kv_start_keeps_full_precision_until_threshold():
+    c = KVCache(cfg(), None, kv_bits=8, kv_group_size=32, quantized_kv_start=8)
+    k = torch.randn(6, 2, D)
+    c.attend(0, torch.randn(6, 4, D), k, torch.randn(6, 2, D), c.next_positions(6))
+    assert torch.equal(c.store.read(0, 6)[0], k)  # still exact
+    c.attend(0, torch.randn(3, 4, D), torch.randn(3, 2, D), torch.randn(3, 2, D), torch.arange(6, 9))
+    torch.testing.assert_close(c.store.read(0, 6)[0], dequantize(*quantize(k, 8, 32), 8, 32))
+
+
+def test_bad_quant_config_is_rejected():
+    with pytest.raises(KvboundError, match="unsupported bit width 3"):
+        parse_kv_bits("3")
+    with pytest.raises(KvboundError, match="heavy=B,recent=B"):
+        parse_kv_bits("heavy=8,old=4")
+    with pytest.raises(KvboundError, match="divide head_dim"):
+        KVCache(cfg(d=48), None, kv_bits=8, kv_group_size=32)
+    with pytest.raises(KvboundError, match="needs an h2o policy"):
+        KVCache(cfg(), WindowPolicy(budget=8, sink=1), kv_bits={"heavy": 8, "recent": 4})

@@ -1,0 +1,97 @@
+"""Short runs of the real default checkpoint (SmolLM2-135M-Instruct, GGUF)."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvbound.cache import KVCache, MultiCache
+from kvbound.generate import SamplingParams, generate_ids
+from kvbound.policies import WindowPolicy
+
+pytestmark = pytest.mark.slow
+
+
+def _ppl_full(model, ids):
+    cache = KVCache(model.config)
+    logits = model(torch.tensor(ids), cache.next_positions(len(ids)), cache)
+    return math.exp(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])))
+
+
+def test_cli_generate_paris(smollm):
+    out = subprocess.run([sys.executable, "-m", "kvbound.cli", "generate", "The capital of France is",
+                          "--max-tokens", "8"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+
+
+def test_chat_and_sampling_are_seeded(smollm):
+    model, tok = smollm
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name a colour."}]))
+    assert ids[:3] == tok.encode("<|im_start|>system")[:3]
+
+    def run(seed):
+        p = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=seed)
+        return list(generate_ids(model, ids, p, KVCache(model.config), tok.eos_ids))
+    assert run(1) == run(1)
+    assert len(run(2)) <= 6
+
+
+def test_perplexity_matches_transformers_on_same_gguf(smollm, shared_data):
+    """Full-cache PPL of the first 1024 tokens of Aristotle.txt vs transformers reading the same GGUF file."""
+    transformers = pytest.importorskip("transformers")
+    from kvbound.loader import default_model_path
+    model, tok = smollm
+    ids = tok.encode((shared_data / "wikipedia" / "Aristotle.txt").read_text())[:1024]
+    ours = _ppl_full(model, ids)
+    path = default_model_path()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0]
+    theirs = math.exp(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])))
+    assert abs(ours / theirs - 1) < 0.01, (ours, theirs)
+    assert 15 < ours < 25
+
+
+class CacheLengthPositions(KVCache):
+    """The classic bug: RoPE offset = physical cache length instead of tokens processed."""
+
+    def next_positions(self, t):
+        return torch.arange(len(self), len(self) + t)
+
+
+def test_rope_offset_counts_tokens_not_cache_length(smollm, shared_data):
+    model, tok = smollm
+    ids = tok.encode((shared_data / "wikipedia" / "Aristotle.txt").read_text())[:288]
+    pol = WindowPolicy(budget=64, sink=4)
+    caches = [KVCache(model.config, pol), CacheLengthPositions(model.config, pol)]
+    multi = MultiCache(caches)
+    x = torch.tensor(ids)
+    logits = model(x[:32].repeat(2), multi.positions([32, 32]), multi, logits_at=torch.tensor([31, 63]))
+    multi.advance()
+    nll = [0.0, 0.0]
+    for i in range(32, len(ids)):
+        lp = torch.log_softmax(logits, -1)[:, ids[i]]
+        nll = [a - b for a, b in zip(nll, lp.tolist())]
+        if i + 1 < len(ids):
+            logits = model(x[i:i + 1].repeat(2), multi.positions([1, 1]), multi)
+            multi.advance()
+    good, bad = (math.exp(v / (len(ids) - 32)) for v in nll)
+    assert caches[0].seen == len(ids) - 1 and len(caches[0]) == 64
+    assert bad > good * 1.3, (good, bad)
+
+
+def test_eval_ppl_cli_small(tmp_path, smollm, shared_data):
+    out = tmp_path / "ppl.json"
+    r = subprocess.run([sys.executable, "-m", "kvbound.cli", "eval", "ppl", "--samples", "1", "--seq-len", "80",
+                        "--prefill", "16", "--budget", "32", "--json", str(out), "--text",
+                        str(shared_data / "wikipedia")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert set(res["strategies"]) == {"baseline", "window", "h2o-balanced", "h2o-heavy"}
+    assert res["strategies"]["baseline"]["delta_pct"] == 0
+    assert all(v["ppl"] > 1 for v in res["strategies"].values())
+    assert res["config"]["budget"] == 32
