@@ -30,7 +30,7 @@ def test_cli_generate_paris(smollm):
 def test_chat_and_sampling_are_seeded(smollm):
     model, tok = smollm
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name a colour."}]))
-    assert ids[:3] == tok.encode("<|im_start|>system")[:3]
+    assert ids[:2] == tok.encode("<|im_start|>system")  # the special token is one id, not split
 
     def run(seed):
         p = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=seed)
