@@ -53,7 +53,7 @@ def _reference(q, k, v, table, lens, mode, score0, decay):
 @pytest.mark.parametrize("mode", [None, "sum", "normalized", "ema"])
 def test_decode_attention_dense_matches_reference(shape, mode):
     bsz, hq, hkv, d, lens = shape
-    q, k, v, table, n = _case(hash((shape[0], mode)) % 1000, bsz, hq, hkv, d, lens)
+    q, k, v, table, n = _case(shape[0] * 10 + len(str(mode)), bsz, hq, hkv, d, lens)
     score0 = torch.rand(bsz, max(lens), hkv)
     score = score0.clone().to(DEV)
     out = decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), table.to(DEV), n.to(DEV), score=score,

@@ -4,9 +4,12 @@ Layout: K/V of layer l live in `k[l]`, `v[l]` shaped [slots, kv_heads, head_dim]
 are always slots [0, n). With kv-head granularity each KV head keeps its own tokens, so one slot holds
 different tokens in different heads; attention does not care, because keys are stored rotated.
 
-Eviction is slot replacement: the incoming token's K/V is written into the slot of the evicted token.
-With evict_every > 1 the cache grows to budget + evict_every - 1, then evicts down to budget; the few
-kept tokens that sit past slot `budget` are moved into the holes, so slots [0, n) stay dense.
+Eviction is slot replacement. The buffer has one spare slot past budget + evict_every - 1: a decoded
+token is written there, attends over the cache and itself in place (no gather, no concatenation), and
+then the evicted token's slot is refilled with it (one token's K/V moved per KV head), so slots [0, n)
+stay dense. With evict_every = e the cache holds up to budget + e - 1 tokens, then evicts down to
+budget. A prefill chunk longer than the spare room attends over the cache plus the chunk, and its
+kept tokens are written straight into the evicted slots.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ class KVCache:
         self.bounded = self.policy.budget is not None
         self.budget = self.policy.budget
         layers, h = config.num_layers, config.num_kv_heads
-        cap = self.budget + self.policy.evict_every - 1 if self.bounded else initial_slots
+        cap = self.budget + self.policy.evict_every if self.bounded else initial_slots
         self.store = make_store(layers, cap, h, config.head_dim, device, dtype, kv_bits, kv_group_size,
                                 quantized_kv_start, self.policy)
         self.pos = torch.full((layers, cap, h), -1, dtype=torch.long, device=device)
@@ -51,38 +54,53 @@ class KVCache:
 
     # --- called by each attention layer -------------------------------------------------------
     def attend(self, layer: int, q, k, v, positions):
-        """Attend the new tokens over the cache and themselves, then store them (evicting if over budget).
-
-        With room, new K/V are written first and attention reads slots [0, n + T) in place; when the
-        cache is full, attention reads the cache plus the new K/V, then the policy picks the slots."""
+        """Attend the new tokens over the cache and themselves, then keep them (evicting if over budget)."""
         t, n = k.shape[0], self.n[layer]
-        mode = None
-        if self.policy.score:
-            mode = "normalized" if self.policy.score == "normalized" else "sum"
         if not self.bounded:
             self._grow(n + t)
-        room = n + t <= self.capacity
         new_pos = positions[:, None].expand(t, k.shape[1])
-        if room:
+        if n + t <= self.capacity:
             slots = torch.arange(n, n + t, device=k.device)[:, None].expand_as(new_pos)
             self._write(layer, slots, k, v, new_pos, None)
-            kc, vc = self.store.read(layer, n + t)
-            out, key_scores = attend(q, kc, vc, mode)
-        else:
+            out = self._attend_pool(layer, q, n, t)
+            self.n[layer] = n + t
+            if self.bounded and n + t > self.budget + self.policy.evict_every - 1:
+                self._compact(layer)
+        else:  # a prefill chunk longer than the room left
             kc, vc = self.store.read(layer, n)
             k_in, v_in = self.store.roundtrip(layer, k), self.store.roundtrip(layer, v)
-            out, key_scores = attend(q, torch.cat([kc, k_in.to(kc.dtype)]), torch.cat([vc, v_in.to(vc.dtype)]), mode)
-        new_score = self._update_scores(layer, n, key_scores)
-        if room:
-            if new_score is not None:
-                self.score[layer, n:n + t] = new_score
-            self.n[layer] = n + t
-        elif t == 1 and n == self.budget and self.policy.new_token_kept():
-            self._replace_one(layer, k, v, new_pos, new_score)
-        else:
+            out, key_scores = attend(q, torch.cat([kc, k_in.to(kc.dtype)]), torch.cat([vc, v_in.to(vc.dtype)]),
+                                     self._score_mode())
+            new_score = self._update_scores(layer, n, key_scores)
             self._evict_and_write(layer, k, v, new_pos, new_score)
         if hasattr(self.store, "after_insert"):
             self.store.after_insert(layer, self.n[layer], self.pos[layer], int(positions[-1]))
+        return out
+
+    def _score_mode(self):
+        if not self.policy.score:
+            return None
+        return "normalized" if self.policy.score == "normalized" else "sum"
+
+    def _attend_pool(self, layer, q, n, t):
+        """Attention of the t new queries over slots [0, n + t), updating scores of those slots."""
+        if self.score is not None:
+            self.score[layer, n:n + t] = 0
+        if t == 1 and q.is_cuda and self.policy.granularity == "kv-head" or t == 1 and q.is_cuda and not self.score:
+            kernel_args = self.store.kernel_args(layer)
+            if kernel_args is not None:
+                from .kernels import decode_attention
+                table = torch.arange(n + 1, device=q.device, dtype=torch.int32)[None]
+                lens = torch.tensor([n + 1], device=q.device, dtype=torch.int32)
+                score = None if self.score is None else self.score[layer][None]
+                return decode_attention(q, *kernel_args, table, lens, score=score, score_mode=None if score is None
+                                        else self.policy.score.replace("cumulative", "sum"),
+                                        ema_decay=getattr(self.policy, "ema_decay", 0.95))
+        kc, vc = self.store.read(layer, n + t)
+        out, key_scores = attend(q, kc, vc, self._score_mode())
+        new_score = self._update_scores(layer, n, key_scores)
+        if new_score is not None:
+            self.score[layer, n:n + t] = new_score
         return out
 
     def _update_scores(self, layer, n, key_scores):
@@ -107,14 +125,30 @@ class KVCache:
         if score is not None:
             self.score[layer, slots, heads] = score
 
-    def _replace_one(self, layer, k, v, new_pos, new_score):
-        """Decode fast path at evict_every=1: each KV head's lowest-ranked token gives its slot to the new one."""
-        n = self.n[layer]
-        pos = self.pos[layer, :n]
-        keep = self.policy.keep_mask(torch.cat([pos, new_pos]), None if self.score is None else
-                                     torch.cat([self.score[layer, :n], new_score]))
-        victim = (~keep[:n]).int().argmax(0)  # exactly one unkept cached token per head
-        self._write(layer, victim[None, :], k, v, new_pos, new_score)
+    def _compact(self, layer):
+        """Evict down to `budget` among the n tokens in slots [0, n), refilling holes from the tail."""
+        n, b = self.n[layer], self.budget
+        keep = self.policy.keep_mask(self.pos[layer, :n], None if self.score is None else self.score[layer, :n])
+        if n == b + 1:
+            # one victim per head, the newest token (slot n-1) moves into its slot: one vectorized move
+            victim = (~keep).int().argmax(0)
+            heads = torch.arange(keep.shape[1], device=keep.device)
+            last = torch.full_like(victim, n - 1)
+            self.store.move(layer, heads, last, victim)
+            self.pos[layer, victim, heads] = self.pos[layer, last, heads]
+            if self.score is not None:
+                self.score[layer, victim, heads] = self.score[layer, last, heads]
+        else:
+            for head in range(keep.shape[1]):
+                holes = (~keep[:b, head]).nonzero().flatten()
+                movers = keep[b:, head].nonzero().flatten() + b
+                heads = torch.full_like(movers, head)
+                self.store.move(layer, heads, movers, holes)
+                self.pos[layer, holes, head] = self.pos[layer, movers, head]
+                if self.score is not None:
+                    self.score[layer, holes, head] = self.score[layer, movers, head]
+        self.pos[layer, b:] = -1
+        self.n[layer] = b
 
     def _evict_and_write(self, layer, k, v, new_pos, new_score):
         """General path: keep `budget` of the n cached + T new tokens; fill slots [0, budget) densely."""
@@ -132,7 +166,7 @@ class KVCache:
             assert len(holes) == len(movers) + len(fresh), "policy kept a wrong number of tokens"
             dst_move, dst_new = holes[:len(movers)], holes[len(movers):]
             if len(movers):
-                self.store.move(layer, head, movers, dst_move)
+                self.store.move(layer, torch.full_like(movers, head), movers, dst_move)
                 self.pos[layer, dst_move, head] = self.pos[layer, movers, head]
                 if self.score is not None:
                     self.score[layer, dst_move, head] = self.score[layer, movers, head]

@@ -26,9 +26,14 @@ class DenseStore:
         """What a written token reads back as (the identity here; quantize+dequantize when quantized)."""
         return x
 
-    def move(self, layer, head, src, dst):
-        self.k[layer, dst, head] = self.k[layer, src, head]
-        self.v[layer, dst, head] = self.v[layer, src, head]
+    def move(self, layer, heads, src, dst):
+        """Copy (src[i], heads[i]) to (dst[i], heads[i]) for every i."""
+        self.k[layer, dst, heads] = self.k[layer, src, heads]
+        self.v[layer, dst, heads] = self.v[layer, src, heads]
+
+    def kernel_args(self, layer):
+        """(k_pool, v_pool) for the Triton decode kernel, keyword `quant` for packed stores."""
+        return self.k[layer], self.v[layer]
 
     def grow(self, slots):
         extra = slots - self.k.shape[1]

@@ -165,14 +165,17 @@ class QuantizedStore:
                 dst[layer, slots, heads] = src
         self.width[layer, slots, heads] = b
 
-    def move(self, layer, head, src, dst):
+    def move(self, layer, heads, src, dst):
         if self._is_dense(layer):
-            self.dense.move(layer, head, src, dst)
+            self.dense.move(layer, heads, src, dst)
             return
         for packed in list(self.k.values()) + list(self.v.values()):
             for t in packed.tensors():
-                t[layer, dst, head] = t[layer, src, head]
-        self.width[layer, dst, head] = self.width[layer, src, head]
+                t[layer, dst, heads] = t[layer, src, heads]
+        self.width[layer, dst, heads] = self.width[layer, src, heads]
+
+    def kernel_args(self, layer):
+        return None  # the fused quantized kernel is wired through `decode_attention(quant=...)` directly
 
     def grow(self, slots):
         def pad(t):
