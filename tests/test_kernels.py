@@ -73,10 +73,12 @@ def test_decode_attention_quantized_matches_dequantize_then_attend(bits):
     kc, kscale, kbias = quantize(k, bits, group)
     vc, vscale, vbias = quantize(v, bits, group)
     kd, vd = dequantize(kc, kscale, kbias, bits, group), dequantize(vc, vscale, vbias, bits, group)
-    score = torch.zeros(2, 129, 2)
-    out = decode_attention(q, kc, vc, table, n, score=score, score_mode="sum", split=64, block_n=16,
-                           quant=dict(bits=bits, group=group, k_scale=kscale, k_bias=kbias, v_scale=vscale,
-                                      v_bias=vbias))
+    score = torch.zeros(2, 129, 2, device=DEV)
+    dev = [t.to(DEV) for t in (q, kc, vc, table, n, kscale, kbias, vscale, vbias)]
+    out = decode_attention(*dev[:5], score=score, score_mode="sum", split=64, block_n=16,
+                           quant=dict(bits=bits, group=group, k_scale=dev[5], k_bias=dev[6], v_scale=dev[7],
+                                      v_bias=dev[8])).cpu()
+    score = score.cpu()
     want, want_score = _reference(q, kd, vd, table, n, "sum", torch.zeros(2, 129, 2), 0)
     torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(score.double(), want_score, atol=1e-5, rtol=1e-4)
@@ -91,7 +93,10 @@ def test_store_kv_matches_reference_quantizer(bits):
     pool = torch.full((13, 3, width), 99, dtype=torch.float32 if bits == 16 else torch.uint8)
     scale = torch.zeros(13, 3, 2, dtype=torch.float16)
     bias = torch.zeros_like(scale)
-    store_kv(x, slots, pool, None if bits == 16 else scale, None if bits == 16 else bias, bits=bits, group=32)
+    pool, scale, bias = pool.to(DEV), scale.to(DEV), bias.to(DEV)
+    store_kv(x.to(DEV), slots.to(DEV), pool, None if bits == 16 else scale, None if bits == 16 else bias, bits=bits,
+             group=32)
+    pool, scale, bias = pool.cpu(), scale.cpu(), bias.cpu()
     for t in range(5):
         for h in range(3):
             s = int(slots[t, h])

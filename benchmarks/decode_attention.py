@@ -1,0 +1,219 @@
+"""Decode attention on the GPU: correctness and speed of the Triton kernels, side by side in one run.
+
+    python benchmarks/decode_attention.py [--quick] [--e2e] [--out DIR]
+
+For each shape (SmolLM2 9q/3kv d64; 8B 32q/8kv d128), batch (1/16/64) and context (1k/8k/32k):
+  - achieved bandwidth of the bf16 kernel = bytes it must read (K+V of every sequence) / time, as a % of a
+    device-to-device copy measured in the same run (bytes read + written / time);
+  - score-export overhead: the same kernel with export on / off;
+  - fused 8-bit and 4-bit kernels against dequantize-then-attend (gather + dequantize to bf16, then SDPA);
+  - the kernel against PyTorch's scaled_dot_product_attention on the same dense data.
+Inputs rotate among copies so that each timed call reads memory that is not in L2 (cold L2, as
+FlashInfer measures). Each output is checked against SDPA / dequantize-then-attend before timing.
+--e2e adds decode tokens/s of a randomly initialised 8B-shaped model: h2o evicting every step against
+the full cache at the same physical size.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvbound.kernels import decode_attention, store_kv
+from kvbound.quant import dequantize, quantize
+
+SHAPES = {"smollm2": (9, 3, 64), "8b": (32, 8, 128)}
+
+
+def timed(fn, n_sets, reps=20, rounds=5):
+    """Median over rounds of the mean time per call (ms), cycling through n_sets input sets."""
+    for i in range(3):
+        fn(i % n_sets)
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for i in range(reps):
+            fn(i % n_sets)
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) / reps)
+    return statistics.median(out)
+
+
+def copy_bandwidth():
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = timed(lambda i: y.copy_(x), 1, reps=10)
+    del x, y
+    return 2 * (2 << 30) / ms / 1e6  # GB/s, read + write
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def one_config(name, bsz, ctx, group=64):
+    hq, hkv, d = SHAPES[name]
+    per_set_slots = bsz * ctx
+    bytes_per_slot = hkv * d * 2 * 2
+    sets = max(1, min(16, math.ceil(256e6 / (per_set_slots * bytes_per_slot))))
+    slots = per_set_slots * sets
+    dev = "cuda"
+    k = torch.randn(slots, hkv, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(slots, hkv, d, device=dev, dtype=torch.bfloat16)
+    # paged-like slot tables: shuffled 16-token blocks, a disjoint region per input set
+    tables = []
+    for s in range(sets):
+        blocks = torch.randperm(per_set_slots // 16, device=dev) * 16 + s * per_set_slots
+        tables.append((blocks[:, None] + torch.arange(16, device=dev)).reshape(bsz, ctx).to(torch.int32))
+    lens = torch.full((bsz,), ctx, device=dev, dtype=torch.int32)
+    qs = [torch.randn(bsz, hq, d, device=dev, dtype=torch.bfloat16) for _ in range(sets)]
+    score = torch.zeros(bsz, ctx, hkv, device=dev, dtype=torch.float32)
+    row = {"shape": name, "batch": bsz, "ctx": ctx, "sets": sets}
+
+    # correctness first (set 0)
+    kd = k[tables[0].long()]  # [B, ctx, Hkv, D]
+    vd = v[tables[0].long()]
+    sdpa_in = (qs[0][:, :, None], kd.transpose(1, 2), vd.transpose(1, 2))
+    ref = F.scaled_dot_product_attention(*sdpa_in, enable_gqa=True)[:, :, 0]
+    out = decode_attention(qs[0], k, v, tables[0], lens)
+    row["err_bf16"] = rel(out, ref)
+    out = decode_attention(qs[0], k, v, tables[0], lens, score=score, score_mode="sum")
+    row["err_bf16_export"] = rel(out, ref)
+    if bsz == 1:  # exported scores vs fp32 probabilities
+        logits = torch.einsum("hgd,jhd->hgj", qs[0][0].float().view(hkv, hq // hkv, d), kd[0].float()) * d ** -0.5
+        want = logits.softmax(-1).sum(1).T
+        row["err_scores"] = rel(score[0], want)
+    del kd, vd, sdpa_in
+
+    bytes_dense = per_set_slots * bytes_per_slot
+    t_off = timed(lambda i: decode_attention(qs[i], k, v, tables[i], lens), sets)
+    t_on = timed(lambda i: decode_attention(qs[i], k, v, tables[i], lens, score=score, score_mode="sum"), sets)
+    row.update(ms_bf16=t_off, ms_bf16_export=t_on, gbs_bf16=bytes_dense / t_off / 1e6,
+               export_overhead=t_on / t_off - 1)
+
+    # SDPA on the same data, dense and contiguous per sequence
+    dense = [(k[t.long()].transpose(1, 2).contiguous(), v[t.long()].transpose(1, 2).contiguous())
+             for t in tables[:max(1, min(sets, 4))]] if bytes_dense * 2 * min(sets, 4) < 30e9 else None
+    if dense is not None:
+        nd = len(dense)
+        row["ms_sdpa"] = timed(lambda i: F.scaled_dot_product_attention(
+            qs[i % nd][:, :, None], dense[i % nd][0], dense[i % nd][1], enable_gqa=True), nd)
+        del dense
+
+    for bits in (8, 4):
+        kc, ks, kb = quantize(k, bits, group)
+        vc, vs, vb = quantize(v, bits, group)
+        quant = dict(bits=bits, group=group, k_scale=ks, k_bias=kb, v_scale=vs, v_bias=vb)
+        kdq, vdq = dequantize(kc, ks, kb, bits, group, torch.bfloat16), dequantize(vc, vs, vb, bits, group,
+                                                                                  torch.bfloat16)
+        ref_q = decode_attention(qs[0], kdq, vdq, tables[0], lens)
+        del kdq, vdq
+        out_q = decode_attention(qs[0], kc, vc, tables[0], lens, quant=quant)
+        row[f"err_q{bits}"] = rel(out_q, ref_q)
+        t_q = timed(lambda i: decode_attention(qs[i], kc, vc, tables[i], lens, quant=quant), sets)
+
+        def deq_then_attend(i):
+            idx = tables[i].long()
+            kk = dequantize(kc[idx], ks[idx], kb[idx], bits, group, torch.bfloat16)
+            vv = dequantize(vc[idx], vs[idx], vb[idx], bits, group, torch.bfloat16)
+            return F.scaled_dot_product_attention(qs[i][:, :, None], kk.transpose(1, 2), vv.transpose(1, 2),
+                                                  enable_gqa=True)
+        t_dq = timed(deq_then_attend, sets, reps=5, rounds=3) if per_set_slots * hkv * d * 16 < 40e9 else float("nan")
+        qbytes = per_set_slots * hkv * 2 * (d * bits // 8 + 4 * d // group)
+        row.update({f"ms_q{bits}": t_q, f"gbs_q{bits}": qbytes / t_q / 1e6, f"ms_deq{bits}": t_dq})
+        del kc, ks, kb, vc, vs, vb
+    del k, v
+    torch.cuda.empty_cache()
+    return row
+
+
+def e2e(steps=64, budget=2048):
+    """Decode tokens/s, random 8B-shaped weights: h2o evicting every step vs full cache of the same size."""
+    from kvbound.cache import KVCache
+    from kvbound.config import ModelConfig
+    from kvbound.model import CausalLM
+    from kvbound.policies import FullPolicy, H2OPolicy
+    cfg = ModelConfig(arch="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
+                      num_kv_heads=8, head_dim=128, intermediate_size=14336, rope_theta=500000.0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = CausalLM(cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    model.inv_freq = model.inv_freq.float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    prompt = torch.randint(0, cfg.vocab_size, (budget,), device="cuda")
+    res = {}
+    for name, pol in [("full", FullPolicy()), ("h2o", H2OPolicy(sink=4, heavy=budget // 2, recent=budget // 2 - 4))]:
+        cache = KVCache(cfg, pol, device="cuda", dtype=torch.bfloat16, initial_slots=budget + steps + 1)
+        model(prompt, cache.next_positions(budget), cache, logits_at=-1)
+        cache.advance(budget)
+        tok = torch.tensor([1], device="cuda")
+        for _ in range(3):
+            model(tok, cache.next_positions(1), cache)
+            cache.advance(1)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):
+            logits = model(tok, cache.next_positions(1), cache)
+            cache.advance(1)
+            tok = logits[0].argmax()[None]
+        torch.cuda.synchronize()
+        res[name] = {"tok_s": steps / (time.perf_counter() - t), "cache_tokens": len(cache)}
+    res["h2o_vs_full"] = res["h2o"]["tok_s"] / res["full"]["tok_s"]
+    del model
+    torch.cuda.empty_cache()
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="one small config per shape")
+    ap.add_argument("--e2e", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    copy = copy_bandwidth()
+    print(f"device-to-device copy: {copy:.0f} GB/s (read + write)", flush=True)
+    rows = []
+    batches, ctxs = ([1, 16], [1024, 8192]) if args.quick else ([1, 16, 64], [1024, 8192, 32768])
+    for name in SHAPES:
+        for bsz in batches:
+            for ctx in ctxs:
+                t0 = time.time()
+                row = one_config(name, bsz, ctx)
+                row["pct_copy_bf16"] = 100 * row["gbs_bf16"] / copy
+                rows.append(row)
+                print(json.dumps(row), f"({time.time() - t0:.1f}s)", flush=True)
+    result = {"copy_gbs": copy, "rows": rows}
+    if args.e2e:
+        result["e2e"] = e2e()
+        print(json.dumps(result["e2e"]), flush=True)
+    with open(os.path.join(args.out, "decode_attention.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\ncopy {copy:.0f} GB/s. times in ms; bw = bytes to read / time; export = on/off - 1; "
+          f"q8/q4 = fused quantized kernels; deq = dequantize-then-attend; sdpa = torch SDPA on dense data")
+    print(f"{'shape':<8}{'B':>3}{'ctx':>6} {'bf16':>7} {'%copy':>6} {'export':>7} {'q8':>7} {'deq8':>7} "
+          f"{'q4':>7} {'deq4':>7} {'sdpa':>7} {'err':>8}")
+    for r in rows:
+        print(f"{r['shape']:<8}{r['batch']:>3}{r['ctx']:>6} {r['ms_bf16']:>7.3f} {r['pct_copy_bf16']:>5.0f}% "
+              f"{100 * r['export_overhead']:>+6.1f}% {r['ms_q8']:>7.3f} {r['ms_deq8']:>7.3f} {r['ms_q4']:>7.3f} "
+              f"{r['ms_deq4']:>7.3f} {r.get('ms_sdpa', float('nan')):>7.3f} "
+              f"{max(r['err_bf16'], r['err_q8'], r['err_q4']):>8.1e}")
+    if args.e2e:
+        e = result["e2e"]
+        print(f"e2e 8B-shape decode: full {e['full']['tok_s']:.1f} tok/s, h2o {e['h2o']['tok_s']:.1f} tok/s "
+              f"(ratio {e['h2o_vs_full']:.3f})")
+
+
+if __name__ == "__main__":
+    main()
