@@ -86,7 +86,7 @@ class KVCache:
         """Attention of the t new queries over slots [0, n + t), updating scores of those slots."""
         if self.score is not None:
             self.score[layer, n:n + t] = 0
-        if t == 1 and q.is_cuda and self.policy.granularity == "kv-head" or t == 1 and q.is_cuda and not self.score:
+        if t == 1 and q.is_cuda and (self.score is None or self.policy.granularity == "kv-head"):
             kernel_args = self.store.kernel_args(layer)
             if kernel_args is not None:
                 from .kernels import decode_attention

@@ -7,9 +7,9 @@ are dequantized in registers.
 
 Score export: H2O needs, per cached key and KV head, the post-softmax probability summed over the
 query heads of its group. The exact probability needs the softmax normaliser over *all* splits, so the
-split kernel writes its raw logits (G floats per key) and the merge kernel, once the normaliser is
-known, folds exp(logit - M) / L summed over the group into the score buffer (sum, EMA, or weighted by
-the number of attended keys). Turned off (EXPORT=False), that code is compiled out.
+split kernel writes its raw logits (G floats per key) and the merge kernel finds the normaliser; a
+third kernel, parallel over key blocks, folds exp(logit - M) / L summed over the group into the score
+buffer (sum, EMA, or weighted by the number of attended keys). Turned off (EXPORT=False), that code is compiled out.
 
 `attention.py` holds the PyTorch reference these kernels are tested against (TRITON_INTERPRET=1 on CPU).
 """
@@ -26,16 +26,16 @@ SCORE_MODES = {None: 0, "sum": 1, "normalized": 2, "ema": 3}
 def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, PartL, Logits,
                   stride_qb, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb,
                   stride_ob, stride_oh, stride_os, stride_mb, stride_mh, stride_lb, stride_lh,
-                  scale,
+                  scale, split,
                   G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                  BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
                   EXPORT: tl.constexpr, IEEE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     n = tl.load(CtxLen + b)
-    start = s * SPLIT
-    end = tl.minimum(start + SPLIT, n)
+    start = s * split
+    end = tl.minimum(start + split, n)
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D)
     gmask = offs_g < G
@@ -94,23 +94,23 @@ def _dequant(P, S, B, slot, h, valid, stride_ps, stride_ph, stride_ss, stride_sh
         lo = (packed & 0xF).to(tl.float32)
         hi = (packed >> 4).to(tl.float32)
         codes = tl.reshape(tl.join(lo, hi), [BLOCK_N, D])
-    offs_d = tl.arange(0, D)
-    sp = slot[:, None] * stride_ss + h * stride_sh + (offs_d // GS)[None, :]
+    NG: tl.constexpr = D // GS
+    offs_g = tl.arange(0, NG)
+    sp = slot[:, None] * stride_ss + h * stride_sh + offs_g[None, :]
     sc = tl.load(S + sp, mask=valid[:, None], other=0.0).to(tl.float32)
     bi = tl.load(B + sp, mask=valid[:, None], other=0.0).to(tl.float32)
-    return codes * sc + bi
+    x = tl.reshape(codes, [BLOCK_N, NG, GS]) * sc[:, :, None] + bi[:, :, None]
+    return tl.reshape(x, [BLOCK_N, D])
 
 
 @triton.jit
-def _merge_kernel(PartO, PartM, PartL, Out, Logits, Score, CtxLen,
-                  stride_ob, stride_oh, stride_os, stride_mb, stride_mh, stride_outb, stride_outh,
-                  stride_lb, stride_lh, stride_sb, stride_sj, ema_decay,
-                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr):
+def _merge_kernel(PartO, PartM, PartL, Out, CtxLen, stride_ob, stride_oh, stride_os, stride_mb, stride_mh,
+                  stride_outb, stride_outh, split, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                  MODE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.load(CtxLen + b)
-    used = tl.cdiv(n, SPLIT)
+    used = tl.cdiv(n, split)
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D)
     gmask = offs_g < G
@@ -133,23 +133,42 @@ def _merge_kernel(PartO, PartM, PartL, Out, Logits, Score, CtxLen,
     out = acc / big_l[:, None]
     tl.store(Out + b * stride_outb + heads[:, None] * stride_outh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=gmask[:, None])
-    if MODE != 0:
-        for j0 in range(0, n, BLOCK_N):
-            offs_n = j0 + tl.arange(0, BLOCK_N)
-            valid = offs_n < n
-            lg = tl.load(Logits + b * stride_lb + heads[:, None] * stride_lh + offs_n[None, :],
-                         mask=gmask[:, None] & valid[None, :], other=float("-inf"))
-            p = tl.exp(lg - big_m[:, None]) / big_l[:, None]
-            p = tl.sum(tl.where(gmask[:, None], p, 0.0), 0)
-            sp = Score + b * stride_sb + offs_n * stride_sj + h
-            old = tl.load(sp, mask=valid, other=0.0)
-            if MODE == 1:
-                new = old + p
-            elif MODE == 2:
-                new = old + p * n.to(tl.float32)
-            else:
-                new = old * ema_decay + p * (1.0 - ema_decay)
-            tl.store(sp, new, mask=valid)
+    if MODE != 0:  # the normaliser of each query head, for the score fold
+        tl.store(PartM + b * stride_mb + heads * stride_mh, big_m, mask=gmask)
+        tl.store(PartL + b * stride_mb + heads * stride_mh, big_l, mask=gmask)
+
+
+@triton.jit
+def _score_kernel(Logits, PartM, PartL, Score, CtxLen, stride_mb, stride_mh, stride_lb, stride_lh,
+                  stride_sb, stride_sj, ema_decay, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                  MODE: tl.constexpr):
+    """Fold this step's exact probabilities, summed over each KV head's query group, into the scores."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    j0 = tl.program_id(2) * BLOCK
+    n = tl.load(CtxLen + b)
+    if j0 >= n:
+        return
+    offs_g = tl.arange(0, G_PAD)
+    gmask = offs_g < G
+    heads = h * G + offs_g
+    big_m = tl.load(PartM + b * stride_mb + heads * stride_mh, mask=gmask, other=0.0)
+    big_l = tl.load(PartL + b * stride_mb + heads * stride_mh, mask=gmask, other=1.0)
+    offs_n = j0 + tl.arange(0, BLOCK)
+    valid = offs_n < n
+    lg = tl.load(Logits + b * stride_lb + heads[:, None] * stride_lh + offs_n[None, :],
+                 mask=gmask[:, None] & valid[None, :], other=float("-inf"))
+    p = tl.exp(lg - big_m[:, None]) / big_l[:, None]
+    p = tl.sum(tl.where(gmask[:, None] & valid[None, :], p, 0.0), 0)
+    sp = Score + b * stride_sb + offs_n * stride_sj + h
+    old = tl.load(sp, mask=valid, other=0.0)
+    if MODE == 1:
+        new = old + p
+    elif MODE == 2:
+        new = old + p * n.to(tl.float32)
+    else:
+        new = old * ema_decay + p * (1.0 - ema_decay)
+    tl.store(sp, new, mask=valid)
 
 
 def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=None, score_mode=None,
@@ -191,16 +210,19 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         q, k_pool, v_pool, ks, kb, vs, vb, slot_table, ctx_lens, part_o, part_m, part_l, logits,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), ss[0], ss[1], slot_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
-        logits.stride(0), logits.stride(1), scale,
-        G=g, G_PAD=g_pad, D=d, DP=d * bits // 8 if bits != 16 else d, BLOCK_N=block_n, SPLIT=split, BITS=bits,
+        logits.stride(0), logits.stride(1), scale, split,
+        G=g, G_PAD=g_pad, D=d, DP=d * bits // 8 if bits != 16 else d, BLOCK_N=block_n, BITS=bits,
         GS=gs, EXPORT=export, IEEE=ieee)
-    sc = score if export else part_m
     _merge_kernel[(bsz, hkv)](
-        part_o, part_m, part_l, out, logits, sc, ctx_lens,
+        part_o, part_m, part_l, out, ctx_lens,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
-        out.stride(0), out.stride(1), logits.stride(0), logits.stride(1),
-        sc.stride(0) if export else 0, sc.stride(1) if export else 0, float(ema_decay),
-        G=g, G_PAD=g_pad, D=d, NUM_SPLITS=num_splits, SPLIT=split, BLOCK_N=block_n, MODE=mode)
+        out.stride(0), out.stride(1), split, G=g, G_PAD=g_pad, D=d, MODE=mode)
+    if export:
+        block = 256
+        _score_kernel[(bsz, hkv, triton.cdiv(max_len, block))](
+            logits, part_m, part_l, score, ctx_lens, part_m.stride(0), part_m.stride(1),
+            logits.stride(0), logits.stride(1), score.stride(0), score.stride(1), float(ema_decay),
+            G=g, G_PAD=g_pad, BLOCK=block, MODE=mode)
     return out
 
 
