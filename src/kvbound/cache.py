@@ -33,7 +33,7 @@ class KVCache:
         cap = self.budget + self.policy.evict_every if self.bounded else initial_slots
         self.store = make_store(layers, cap, h, config.head_dim, device, dtype, kv_bits, kv_group_size,
                                 quantized_kv_start, self.policy)
-        self.pos = torch.full((layers, cap, h), -1, dtype=torch.long, device=device)
+        self.pos = torch.full((layers, cap, h), -1, dtype=torch.int32, device=device)  # stream positions
         self.score = torch.zeros((layers, cap, h), dtype=torch.float32, device=device) if self.policy.score else None
         self.n = [0] * layers
         self.seen = 0  # tokens processed so far: the next token's position
@@ -58,7 +58,7 @@ class KVCache:
         t, n = k.shape[0], self.n[layer]
         if not self.bounded:
             self._grow(n + t)
-        new_pos = positions[:, None].expand(t, k.shape[1])
+        new_pos = positions[:, None].expand(t, k.shape[1]).to(self.pos.dtype)
         if n + t <= self.capacity:
             slots = torch.arange(n, n + t, device=k.device)[:, None].expand_as(new_pos)
             self._write(layer, slots, k, v, new_pos, None)
@@ -197,7 +197,7 @@ class KVCache:
         """KV bytes actually held for this sequence's tokens (data + scales/biases + scores + positions)."""
         held = sum(self.n)
         per_layer_token = self.store.bytes_per_token()
-        meta = self.cfg.num_kv_heads * (8 + (4 if self.score is not None else 0))
+        meta = self.cfg.num_kv_heads * (4 + (4 if self.score is not None else 0))
         total = sum(self.store.bytes_held(layer, self.n[layer]) for layer in range(len(self.n))) + held * meta
         bf16 = 2 * 2 * self.cfg.num_kv_heads * self.cfg.head_dim * self.seen * len(self.n)
         return {"held_bytes": total, "tokens_held": len(self), "full_bf16_bytes": bf16,

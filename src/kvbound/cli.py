@@ -127,11 +127,18 @@ def cmd_info(args):
     print(f"parameters        {model.num_parameters():,}")
     print(f"KV bytes/token    {cfg.kv_bytes_per_token(2):,} (bf16, all layers)")
     bits = parse_kv_bits(args.kv_bits)
+    policy = make_policy(args)
+    cache = KVCache(cfg, policy, kv_bits=bits, kv_group_size=args.kv_group_size, dtype=torch.bfloat16)
+    per = cache.store.bytes_per_token() * cfg.num_layers
     if bits is not None:
-        cache = KVCache(cfg, make_policy(args), kv_bits=bits, kv_group_size=args.kv_group_size)
-        per = cache.store.bytes_per_token() * cfg.num_layers
         print(f"KV bytes/token    {per:,} at kv-bits {args.kv_bits}, group {args.kv_group_size} "
               f"(data + scales + biases; {cfg.kv_bytes_per_token(2) / per:.3f}x smaller than bf16)")
+    if policy.budget is not None:
+        meta = cfg.num_layers * cfg.num_kv_heads * (4 + (4 if policy.score else 0))  # int32 positions (+ fp32 scores)
+        held = policy.budget * (per + meta)
+        print(f"KV bytes held     {held:,} at most per sequence under {policy.describe()} "
+              f"(K/V + positions{' + scores' if policy.score else ''}); a full bf16 cache passes that at "
+              f"{held // cfg.kv_bytes_per_token(2) + 1:,} tokens")
 
 
 def build_parser():

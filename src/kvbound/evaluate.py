@@ -277,8 +277,10 @@ def cmd_needle(args):
                                     args.prefill_chunk))
             answer = tok.decode(out)
             ok = any(k in answer.lower() for k in NEEDLE_KEYS)
+            mem = cache.nbytes()
             results.append({"strategy": name + ("+pin" if pin else ""), "context": context, "depth": depth,
-                            "budget_frac": frac, "budget": pol.budget, "found": ok, "answer": answer.strip()})
+                            "budget_frac": frac, "budget": pol.budget, "found": ok, "answer": answer.strip(),
+                            "kv_held_bytes": mem["held_bytes"], "kv_full_bf16_bytes": mem["full_bf16_bytes"]})
     _needle_report(results, args)
     return results
 
@@ -331,22 +333,22 @@ def add_eval_parser(sub):
         p.add_argument("--json", default=None)
         p.add_argument("--plot", default=None)
 
+    def text_samples(p):
+        p.add_argument("--text", nargs="*", default=None, help="files or directories of .txt (default ../shared/data)")
+        p.add_argument("--samples", type=_positive_int, default=10)
+        p.add_argument("--seq-len", type=_positive_int, default=512)
+        p.add_argument("--prefill", type=_positive_int, default=32)
+
     p = esub.add_parser("ppl", help="perplexity under a bounded cache")
     common(p)
-    p.add_argument("--text", nargs="*", default=None, help="files or directories of .txt (default ../shared/data)")
-    p.add_argument("--samples", type=_positive_int, default=10)
-    p.add_argument("--seq-len", type=_positive_int, default=512)
-    p.add_argument("--prefill", type=_positive_int, default=32)
+    text_samples(p)
     p.set_defaults(func=cmd_ppl)
 
     p = esub.add_parser("sweep", help="perplexity over budgets or sequence lengths, with a plot")
     common(p)
+    text_samples(p)
     p.add_argument("--over", choices=["budget", "seq-len"], required=True)
     p.add_argument("--values", type=_int_list, required=True)
-    p.add_argument("--text", nargs="*", default=None)
-    p.add_argument("--samples", type=_positive_int, default=10)
-    p.add_argument("--seq-len", type=_positive_int, default=512)
-    p.add_argument("--prefill", type=_positive_int, default=32)
     p.set_defaults(func=cmd_sweep)
 
     p = esub.add_parser("needle", help="needle-in-a-haystack retrieval")
