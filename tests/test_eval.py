@@ -1,0 +1,86 @@
+"""`kvbound eval` end to end on a tiny random model: ppl JSON format, sweeps with plots, needle report."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+transformers = pytest.importorskip("transformers")
+
+WORDS = "the a cat dog sat on mat and ran far to best thing do in san francisco is eat sandwich park".split()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    cfg = transformers.LlamaConfig(vocab_size=len(WORDS) + 8, hidden_size=128, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=512)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+    vocab = {"<unk>": 0, "<|u|>": 1, "<|a|>": 2, "<|e|>": 3, **{w: i + 4 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|e|>",
+        "chat_template": "{% for m in messages %}<|u|> {{ m['content'] }} <|e|>{% endfor %}"
+                         "{% if add_generation_prompt %}<|a|> {% endif %}"}))
+    text = d / "text"
+    text.mkdir()
+    gen = torch.Generator().manual_seed(1)
+    for i in range(3):
+        (text / f"t{i}.txt").write_text(" ".join(WORDS[j] for j in torch.randint(0, len(WORDS), (300,), generator=gen)))
+    return d
+
+
+def run(*args, cwd=None):
+    r = subprocess.run([sys.executable, "-m", "kvbound.cli", "eval", *args], capture_output=True, text=True,
+                       timeout=300, cwd=cwd)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_ppl_json_format_and_kv_bytes(tiny, tmp_path):
+    out = tmp_path / "ppl.json"
+    run("ppl", "--model", str(tiny), "--text", str(tiny / "text"), "--samples", "2", "--seq-len", "64",
+        "--prefill", "8", "--budget", "16", "--strategies", "window,h2o-heavy,h2o-heavy+kv8,h2o-heavy+kv4",
+        "--kv-group-size", "32", "--json", str(out), "--plot", str(tmp_path / "p.png"))
+    res = json.loads(out.read_text())
+    s = res["strategies"]
+    assert list(s) == ["baseline", "window", "h2o-heavy", "h2o-heavy+kv8", "h2o-heavy+kv4"]
+    assert s["baseline"]["delta_pct"] == 0.0
+    assert {"ppl", "delta_pct"} <= set(s["window"])
+    held = {k: v["kv_held_bytes"] for k, v in s.items()}
+    assert held["h2o-heavy+kv4"] < held["h2o-heavy+kv8"] < held["h2o-heavy"] < held["baseline"]
+    assert res["config"]["seq_len"] == 64 and (tmp_path / "p.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("over, values", [("seq-len", "32,48"), ("budget", "12,24")])
+def test_sweep_writes_table_json_and_plot(tiny, tmp_path, over, values):
+    r = run("sweep", "--over", over, "--values", values, "--model", str(tiny), "--text", str(tiny / "text"),
+            "--samples", "1", "--seq-len", "48", "--prefill", "8", "--budget", "16",
+            "--json", str(tmp_path / "s.json"), "--plot", str(tmp_path / "s.png"))
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert list(rows) == values.split(",")
+    assert f"over {over}" in r.stdout and (tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_budget_at_least_length_equals_baseline(tiny, tmp_path):
+    out = tmp_path / "ppl.json"
+    run("ppl", "--model", str(tiny), "--text", str(tiny / "text"), "--samples", "1", "--seq-len", "40",
+        "--prefill", "8", "--budget", "64", "--json", str(out))
+    s = json.loads(out.read_text())["strategies"]
+    assert all(v["ppl"] == s["baseline"]["ppl"] for v in s.values())
+
+
+def test_needle_runs_with_pinned_variant(tiny, tmp_path):
+    r = run("needle", "--model", str(tiny), "--context", "96", "--depths", "0.5", "--budget-frac", "0.5",
+            "--pin-question", "--max-tokens", "3", "--json", str(tmp_path / "n.json"),
+            "--plot", str(tmp_path / "n.png"), cwd=tmp_path)
+    res = json.loads((tmp_path / "n.json").read_text())["results"]
+    assert {x["strategy"] for x in res} == {"baseline", "window", "h2o-heavy", "window+pin", "h2o-heavy+pin"}
+    assert all(x["kv_held_bytes"] > 0 for x in res)
+    assert "needle found" in r.stdout and (tmp_path / "n.png").stat().st_size > 1000
