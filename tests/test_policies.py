@@ -165,3 +165,16 @@ def test_parse_policy_specs_and_errors():
         parse_policy("lru", 64)
     with pytest.raises(KvboundError, match="!= budget"):
         parse_policy("h2o:sink=8,heavy=0,recent=8,budget=10")
+
+
+@pytest.mark.parametrize("policy", [WindowPolicy(budget=9, sink=2, pinned=((4, 6),)),
+                                    H2OPolicy(sink=2, heavy=4, recent=3), H2OPolicy(sink=0, heavy=8, recent=1)])
+def test_victim_fast_path_equals_keep_mask_with_ties(policy):
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(50):
+        n = policy.budget + 1
+        pos = torch.stack([torch.randperm(40, generator=gen)[:n] for _ in range(HKV)], 1).int()
+        score = torch.randint(0, 3, (n, HKV), generator=gen).float()  # many ties
+        keep = policy.keep_mask(pos, score)
+        assert (keep.sum(0) == policy.budget).all()
+        assert torch.equal(policy.victim(pos, score), (~keep).int().argmax(0))

@@ -128,17 +128,18 @@ class KVCache:
     def _compact(self, layer):
         """Evict down to `budget` among the n tokens in slots [0, n), refilling holes from the tail."""
         n, b = self.n[layer], self.budget
-        keep = self.policy.keep_mask(self.pos[layer, :n], None if self.score is None else self.score[layer, :n])
+        pos, score = self.pos[layer, :n], None if self.score is None else self.score[layer, :n]
         if n == b + 1:
             # one victim per head, the newest token (slot n-1) moves into its slot: one vectorized move
-            victim = (~keep).int().argmax(0)
-            heads = torch.arange(keep.shape[1], device=keep.device)
+            victim = self.policy.victim(pos, score)
+            heads = torch.arange(victim.shape[0], device=victim.device)
             last = torch.full_like(victim, n - 1)
             self.store.move(layer, heads, last, victim)
             self.pos[layer, victim, heads] = self.pos[layer, last, heads]
             if self.score is not None:
                 self.score[layer, victim, heads] = self.score[layer, last, heads]
         else:
+            keep = self.policy.keep_mask(pos, score)
             for head in range(keep.shape[1]):
                 holes = (~keep[:b, head]).nonzero().flatten()
                 movers = keep[b:, head].nonzero().flatten() + b

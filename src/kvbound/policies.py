@@ -5,7 +5,8 @@ A policy is a small object with:
     and, when that would be exceeded, evicts down to `budget`;
   - `score` ("cumulative" | "ema" | "normalized" | None when it needs no attention scores);
   - `keep_mask(pos, score)`: given candidate tokens' stream positions and scores, [M, H] each (one column
-    per KV head), return a bool mask keeping exactly `budget` tokens per column.
+    per KV head), return a bool mask keeping exactly `budget` tokens per column;
+  - `victim(pos, score)`: the same choice when exactly one token per column must go, without sorting.
 Ties on score keep the newer token.
 """
 from __future__ import annotations
@@ -53,6 +54,14 @@ def _pinned_count(sink: int, pinned) -> int:
     return len(marked)
 
 
+def lowest(pos: torch.Tensor, rank: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
+    """Per column, the index of the unprotected token with the lowest rank (the oldest among ties): the one
+    `select_keep` drops when exactly one token must go. Cheaper than sorting, for the decode step."""
+    key = rank.float().masked_fill(protected, float("inf"))
+    tied = key == key.min(0, keepdim=True).values
+    return torch.where(tied, pos, torch.iinfo(pos.dtype).max).argmin(0)
+
+
 def select_keep(pos: torch.Tensor, rank: torch.Tensor, protected: torch.Tensor, budget: int) -> torch.Tensor:
     """Keep every protected token, then the highest-`rank` others up to `budget` per column (newer wins ties)."""
     key = rank.float().masked_fill(protected, float("inf"))
@@ -98,8 +107,8 @@ class WindowPolicy:
     def keep_mask(self, pos, score):
         return select_keep(pos, pos, _protected_base(pos, self.sink, self.pinned), self.budget)
 
-    def new_token_kept(self) -> bool:
-        return True
+    def victim(self, pos, score):
+        return lowest(pos, pos, _protected_base(pos, self.sink, self.pinned))
 
     def describe(self) -> str:
         return f"window(budget={self.budget},sink={self.sink})"
@@ -142,13 +151,14 @@ class H2OPolicy:
     def budget(self) -> int:
         return self.sink + self.heavy + self.recent
 
-    def keep_mask(self, pos, score):
-        last = pos.max()
-        protected = _protected_base(pos, self.sink, self.pinned) | (pos > last - self.recent)
-        return select_keep(pos, score, protected, self.budget)
+    def _protected(self, pos):
+        return _protected_base(pos, self.sink, self.pinned) | (pos > pos.max() - self.recent)
 
-    def new_token_kept(self) -> bool:
-        return self.recent >= 1
+    def keep_mask(self, pos, score):
+        return select_keep(pos, score, self._protected(pos), self.budget)
+
+    def victim(self, pos, score):
+        return lowest(pos, score, self._protected(pos))
 
     def describe(self) -> str:
         return (f"h2o(sink={self.sink},heavy={self.heavy},recent={self.recent},score={self.score},"
