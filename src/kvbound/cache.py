@@ -61,7 +61,7 @@ class KVCache:
         new_pos = positions[:, None].expand(t, k.shape[1]).to(self.pos.dtype)
         if n + t <= self.capacity:
             slots = torch.arange(n, n + t, device=k.device)[:, None].expand_as(new_pos)
-            self._write(layer, slots, k, v, new_pos, None)
+            self._write(layer, slots, k, v, new_pos)
             out = self._attend_pool(layer, q, n, t)
             self.n[layer] = n + t
             if self.bounded and n + t > self.budget + self.policy.evict_every - 1:
@@ -117,13 +117,18 @@ class KVCache:
         old.add_(key_scores[:n])
         return key_scores[n:]
 
-    def _write(self, layer, slots, k, v, pos, score):
+    def _write(self, layer, slots, k, v, pos):
         """slots: [T, H] destination slot of each new token in each KV head."""
         heads = torch.arange(k.shape[1], device=k.device)[None, :].expand_as(slots)
         self.store.write(layer, slots, heads, k, v)
         self.pos[layer, slots, heads] = pos
-        if score is not None:
-            self.score[layer, slots, heads] = score
+
+    def _move(self, layer, heads, src, dst):
+        """Move kept tokens (src[i], heads[i]) -> (dst[i], heads[i]): packed K/V, position and score as is."""
+        self.store.move(layer, heads, src, dst)
+        self.pos[layer, dst, heads] = self.pos[layer, src, heads]
+        if self.score is not None:
+            self.score[layer, dst, heads] = self.score[layer, src, heads]
 
     def _compact(self, layer):
         """Evict down to `budget` among the n tokens in slots [0, n), refilling holes from the tail."""
@@ -133,21 +138,12 @@ class KVCache:
             # one victim per head, the newest token (slot n-1) moves into its slot: one vectorized move
             victim = self.policy.victim(pos, score)
             heads = torch.arange(victim.shape[0], device=victim.device)
-            last = torch.full_like(victim, n - 1)
-            self.store.move(layer, heads, last, victim)
-            self.pos[layer, victim, heads] = self.pos[layer, last, heads]
-            if self.score is not None:
-                self.score[layer, victim, heads] = self.score[layer, last, heads]
+            self._move(layer, heads, torch.full_like(victim, n - 1), victim)
         else:
             keep = self.policy.keep_mask(pos, score)
             for head in range(keep.shape[1]):
-                holes = (~keep[:b, head]).nonzero().flatten()
                 movers = keep[b:, head].nonzero().flatten() + b
-                heads = torch.full_like(movers, head)
-                self.store.move(layer, heads, movers, holes)
-                self.pos[layer, holes, head] = self.pos[layer, movers, head]
-                if self.score is not None:
-                    self.score[layer, holes, head] = self.score[layer, movers, head]
+                self._move(layer, torch.full_like(movers, head), movers, (~keep[:b, head]).nonzero().flatten())
         self.pos[layer, b:] = -1
         self.n[layer] = b
 
@@ -166,11 +162,7 @@ class KVCache:
             fresh = keep[n:, head].nonzero().flatten()
             assert len(holes) == len(movers) + len(fresh), "policy kept a wrong number of tokens"
             dst_move, dst_new = holes[:len(movers)], holes[len(movers):]
-            if len(movers):
-                self.store.move(layer, torch.full_like(movers, head), movers, dst_move)
-                self.pos[layer, dst_move, head] = self.pos[layer, movers, head]
-                if self.score is not None:
-                    self.score[layer, dst_move, head] = self.score[layer, movers, head]
+            self._move(layer, torch.full_like(movers, head), movers, dst_move)
             if len(fresh):
                 self.store.write(layer, dst_new[:, None], torch.full_like(dst_new[:, None], head),
                                  k[fresh, head][:, None], v[fresh, head][:, None])
