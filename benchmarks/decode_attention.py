@@ -199,14 +199,42 @@ def e2e(steps=64, budget=2048):
     return res
 
 
+def tune():
+    """bf16 kernel time for split factors (programs per SM), block sizes and warps on a few configurations."""
+    print(f"{'shape':<8}{'B':>3}{'ctx':>6}{'pps':>4}{'blk':>4}{'warps':>6}{'ms':>8}{'GB/s':>7}")
+    for name, bsz, ctx in [("8b", 1, 32768), ("8b", 16, 8192), ("8b", 16, 32768), ("smollm2", 16, 32768),
+                           ("smollm2", 64, 8192)]:
+        hq, hkv, d = SHAPES[name]
+        slots = bsz * ctx
+        sets = max(1, min(16, math.ceil(256e6 / (slots * hkv * d * 4))))
+        k = torch.randn(slots * sets, hkv, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        tables = [(torch.randperm(slots, device="cuda") + s * slots).reshape(bsz, ctx).to(torch.int32)
+                  for s in range(sets)]
+        lens = torch.full((bsz,), ctx, device="cuda", dtype=torch.int32)
+        qs = [torch.randn(bsz, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+        for pps in (2, 4, 8, 16):
+            for blk in (32, 64):
+                for warps in (4, 8):
+                    ms = timed(lambda i: decode_attention(qs[i], k, v, tables[i], lens, programs_per_sm=pps,
+                                                          block_n=blk, num_warps=warps), sets)
+                    print(f"{name:<8}{bsz:>3}{ctx:>6}{pps:>4}{blk:>4}{warps:>6}{ms:>8.3f}"
+                          f"{slots * hkv * d * 4 / ms / 1e6:>7.0f}", flush=True)
+        del k, v
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one small config per shape")
     ap.add_argument("--e2e", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="only sweep split factor / block / warps (bf16 kernel)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    if args.tune:
+        return tune()
     copy = copy_bandwidth()
     print(f"device-to-device copy: {copy:.0f} GB/s (read + write)", flush=True)
     rows = []

@@ -172,7 +172,8 @@ def _score_kernel(Logits, PartM, PartL, Score, CtxLen, stride_mb, stride_mh, str
 
 
 def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=None, score_mode=None,
-                     ema_decay=0.95, quant=None, split=None, block_n=None, out=None):
+                     ema_decay=0.95, quant=None, split=None, block_n=None, out=None, programs_per_sm=2,
+                     num_warps=4):
     """q: [B, Hq, D]; k_pool/v_pool: [slots, Hkv, D] (or packed codes [slots, Hkv, D*bits/8] with
     quant=dict(bits=, group=, k_scale=, k_bias=, v_scale=, v_bias=) of [slots, Hkv, D/group]);
     slot_table: [B, max_len] int32; ctx_lens: [B] int32; score: [B, max_len, Hkv] float32, updated in
@@ -186,7 +187,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     block_n = block_n or (32 if d >= 128 else 64)
     if split is None:  # enough programs to fill the GPU, at least a few blocks each
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
-        want = max(1, (2 * sms) // max(1, bsz * hkv))
+        want = max(1, (programs_per_sm * sms) // max(1, bsz * hkv))
         split = max(block_n * 4, triton.cdiv(triton.cdiv(max_len, want), block_n) * block_n)
     num_splits = max(1, triton.cdiv(max_len, split))
     g_pad = max(16, triton.next_power_of_2(g))
@@ -212,7 +213,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
         logits.stride(0), logits.stride(1), scale, split,
         G=g, G_PAD=g_pad, D=d, DP=d * bits // 8 if bits != 16 else d, BLOCK_N=block_n, BITS=bits,
-        GS=gs, EXPORT=export, IEEE=ieee)
+        GS=gs, EXPORT=export, IEEE=ieee, num_warps=num_warps)
     _merge_kernel[(bsz, hkv)](
         part_o, part_m, part_l, out, ctx_lens,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
