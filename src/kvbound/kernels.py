@@ -172,7 +172,7 @@ def _score_kernel(Logits, PartM, PartL, Score, CtxLen, stride_mb, stride_mh, str
 
 
 def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=None, score_mode=None,
-                     ema_decay=0.95, quant=None, split=None, block_n=64, out=None, programs_per_sm=4,
+                     ema_decay=0.95, quant=None, split=None, block_n=None, out=None, programs_per_sm=None,
                      num_warps=4):
     """q: [B, Hq, D]; k_pool/v_pool: [slots, Hkv, D] (or packed codes [slots, Hkv, D*bits/8] with
     quant=dict(bits=, group=, k_scale=, k_bias=, v_scale=, v_bias=) of [slots, Hkv, D/group]);
@@ -184,7 +184,11 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     g = hq // hkv
     max_len = slot_table.shape[1]
     scale = d ** -0.5 if scale is None else scale
-    # defaults from `benchmarks/decode_attention.py --tune` on an H200 (benchmarks/tune_h200.log)
+    # defaults from `benchmarks/decode_attention.py --tune` on an H200 (benchmarks/tune_h200.log): 64-key
+    # blocks and 4 programs per SM for bf16; the packed kernels dequantize in registers and did better with
+    # 32-key blocks and 2 programs per SM (decode_attention_h200_graph.json vs _tuned.json)
+    block_n = block_n or (64 if quant is None else 32)
+    programs_per_sm = programs_per_sm or (4 if quant is None else 2)
     if split is None:  # enough programs to fill the GPU, at least a few blocks each
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
         want = max(1, (programs_per_sm * sms) // max(1, bsz * hkv))
