@@ -185,10 +185,11 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     max_len = slot_table.shape[1]
     scale = d ** -0.5 if scale is None else scale
     # defaults from `benchmarks/decode_attention.py --tune` on an H200 (benchmarks/tune_h200.log): 64-key
-    # blocks and 4 programs per SM for bf16; the packed kernels dequantize in registers and did better with
-    # 32-key blocks and 2 programs per SM (decode_attention_h200_graph.json vs _tuned.json)
-    block_n = block_n or (64 if quant is None else 32)
-    programs_per_sm = programs_per_sm or (4 if quant is None else 2)
+    # blocks and 4 programs per SM; the packed kernels, which dequantize in registers, did better at
+    # head_dim 128 with 32-key blocks and 2 programs per SM (benchmarks/README.md)
+    wide_packed = quant is not None and d > 64
+    block_n = block_n or (32 if wide_packed else 64)
+    programs_per_sm = programs_per_sm or (2 if wide_packed else 4)
     if split is None:  # enough programs to fill the GPU, at least a few blocks each
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
         want = max(1, (programs_per_sm * sms) // max(1, bsz * hkv))
