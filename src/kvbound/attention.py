@@ -31,7 +31,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mode: str | 
     # The scores come from the same logits recomputed in fp32; the output stays SDPA's, so a policy that
     # has not evicted anything yet gives bit-identical logits to the full cache.
     g = hq // hkv
-    logits = torch.einsum("thgd,mhd->hgtm", q.float().view(t, hkv, g, d), k.float()) * scale
+    # [hkv, t*g, d] @ [hkv, d, m] -> [hkv, g, t, m]
+    qh = q.float().view(t, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, t * g, d)
+    logits = torch.bmm(qh, k.float().permute(1, 2, 0)).view(hkv, t, g, -1).transpose(1, 2) * scale
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf"))
     probs = logits.softmax(-1)

@@ -59,9 +59,9 @@ class KVCache:
         if not self.bounded:
             self._grow(n + t)
         new_pos = positions[:, None].expand(t, k.shape[1]).to(self.pos.dtype)
-        if n + t <= self.capacity:
-            slots = torch.arange(n, n + t, device=k.device)[:, None].expand_as(new_pos)
-            self._write(layer, slots, k, v, new_pos)
+        if n + t <= self.capacity:  # room: the new tokens take slots [n, n + t) in every head
+            self.store.write_range(layer, n, k, v)
+            self.pos[layer, n:n + t] = new_pos
             out = self._attend_pool(layer, q, n, t)
             self.n[layer] = n + t
             if self.bounded and n + t > self.budget + self.policy.evict_every - 1:
@@ -84,12 +84,12 @@ class KVCache:
 
     def _attend_pool(self, layer, q, n, t):
         """Attention of the t new queries over slots [0, n + t), updating scores of those slots."""
-        if self.score is not None:
-            self.score[layer, n:n + t] = 0
         if t == 1 and q.is_cuda and (self.score is None or self.policy.granularity == "kv-head"):
             kernel_args = self.store.kernel_args(layer)
             if kernel_args is not None:
                 from .kernels import decode_attention
+                if self.score is not None:
+                    self.score[layer, n] = 0  # the kernel adds this step's probabilities in place
                 table = torch.arange(n + 1, device=q.device, dtype=torch.int32)[None]
                 lens = torch.tensor([n + 1], device=q.device, dtype=torch.int32)
                 score = None if self.score is None else self.score[layer][None]
@@ -116,12 +116,6 @@ class KVCache:
             return key_scores[n:] * (1 - a)
         old.add_(key_scores[:n])
         return key_scores[n:]
-
-    def _write(self, layer, slots, k, v, pos):
-        """slots: [T, H] destination slot of each new token in each KV head."""
-        heads = torch.arange(k.shape[1], device=k.device)[None, :].expand_as(slots)
-        self.store.write(layer, slots, heads, k, v)
-        self.pos[layer, slots, heads] = pos
 
     def _move(self, layer, heads, src, dst):
         """Move kept tokens (src[i], heads[i]) -> (dst[i], heads[i]): packed K/V, position and score as is."""

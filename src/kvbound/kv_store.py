@@ -22,6 +22,11 @@ class DenseStore:
         self.k[layer, slots, heads] = k.to(self.k.dtype)
         self.v[layer, slots, heads] = v.to(self.v.dtype)
 
+    def write_range(self, layer, start, k, v):
+        """New tokens into slots [start, start + T) of every head (a plain slice copy)."""
+        self.k[layer, start:start + k.shape[0]] = k
+        self.v[layer, start:start + v.shape[0]] = v
+
     def roundtrip(self, layer, x):
         """What a written token reads back as (the identity here; quantize+dequantize when quantized)."""
         return x

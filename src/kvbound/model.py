@@ -23,6 +23,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
+        if x.dtype == torch.float32:  # one fused op (same math as below)
+            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -74,7 +76,8 @@ class Attention(nn.Module):
         q, k, v = q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qk = apply_rope(torch.cat([q, k], 1), cos, sin)  # one rotation for q and k heads
+        q, k = qk[:, :self.h], qk[:, self.h:]
         out = cache.attend(self.layer, q, k, v, positions)
         return self.o_proj(out.reshape(t, self.h * self.d))
 

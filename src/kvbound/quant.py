@@ -155,6 +155,16 @@ class QuantizedStore:
             return x
         return dequantize(*quantize(x, self.recent_bits, self.group), self.recent_bits, self.group, x.dtype)
 
+    def write_range(self, layer, start, k, v):
+        if self._is_dense(layer):
+            self.dense.write_range(layer, start, k, v)
+            return
+        b, end = self.recent_bits, start + k.shape[0]
+        for packed, x in ((self.k[b], k), (self.v[b], v)):
+            for dst, src in zip(packed.tensors(), quantize(x, b, self.group)):
+                dst[layer, start:end] = src
+        self.width[layer, start:end] = b
+
     def write(self, layer, slots, heads, k, v):
         if self._is_dense(layer):
             self.dense.write(layer, slots, heads, k, v)
