@@ -78,13 +78,15 @@ def test_eviction_on_packed_data_equals_evict_then_quantize(policy, bits):
     for layer in (0, 1):
         for h in range(2):
             assert qc.kept_positions(layer, h) == fc.kept_positions(layer, h)
-            n = len(qc)
-            pos = qc.pos[layer, :n, h]
-            codes, scale, bias = quantize(k_all[pos, h], bits, 32)
+            used = qc._slots_used(layer)  # live slots, plus the free one once the cache is full
+            pos = qc.pos[layer, :used, h]
+            live = pos >= 0
+            assert int(live.sum()) == len(qc)
+            codes, scale, bias = quantize(k_all[pos[live].long(), h], bits, 32)
             packed = qc.store.k[bits]
-            assert torch.equal(packed.codes[layer, :n, h], codes)
-            assert torch.equal(packed.scale[layer, :n, h], scale)
-            assert torch.equal(packed.bias[layer, :n, h], bias)
+            assert torch.equal(packed.codes[layer, :used, h][live], codes)
+            assert torch.equal(packed.scale[layer, :used, h][live], scale)
+            assert torch.equal(packed.bias[layer, :used, h][live], bias)
 
 
 def test_mixed_precision_converts_once_when_leaving_recent_window():
@@ -94,13 +96,14 @@ def test_mixed_precision_converts_once_when_leaving_recent_window():
         q, k, v = torch.randn(t, 4, D), torch.randn(t, 2, D), torch.randn(t, 2, D)
         c.attend(0, q, k, v, c.next_positions(t))
         c.advance(t)
-        n = c.n[0]
-        pos, width = c.pos[0, :n], c.store.width[0, :n]
+        used = c._slots_used(0)
+        pos, width = c.pos[0, :used], c.store.width[0, :used]
+        live = pos >= 0
         newest = c.seen - 1
         in_recent = pos > newest - pol.recent
         sinks = pos < pol.sink
-        assert (width[in_recent | sinks] == 4).all()
-        assert (width[~in_recent & ~sinks] == 8).all()
+        assert (width[live & (in_recent | sinks)] == 4).all()
+        assert (width[live & ~in_recent & ~sinks] == 8).all()
     held = c.nbytes()["held_bytes"]
     assert 0 < held < c.nbytes()["full_bf16_bytes"]
 

@@ -4,10 +4,10 @@ Layout: K/V of layer l live in `k[l]`, `v[l]` shaped [slots, kv_heads, head_dim]
 are always slots [0, n). With kv-head granularity each KV head keeps its own tokens, so one slot holds
 different tokens in different heads; attention does not care, because keys are stored rotated.
 
-Eviction is slot replacement. The buffer has one spare slot past budget + evict_every - 1: a decoded
-token is written there, attends over the cache and itself in place (no gather, no concatenation), and
-then the evicted token's slot is refilled with it (one token's K/V moved per KV head), so slots [0, n)
-stay dense. With evict_every = e the cache holds up to budget + e - 1 tokens, then evicts down to
+Eviction is slot replacement. The buffer holds budget + evict_every slots. At evict_every = 1, once the
+cache is full each head has one free slot: the last evicted token's. A decoded token is written into
+it, attends over all budget + 1 slots in place (no gather, no concatenation), and the policy's victim's
+slot becomes the next free one; nothing is moved. With evict_every = e the cache holds up to budget + e - 1 tokens, then evicts down to
 budget. A prefill chunk longer than the spare room attends over the cache plus the chunk, and its
 kept tokens are written straight into the evicted slots.
 """
@@ -35,7 +35,8 @@ class KVCache:
                                 quantized_kv_start, self.policy)
         self.pos = torch.full((layers, cap, h), -1, dtype=torch.int32, device=device)  # stream positions
         self.score = torch.zeros((layers, cap, h), dtype=torch.float32, device=device) if self.policy.score else None
-        self.n = [0] * layers
+        self.n = [0] * layers  # live tokens per layer
+        self.spare = [None] * layers  # per layer, once full: each head's free slot (the last victim's)
         self.seen = 0  # tokens processed so far: the next token's position
         self.device = device
 
@@ -55,17 +56,30 @@ class KVCache:
     # --- called by each attention layer -------------------------------------------------------
     def attend(self, layer: int, q, k, v, positions):
         """Attend the new tokens over the cache and themselves, then keep them (evicting if over budget)."""
-        t, n = k.shape[0], self.n[layer]
+        t, n, h = k.shape[0], self.n[layer], k.shape[1]
         if not self.bounded:
             self._grow(n + t)
-        new_pos = positions[:, None].expand(t, k.shape[1]).to(self.pos.dtype)
-        if n + t <= self.capacity:  # room: the new tokens take slots [n, n + t) in every head
+        new_pos = positions[:, None].expand(t, h).to(self.pos.dtype)
+        spare = self.spare[layer]
+        if spare is not None and t > 1:
+            self._densify(layer)
+            spare = None
+        if spare is not None:  # steady-state decode: the new token takes the evicted token's slot
+            heads = torch.arange(h, device=k.device)
+            self.store.write(layer, spare[None], heads[None], k, v)
+            self.pos[layer, spare, heads] = new_pos[0]
+            out = self._attend_pool(layer, q, n + 1, spare[None], heads[None])
+            self._evict_one(layer, n + 1)
+        elif n + t <= self.capacity:  # room: the new tokens take slots [n, n + t) in every head
             self.store.write_range(layer, n, k, v)
             self.pos[layer, n:n + t] = new_pos
-            out = self._attend_pool(layer, q, n, t)
+            out = self._attend_pool(layer, q, n + t, slice(n, n + t), slice(None))
             self.n[layer] = n + t
             if self.bounded and n + t > self.budget + self.policy.evict_every - 1:
-                self._compact(layer)
+                if n + t == self.budget + 1:
+                    self._evict_one(layer, n + t)
+                else:
+                    self._compact(layer)
         else:  # a prefill chunk longer than the room left
             kc, vc = self.store.read(layer, n)
             k_in, v_in = self.store.roundtrip(layer, k), self.store.roundtrip(layer, v)
@@ -74,34 +88,56 @@ class KVCache:
             new_score = self._update_scores(layer, n, key_scores)
             self._evict_and_write(layer, k, v, new_pos, new_score)
         if hasattr(self.store, "after_insert"):
-            self.store.after_insert(layer, self.n[layer], self.pos[layer], int(positions[-1]))
+            self.store.after_insert(layer, self._slots_used(layer), self.pos[layer], int(positions[-1]))
         return out
+
+    def _slots_used(self, layer):
+        return self.n[layer] + (self.spare[layer] is not None)
 
     def _score_mode(self):
         if not self.policy.score:
             return None
         return "normalized" if self.policy.score == "normalized" else "sum"
 
-    def _attend_pool(self, layer, q, n, t):
-        """Attention of the t new queries over slots [0, n + t), updating scores of those slots."""
-        if t == 1 and q.is_cuda and (self.score is None or self.policy.granularity == "kv-head"):
+    def _attend_pool(self, layer, q, total, new_slots, new_heads):
+        """Attention of the new queries over slots [0, total), all live, the new tokens among them at
+        (new_slots, new_heads); every slot's score gets this step's probabilities (new ones start at 0).
+        With several new tokens they must be the last slots (causal mask)."""
+        if self.score is not None:
+            self.score[layer, new_slots, new_heads] = 0
+        if q.shape[0] == 1 and q.is_cuda and (self.score is None or self.policy.granularity == "kv-head"):
             kernel_args = self.store.kernel_args(layer)
             if kernel_args is not None:
                 from .kernels import decode_attention
-                if self.score is not None:
-                    self.score[layer, n] = 0  # the kernel adds this step's probabilities in place
-                table = torch.arange(n + 1, device=q.device, dtype=torch.int32)[None]
-                lens = torch.tensor([n + 1], device=q.device, dtype=torch.int32)
+                table = torch.arange(total, device=q.device, dtype=torch.int32)[None]
+                lens = torch.tensor([total], device=q.device, dtype=torch.int32)
                 score = None if self.score is None else self.score[layer][None]
                 return decode_attention(q, *kernel_args, table, lens, score=score, score_mode=None if score is None
                                         else self.policy.score.replace("cumulative", "sum"),
                                         ema_decay=getattr(self.policy, "ema_decay", 0.95))
-        kc, vc = self.store.read(layer, n + t)
+        kc, vc = self.store.read(layer, total)
         out, key_scores = attend(q, kc, vc, self._score_mode())
-        new_score = self._update_scores(layer, n, key_scores)
-        if new_score is not None:
-            self.score[layer, n:n + t] = new_score
+        self._update_scores(layer, total, key_scores)
         return out
+
+    def _evict_one(self, layer, total):
+        """Slots [0, total = budget + 1) are all live: pick one victim per head; its slot becomes the spare
+        that the next decoded token is written into. Nothing moves."""
+        pos = self.pos[layer, :total]
+        victim = self.policy.victim(pos, None if self.score is None else self.score[layer, :total])
+        self.pos[layer, victim, torch.arange(victim.shape[0], device=victim.device)] = -1
+        self.spare[layer] = victim
+        self.n[layer] = self.budget
+
+    def _densify(self, layer):
+        """Before a multi-token step: move each head's token in the last slot into its spare slot."""
+        b, spare = self.budget, self.spare[layer]
+        heads = torch.arange(spare.shape[0], device=spare.device)
+        last = torch.full_like(spare, b)
+        keep = spare != b
+        self._move(layer, heads[keep], last[keep], spare[keep])
+        self.pos[layer, b] = -1
+        self.spare[layer] = None
 
     def _update_scores(self, layer, n, key_scores):
         """Add this step's attention to the n cached tokens' scores; return the new tokens' scores."""
@@ -125,19 +161,12 @@ class KVCache:
             self.score[layer, dst, heads] = self.score[layer, src, heads]
 
     def _compact(self, layer):
-        """Evict down to `budget` among the n tokens in slots [0, n), refilling holes from the tail."""
+        """evict_every > 1: evict down to `budget` among slots [0, n), refilling holes from the tail."""
         n, b = self.n[layer], self.budget
-        pos, score = self.pos[layer, :n], None if self.score is None else self.score[layer, :n]
-        if n == b + 1:
-            # one victim per head, the newest token (slot n-1) moves into its slot: one vectorized move
-            victim = self.policy.victim(pos, score)
-            heads = torch.arange(victim.shape[0], device=victim.device)
-            self._move(layer, heads, torch.full_like(victim, n - 1), victim)
-        else:
-            keep = self.policy.keep_mask(pos, score)
-            for head in range(keep.shape[1]):
-                movers = keep[b:, head].nonzero().flatten() + b
-                self._move(layer, torch.full_like(movers, head), movers, (~keep[:b, head]).nonzero().flatten())
+        keep = self.policy.keep_mask(self.pos[layer, :n], None if self.score is None else self.score[layer, :n])
+        for head in range(keep.shape[1]):
+            movers = keep[b:, head].nonzero().flatten() + b
+            self._move(layer, torch.full_like(movers, head), movers, (~keep[:b, head]).nonzero().flatten())
         self.pos[layer, b:] = -1
         self.n[layer] = b
 
@@ -178,17 +207,17 @@ class KVCache:
 
     # --- introspection ------------------------------------------------------------------------
     def kept_positions(self, layer: int, head: int) -> list[int]:
-        return sorted(self.pos[layer, :self.n[layer], head].tolist())
+        return sorted(p for p in self.pos[layer, :self._slots_used(layer), head].tolist() if p >= 0)
 
     def nbytes(self) -> dict:
         """KV bytes actually held for this sequence's tokens (data + scales/biases + scores + positions)."""
-        held = sum(self.n)
-        per_layer_token = self.store.bytes_per_token()
-        meta = self.cfg.num_kv_heads * (4 + (4 if self.score is not None else 0))
-        total = sum(self.store.bytes_held(layer, self.n[layer]) for layer in range(len(self.n))) + held * meta
+        total = 0
+        for layer in range(len(self.n)):
+            live = self.pos[layer, :self._slots_used(layer)] >= 0
+            total += self.store.bytes_held(layer, live) + int(live.sum()) * (4 + (4 if self.score is not None else 0))
         bf16 = 2 * 2 * self.cfg.num_kv_heads * self.cfg.head_dim * self.seen * len(self.n)
         return {"held_bytes": total, "tokens_held": len(self), "full_bf16_bytes": bf16,
-                "bytes_per_token_layer": per_layer_token,
+                "bytes_per_token_layer": self.store.bytes_per_token(),
                 "compression": bf16 / total if total else float("inf")}
 
 

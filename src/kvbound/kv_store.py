@@ -49,8 +49,9 @@ class DenseStore:
         """Bytes one token takes in one layer (K and V, all KV heads)."""
         return 2 * self.k.shape[2] * self.k.shape[3] * self.k.element_size()
 
-    def bytes_held(self, layer, n):
-        return n * self.bytes_per_token()
+    def bytes_held(self, layer, live):
+        """live: bool [slots, heads], the (slot, head) places holding a token."""
+        return int(live.sum()) * 2 * self.k.shape[3] * self.k.element_size()
 
 
 def make_store(layers, slots, heads, head_dim, device, dtype, kv_bits=None, group_size=64,

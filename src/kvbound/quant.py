@@ -227,11 +227,8 @@ class QuantizedStore:
         """Bytes of one token in one layer (K and V, all heads) at the recent/uniform width."""
         return 2 * self.width.shape[2] * self.k[self.recent_bits].bytes_per_token_head()
 
-    def bytes_held(self, layer, n):
+    def bytes_held(self, layer, live):
         if self._is_dense(layer):
-            return self.dense.bytes_held(layer, n)
-        total = 0
-        for b in self.k:
-            count = int((self.width[layer, :n] == b).sum())
-            total += 2 * count * self.k[b].bytes_per_token_head()
-        return total
+            return self.dense.bytes_held(layer, live)
+        width = self.width[layer, :live.shape[0]][live]
+        return sum(2 * int((width == b).sum()) * self.k[b].bytes_per_token_head() for b in self.k)
