@@ -28,6 +28,7 @@ def bad_dir(tmp_path, cfg):
     (["generate", "hi", "--policy", "window", "--budget", "4"], "must be < budget (4)"),
     (["generate", "hi", "--kv-bits", "3"], "unsupported bit width 3"),
     (["info", "--model", "/tmp"], "missing config.json"),
+    (["info", "--device", "cuda"], "CUDA is not available"),
 ])
 def test_bad_input(args, needle):
     r = run(*args)

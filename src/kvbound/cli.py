@@ -76,6 +76,8 @@ def make_policy(args, spec=None, budget=None):
 
 def load_model(args):
     from .loader import load
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise KvboundError(f"--device {args.device}: CUDA is not available on this machine (use --device cpu)")
     if args.threads:
         torch.set_num_threads(args.threads)
     # Tiny attention probabilities and activations go subnormal, and x86 CPUs compute on subnormals
