@@ -84,3 +84,22 @@ def test_needle_runs_with_pinned_variant(tiny, tmp_path):
     assert {x["strategy"] for x in res} == {"baseline", "window", "h2o-heavy", "window+pin", "h2o-heavy+pin"}
     assert all(x["kv_held_bytes"] > 0 for x in res)
     assert "needle found" in r.stdout and (tmp_path / "n.png").stat().st_size > 1000
+
+
+def test_batched_samples_match_one_at_a_time(tiny):
+    """Several samples in one forward pass give each sample the perplexity it gets alone."""
+    from types import SimpleNamespace
+    from kvbound.evaluate import parse_strategies, perplexity
+    from kvbound.loader import load
+    model, _ = load(tiny)
+    args = SimpleNamespace(kv_bits=None, score=None, ema_decay=None, granularity=None, evict_every=None,
+                           kv_group_size=32)
+    strategies = parse_strategies(["baseline", "window", "h2o-heavy", "h2o-heavy+kv8"], 16, args)
+    gen = torch.Generator().manual_seed(3)
+    samples = torch.randint(4, len(WORDS) + 4, (3, 40), generator=gen).tolist()
+    one = perplexity(model, samples, strategies, args, 8, progress=False, samples_per_batch=1)
+    batched = perplexity(model, samples, strategies, args, 8, progress=False, samples_per_batch=3)
+    for name in strategies:
+        assert batched[name]["ppl"] == pytest.approx(one[name]["ppl"], rel=1e-5)
+        assert batched[name]["kv_held_bytes"] == one[name]["kv_held_bytes"]
+    assert one["window"]["ppl"] != one["baseline"]["ppl"]
