@@ -16,23 +16,29 @@ from __future__ import annotations
 import torch
 
 from .attention import attend
-from .policies import FullPolicy
+from .config import KvboundError
+from .policies import FullPolicy, protected_prefix
 from .kv_store import make_store
 
 
 class KVCache:
     def __init__(self, config, policy=None, device="cpu", dtype=torch.float32, kv_bits=None,
-                 kv_group_size: int = 64, quantized_kv_start: int = 0, initial_slots: int = 256):
+                 kv_group_size: int = 64, quantized_kv_start: int = 0, initial_slots: int = 256, store=None):
         """dtype: the dtype unquantized K/V are stored in (bf16 for a realistic cache; the model's dtype
-        for bit-exact comparisons)."""
+        for bit-exact comparisons). store: where K/V live (default: a store of this cache's own; the
+        engine passes a PagedStore over its shared block pool, which grows only when `prepare` asks)."""
         self.cfg = config
         self.policy = policy or FullPolicy()
         self.bounded = self.policy.budget is not None
         self.budget = self.policy.budget
         layers, h = config.num_layers, config.num_kv_heads
         cap = self.budget + self.policy.evict_every if self.bounded else initial_slots
-        self.store = make_store(layers, cap, h, config.head_dim, device, dtype, kv_bits, kv_group_size,
-                                quantized_kv_start, self.policy)
+        if store is not None:
+            if kv_bits is not None:
+                raise KvboundError("the paged engine stores K/V unquantized (kv_bits must be None)")
+            cap = cap if self.bounded else store.capacity
+        self.store = store if store is not None else make_store(
+            layers, cap, h, config.head_dim, device, dtype, kv_bits, kv_group_size, quantized_kv_start, self.policy)
         self.pos = torch.full((layers, cap, h), -1, dtype=torch.int32, device=device)  # stream positions
         self.score = torch.zeros((layers, cap, h), dtype=torch.float32, device=device) if self.policy.score else None
         self.n = [0] * layers  # live tokens per layer
@@ -53,12 +59,47 @@ class KVCache:
     def advance(self, t: int):
         self.seen += t
 
+    # --- used by the paged engine ---------------------------------------------------------------
+    def slots_needed(self, t: int, layer: int = 0) -> int:
+        """Local slots that a step of t more tokens may touch."""
+        used = self._slots_used(layer) + t
+        return min(used, self.capacity) if self.bounded else used
+
+    def prepare(self, t: int):
+        """Before a step of t tokens: room for them, and private copies (copy-on-write) of the shared
+        blocks they may write. A bounded cache never writes the slots of its protected prefix (sinks and
+        pinned spans from position 0, e.g. a cached system prompt), so those blocks stay shared."""
+        self._grow(self.slots_needed(t))
+        if hasattr(self.store, "make_private"):
+            first = protected_prefix(self.policy) if self.bounded else self._slots_used(0)
+            self.store.make_private(first // self.store.pool.block_size)
+
+    def adopt_prefix(self, t: int):
+        """The store's first t slots already hold tokens [0, t) (a prefix-cache hit): take them as processed."""
+        if self.seen:
+            raise KvboundError("adopt_prefix: the cache already holds tokens")
+        self._grow(t)
+        self.pos[:, :t] = torch.arange(t, dtype=self.pos.dtype, device=self.pos.device)[None, :, None]
+        self.n = [t] * len(self.n)
+        self.seen = t
+
+    def fork(self) -> "KVCache":
+        """A copy that shares this cache's blocks (copy-on-write through the store's refcounts)."""
+        from copy import copy
+        child = copy(self)
+        child.store = type(self.store)(self.store.pool, self.store.blocks)
+        for b in self.store.blocks:
+            self.store.pool.incref(b)
+        child.pos = self.pos.clone()
+        child.score = None if self.score is None else self.score.clone()
+        child.n, child.spare = list(self.n), list(self.spare)
+        return child
+
     # --- called by each attention layer -------------------------------------------------------
     def attend(self, layer: int, q, k, v, positions):
         """Attend the new tokens over the cache and themselves, then keep them (evicting if over budget)."""
         t, n, h = k.shape[0], self.n[layer], k.shape[1]
-        if not self.bounded:
-            self._grow(n + t)
+        self._grow(self.slots_needed(t, layer))
         new_pos = positions[:, None].expand(t, h).to(self.pos.dtype)
         spare = self.spare[layer]
         if spare is not None and t > 1:
@@ -109,7 +150,7 @@ class KVCache:
             kernel_args = self.store.kernel_args(layer)
             if kernel_args is not None:
                 from .kernels import decode_attention
-                table = torch.arange(total, device=q.device, dtype=torch.int32)[None]
+                table = self.store.slot_table(total)[None]
                 lens = torch.tensor([total], device=q.device, dtype=torch.int32)
                 score = None if self.score is None else self.score[layer][None]
                 return decode_attention(q, *kernel_args, table, lens, score=score, score_mode=None if score is None
@@ -196,10 +237,11 @@ class KVCache:
         self.n[layer] = b
 
     def _grow(self, need: int):
-        if need <= self.capacity:
+        if need > self.store.capacity:
+            self.store.grow(need)
+        cap = self.capacity if self.bounded else self.store.capacity
+        if cap <= self.capacity:
             return
-        cap = max(need, 2 * self.capacity)
-        self.store.grow(cap)
         extra = cap - self.capacity
         self.pos = torch.cat([self.pos, self.pos.new_full((self.pos.shape[0], extra, self.pos.shape[2]), -1)], 1)
         if self.score is not None:

@@ -17,8 +17,11 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False
+    n: int = 1  # completions per prompt (the engine forks them after the prompt, sharing its blocks)
 
     def __post_init__(self):
+        if not isinstance(self.n, int) or self.n < 1:
+            raise KvboundError(f"n must be a positive integer, got {self.n!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise KvboundError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.temperature < 0:

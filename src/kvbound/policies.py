@@ -54,6 +54,15 @@ def _pinned_count(sink: int, pinned) -> int:
     return len(marked)
 
 
+def protected_prefix(policy) -> int:
+    """Length of the run of positions [0, P) that the policy never evicts (sinks and pinned spans)."""
+    p = getattr(policy, "sink", 0)
+    for a, b in sorted(getattr(policy, "pinned", ())):
+        if a <= p:
+            p = max(p, b)
+    return p
+
+
 def lowest(pos: torch.Tensor, rank: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
     """Per column, the index of the unprotected token with the lowest rank (the oldest among ties): the one
     `select_keep` drops when exactly one token must go. Cheaper than sorting, for the decode step."""

@@ -187,7 +187,13 @@ class QuantizedStore:
     def kernel_args(self, layer):
         return None  # the fused quantized kernel is wired through `decode_attention(quant=...)` directly
 
+    @property
+    def capacity(self):
+        return self.width.shape[1]
+
     def grow(self, slots):
+        slots = max(slots, 2 * self.capacity)
+
         def pad(t):
             return torch.cat([t, t.new_zeros(t.shape[0], slots - t.shape[1], *t.shape[2:])], 1)
         for packed in list(self.k.values()) + list(self.v.values()):
@@ -196,6 +202,7 @@ class QuantizedStore:
             (self.width.shape[0], slots - self.width.shape[1], self.width.shape[2]), self.recent_bits)], 1)
         if self.dense is not None:
             self.dense.grow(slots)
+        return slots
 
     # --- called by the cache after each insert ------------------------------------------------
     def after_insert(self, layer, n, pos, newest):

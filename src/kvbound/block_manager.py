@@ -1,0 +1,116 @@
+"""The paged KV pool: fixed-size blocks of slots shared by all sequences, with refcounts and prefix caching.
+
+K/V of every layer live in two tensors shaped [layers, num_blocks * block_size, kv_heads, head_dim]; pool
+slot s belongs to block s // block_size. A sequence owns a list of block ids (its block table); its cache
+addresses local slot j as pool slot `table[j // bs] * bs + j % bs` (see `PagedStore` in kv_store.py).
+
+Blocks are refcounted: a fork shares its parent's blocks, and a shared block is copied before it is
+written (copy-on-write). Automatic prefix caching: a full block that its owner will never write again is
+published under the hash of its token ids chained with the previous block's hash; a new request reuses
+every leading block whose hash matches *and whose stored token ids match* (a hash collision never serves
+the wrong KV). A freed published block keeps its contents and its hash until its memory is needed: free
+blocks are handed out never-published first, then least recently freed.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from .config import KvboundError
+
+
+def block_hash(prev: int | None, tokens) -> int:
+    return hash((prev, tuple(tokens)))
+
+
+class BlockPool:
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, num_blocks: int, block_size: int = 16,
+                 device="cpu", dtype=torch.float32):
+        if block_size < 1 or num_blocks < 1:
+            raise KvboundError(f"block pool: block_size ({block_size}) and num_blocks ({num_blocks}) must be >= 1")
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.k = torch.zeros(layers, num_blocks * block_size, kv_heads, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.ref = [0] * num_blocks
+        self.free_plain = list(range(num_blocks - 1, -1, -1))  # popped from the end: block 0 first
+        self.free_cached: OrderedDict[int, None] = OrderedDict()  # published blocks with refcount 0, LRU first
+        self.by_hash: dict[int, int] = {}  # hash -> block
+        self.block_info: dict[int, tuple[int, tuple]] = {}  # block -> (hash, token ids) while published
+        self.copies = 0  # copy-on-write copies made (for tests and stats)
+
+    # --- accounting -----------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self.free_plain) + len(self.free_cached)
+
+    def allocate(self) -> int:
+        if self.free_plain:
+            b = self.free_plain.pop()
+        elif self.free_cached:
+            b, _ = self.free_cached.popitem(last=False)  # drop the least recently freed cached block
+            h, _ = self.block_info.pop(b)
+            del self.by_hash[h]
+        else:
+            raise KvboundError("block pool exhausted: no free block (the scheduler should have preempted)")
+        self.ref[b] = 1
+        return b
+
+    def incref(self, b: int):
+        if self.ref[b] == 0:  # a cached free block comes back into use
+            self.free_cached.pop(b)
+        self.ref[b] += 1
+
+    def decref(self, b: int):
+        if self.ref[b] <= 0:
+            raise KvboundError(f"block {b} freed more times than it was taken")
+        self.ref[b] -= 1
+        if self.ref[b] == 0:
+            if b in self.block_info:
+                self.free_cached[b] = None
+            else:
+                self.free_plain.append(b)
+
+    def free_all(self, blocks: list[int]):
+        for b in reversed(blocks):  # the tail first, so a prompt's head stays cached longest
+            self.decref(b)
+
+    def copy_block(self, src: int) -> int:
+        """A private copy of a shared block (copy-on-write); the caller drops its reference to `src`."""
+        dst = self.allocate()
+        bs = self.block_size
+        self.k[:, dst * bs:(dst + 1) * bs] = self.k[:, src * bs:(src + 1) * bs]
+        self.v[:, dst * bs:(dst + 1) * bs] = self.v[:, src * bs:(src + 1) * bs]
+        self.copies += 1
+        return dst
+
+    # --- prefix cache ---------------------------------------------------------------------------
+    def publish(self, b: int, h: int, tokens):
+        """Make full block `b` findable by its hash. Its owner promises never to write it again."""
+        if b in self.block_info or h in self.by_hash:
+            return
+        self.by_hash[h] = b
+        self.block_info[b] = (h, tuple(tokens))
+
+    def match_prefix(self, tokens: list[int], max_blocks: int) -> list[int]:
+        """Leading full blocks of `tokens` that are cached (hash and token ids equal), up to max_blocks.
+        Takes a reference on each."""
+        bs, out, h = self.block_size, [], None
+        for i in range(min(max_blocks, len(tokens) // bs)):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            h = block_hash(h, chunk)
+            b = self.by_hash.get(h)
+            if b is None or self.block_info[b][1] != chunk:
+                break
+            out.append(b)
+        for b in out:
+            self.incref(b)
+        return out
+
+    def check(self):
+        """Invariants (used by tests): refcounts >= 0, and a block is free exactly when its refcount is 0."""
+        free = set(self.free_plain) | set(self.free_cached)
+        assert len(free) == len(self.free_plain) + len(self.free_cached), "a block is on a free list twice"
+        for b, r in enumerate(self.ref):
+            assert r >= 0, f"block {b} has refcount {r}"
+            assert (r == 0) == (b in free), f"block {b}: refcount {r} but free={b in free}"

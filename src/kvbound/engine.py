@@ -1,0 +1,216 @@
+"""The serving engine: many requests at once over one paged KV pool, each with its own bounded cache.
+
+`LLMEngine` runs steps: the scheduler picks (sequence, tokens) pairs, the runner feeds them to the model
+as one flat batch (each sequence's cache attends its own tokens), and each sequence that finished its
+piece samples its next token with its own sampling parameters. `LLM` is the convenience front
+(`LLM(model=...).generate(prompts, SamplingParams(...))`, results in input order, plus `stream`).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from tqdm import tqdm
+
+from .block_manager import BlockPool
+from .cache import KVCache, MultiCache
+from .config import KvboundError
+from .generate import SamplingParams, sample
+from .policies import FullPolicy
+from .scheduler import FINISHED, RUNNING, Scheduler, Sequence
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    arrival: float = 0.0
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer=None, policy=None, block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_tokens: int = 16384, max_num_batched_tokens: int = 512, max_num_seqs: int = 256,
+                 prefill_chunk: int = 512, kv_dtype=None):
+        """policy: the default eviction policy of a request (a policy object; FullPolicy when None).
+        The pool holds `num_blocks` blocks of `block_size` tokens (default: kv_cache_tokens / block_size)."""
+        cfg = model.config
+        self.model, self.tokenizer = model, tokenizer
+        self.device = next(model.parameters()).device
+        self.kv_dtype = kv_dtype or next(model.parameters()).dtype
+        self.default_policy = policy or FullPolicy()
+        num_blocks = num_blocks or max(1, kv_cache_tokens // block_size)
+        self.pool = BlockPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size,
+                              self.device, self.kv_dtype)
+        self.scheduler = Scheduler(self.pool, self._make_cache, max_num_batched_tokens, max_num_seqs, prefill_chunk)
+        self.eos_ids = set(tokenizer.eos_ids) if tokenizer is not None else set()
+        self.requests: dict[str, list[Sequence]] = {}
+        self._ids = itertools.count()
+
+    def _make_cache(self, policy, store) -> KVCache:
+        return KVCache(self.model.config, policy, device=self.device, dtype=self.kv_dtype, store=store)
+
+    # --- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt, params: SamplingParams | None = None, policy=None,
+                    request_id: str | None = None) -> str:
+        """prompt: text (needs a tokenizer) or token ids. Returns the request id."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise KvboundError("a text prompt needs a tokenizer; pass token ids instead")
+            prompt = self.tokenizer.encode(prompt)
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise KvboundError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise KvboundError(f"prompt token ids must be in [0, {vocab}), got {min(prompt)}..{max(prompt)}")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise KvboundError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, 0, prompt, params, policy or self.default_policy, arrival=time.perf_counter(),
+                       generator=self._generator(params, 0))
+        self.scheduler.add(seq)
+        self.requests[request_id] = [seq]
+        return request_id
+
+    @staticmethod
+    def _generator(params, index):
+        if params.seed is None:
+            return None
+        return torch.Generator().manual_seed(params.seed + index)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- one step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; returns the requests that got new tokens or finished (finished ones are dropped)."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        sampling = [i for i, (seq, t) in enumerate(batch) if seq.to_feed() == t]
+        logits = self._forward(batch, sampling)
+        for seq, _ in batch:
+            self.scheduler.publish(seq)
+        now = time.perf_counter()
+        touched = {}
+        for row, i in enumerate(sampling):
+            seq = batch[i][0]
+            group = [seq] + self._fork(seq)
+            for s in group:
+                self._append(s, sample(logits[row], s.params, s.generator), now)
+                touched[s.request_id] = True
+        return [self._output(rid) for rid in touched]
+
+    def _forward(self, batch, sampling) -> torch.Tensor:
+        ids = torch.tensor([tok for seq, t in batch for tok in seq.tokens[seq.cache.seen:seq.cache.seen + t]],
+                           device=self.device)
+        multi = MultiCache([seq.cache for seq, _ in batch])
+        lengths = [t for _, t in batch]
+        positions = multi.positions(lengths)
+        ends = list(itertools.accumulate(lengths))
+        logits_at = torch.tensor([ends[i] - 1 for i in sampling], dtype=torch.long)
+        logits = self.model(ids, positions, multi, logits_at=logits_at)
+        multi.advance()
+        return logits
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """At a request's first sampled token: its n - 1 siblings, sharing its blocks (copy-on-write)."""
+        if seq.forked or seq.params.n == 1:
+            return []
+        seq.forked = True
+        kids = []
+        for i in range(1, seq.params.n):
+            kid = Sequence(seq.request_id, i, seq.prompt, seq.params, seq.policy, arrival=seq.arrival,
+                           status=RUNNING, cache=seq.cache.fork(), generator=self._generator(seq.params, i),
+                           forked=True)
+            self.scheduler.running.append(kid)
+            self.requests[seq.request_id].append(kid)
+            kids.append(kid)
+        return kids
+
+    def _append(self, seq: Sequence, tok: int, now: float):
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if tok in self.eos_ids and not seq.params.ignore_eos:
+            self.scheduler.finish(seq, "stop")
+            return
+        seq.output.append(tok)
+        seq.token_times.append(now)
+        if len(seq.output) >= seq.params.max_tokens:
+            self.scheduler.finish(seq, "length")
+
+    def _output(self, request_id: str) -> RequestOutput:
+        seqs = self.requests[request_id]
+        done = all(s.status == FINISHED for s in seqs) and len(seqs) == seqs[0].params.n
+        outs = [CompletionOutput(s.index, list(s.output), self.tokenizer.decode(s.output) if self.tokenizer else "",
+                                 s.finish_reason) for s in seqs]
+        first = seqs[0]
+        out = RequestOutput(request_id, first.prompt, outs, done, first.arrival, first.first_token_time,
+                            list(first.token_times))
+        if done:
+            del self.requests[request_id]
+        return out
+
+
+class LLM:
+    """`LLM(model=PATH or None, **engine_args).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model=None, device: str = "cpu", dtype=torch.float32, **engine_args):
+        from .loader import load
+        if isinstance(model, torch.nn.Module):
+            self.model, tokenizer = model, engine_args.pop("tokenizer", None)
+        else:
+            self.model, tokenizer = load(model, device=device, dtype=dtype)
+        self.tokenizer = tokenizer
+        self.engine = LLMEngine(self.model, tokenizer, **engine_args)
+
+    def generate(self, prompts, params: SamplingParams | list | None = None, policies=None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a string, token ids, or a list of either. params / policies: one for all or one per
+        prompt. Returns one RequestOutput per prompt, in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        n = len(prompts)
+        params = params if isinstance(params, list) else [params] * n
+        policies = policies if isinstance(policies, list) else [policies] * n
+        if len(params) != n or len(policies) != n:
+            raise KvboundError(f"got {n} prompts but {len(params)} sampling params and {len(policies)} policies")
+        ids = [self.engine.add_request(p, sp, pol) for p, sp, pol in zip(prompts, params, policies)]
+        results = {}
+        bar = tqdm(total=n, desc="generate", disable=not use_tqdm, unit="req")
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [results[i] for i in ids]
+
+    def stream(self, prompt, params: SamplingParams | None = None, policy=None) -> Iterator[int]:
+        """Token ids of one completion as they are generated (other requests in the engine keep running)."""
+        rid = self.engine.add_request(prompt, params, policy)
+        sent = 0
+        while True:
+            for out in self.engine.step():
+                if out.request_id == rid:
+                    toks = out.outputs[0].token_ids
+                    yield from toks[sent:]
+                    sent = len(toks)
+                    if out.finished:
+                        return

@@ -1,0 +1,216 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each feeds.
+
+Every step (vLLM v1's order): running decodes first, one token each; then prefill chunks of running
+sequences; then waiting sequences are admitted in arrival order while the per-step token budget
+(`max_num_batched_tokens`), the sequence limit and free blocks allow. A decode that needs a block when
+none is free preempts the newest running sequence: its blocks are freed and it goes back to the front of
+the queue, to be recomputed later (preemption by recompute). A request that could never fit in the pool is
+refused when it is added.
+
+Chunk boundaries of a bounded (evicting) sequence are fixed by the sequence alone: its prompt is fed in
+pieces ending at multiples of `prefill_chunk`, and tokens it generated (replayed after a preemption) one
+at a time, as its decode fed them. Eviction runs at the end of each piece, so the kept set - and the
+output - never depend on what else was in the batch. Unbounded sequences keep every token, so any split
+gives the same result; they take whatever the token budget leaves.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_manager import block_hash
+from .cache import KVCache
+from .config import KvboundError
+from .policies import protected_prefix
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass
+class Sequence:
+    """One completion: its prompt, what it generated, its policy, and (while admitted) its cache."""
+    request_id: str
+    index: int  # which of the request's n completions
+    prompt: list[int]
+    params: object  # generate.SamplingParams
+    policy: object
+    arrival: float = 0.0
+    output: list[int] = field(default_factory=list)
+    status: str = WAITING
+    cache: KVCache | None = None
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    preemptions: int = 0
+    published: int = 0  # leading blocks published to the prefix cache
+    last_hash: int | None = None
+    forked: bool = False  # the n - 1 siblings have been made
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def bounded(self) -> bool:
+        return self.policy.budget is not None
+
+    def to_feed(self) -> int:
+        """Tokens not yet in the cache (the last sampled token included)."""
+        return len(self.prompt) + len(self.output) - (self.cache.seen if self.cache else 0)
+
+    def next_piece(self, room: int, chunk: int) -> int:
+        """How many tokens to feed now, given `room` left in this step's token budget (0 = wait)."""
+        seen, left = (self.cache.seen if self.cache else 0), self.to_feed()
+        if not self.bounded:
+            return min(left, room)
+        if seen >= len(self.prompt):  # replaying generated tokens: one per step, as decoding fed them
+            return 1 if room >= 1 else 0
+        piece = min(len(self.prompt), (seen // chunk + 1) * chunk) - seen
+        return piece if piece <= room else 0
+
+
+class Scheduler:
+    def __init__(self, pool, make_cache, max_num_batched_tokens: int = 512, max_num_seqs: int = 256,
+                 prefill_chunk: int = 512):
+        if max_num_batched_tokens < prefill_chunk:
+            raise KvboundError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= prefill_chunk "
+                               f"({prefill_chunk}): a bounded sequence's prefill pieces are whole chunks")
+        self.pool = pool
+        self.make_cache = make_cache  # (policy, store) -> KVCache
+        self.max_tokens_per_step = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.chunk = prefill_chunk
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = dict(preemptions=0, prompt_tokens=0, prefix_hit_tokens=0, steps=0)
+        self._counter = itertools.count()
+
+    # --- requests -------------------------------------------------------------------------------
+    def blocks_to_finish(self, seq: Sequence) -> int:
+        """Blocks one sequence needs at its largest (alone in the pool)."""
+        bs = self.pool.block_size
+        if seq.bounded:
+            return -(-(seq.policy.budget + seq.policy.evict_every) // bs)
+        return -(-(len(seq.prompt) + seq.params.max_tokens) // bs)
+
+    def add(self, seq: Sequence):
+        need = self.blocks_to_finish(seq)
+        if need > self.pool.num_blocks:
+            what = (f"its cache bound ({seq.policy.budget} tokens)" if seq.bounded else
+                    f"prompt ({len(seq.prompt)}) + max_tokens ({seq.params.max_tokens})")
+            raise KvboundError(f"request {seq.request_id}: {what} needs {need} blocks of "
+                               f"{self.pool.block_size} tokens, but the pool has only {self.pool.num_blocks}")
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step -------------------------------------------------------------------------------
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """Pick this step's (sequence, tokens to feed); reserves blocks for them."""
+        batch: list[tuple[Sequence, int]] = []
+        room = self.max_tokens_per_step
+        for seq in list(self.running):  # decodes first
+            if seq.status != RUNNING or seq.to_feed() != 1:
+                continue
+            while not self._take(seq, 1):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status == RUNNING:
+                batch.append((seq, 1))
+                room -= 1
+        for seq in self.running:  # then prefills (and replays) already under way
+            if room <= 0:
+                break
+            if seq.to_feed() > 1:
+                t = seq.next_piece(room, self.chunk)
+                if t and self._take(seq, t):
+                    batch.append((seq, t))
+                    room -= t
+        while self.waiting and room > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.cache is None:
+                self._attach_cache(seq)
+            t = seq.next_piece(room, self.chunk)
+            if not t or not self._take(seq, t):
+                if not self.running:  # nothing will free blocks: must not happen when `add` checked
+                    raise KvboundError(f"request {seq.request_id} cannot be scheduled in an empty pool")
+                seq.cache.store.release()
+                seq.cache = None
+                break
+            self.waiting.popleft()
+            seq.status = RUNNING
+            self.running.append(seq)
+            batch.append((seq, t))
+            room -= t
+        if not batch and self.running:  # running prefills all wait for blocks: free some and try again
+            self.preempt(self.running[-1])
+            return self.schedule()
+        self.stats["steps"] += 1
+        return batch
+
+    def _take(self, seq: Sequence, t: int) -> bool:
+        """Reserve the blocks (new and copy-on-write) that feeding t tokens needs, if there are enough."""
+        if self._blocks_needed(seq, t) > self.pool.num_free:
+            return False
+        seq.cache.prepare(t)
+        return True
+
+    def _blocks_needed(self, seq: Sequence, t: int) -> int:
+        cache = seq.cache
+        store = cache.store
+        first = protected_prefix(seq.policy) if seq.bounded else cache._slots_used(0)
+        shared = sum(self.pool.ref[b] > 1 for b in store.blocks[first // self.pool.block_size:])
+        return store.blocks_for(cache.slots_needed(t)) + shared
+
+    def _attach_cache(self, seq: Sequence):
+        """A fresh cache for an admitted sequence, starting from every cached block of its prompt it may
+        share: all full blocks but the one holding the last prompt token (which must be computed to give
+        logits), and for a bounded sequence only blocks inside its protected prefix (it never writes those)."""
+        from .kv_store import PagedStore
+        bs = self.pool.block_size
+        limit = (len(seq.prompt) - 1) // bs
+        if seq.bounded:
+            limit = min(limit, protected_prefix(seq.policy) // bs)
+        hits = self.pool.match_prefix(seq.prompt, limit)
+        seq.cache = self.make_cache(seq.policy, PagedStore(self.pool, hits))
+        if hits:
+            seq.cache.adopt_prefix(len(hits) * bs)
+        seq.published, seq.last_hash = 0, None
+        if seq.preemptions == 0:  # recomputation after a preemption is not a cache hit (vLLM #25780)
+            self.stats["prompt_tokens"] += len(seq.prompt)
+            self.stats["prefix_hit_tokens"] += len(hits) * bs
+
+    def preempt(self, seq: Sequence):
+        self.running.remove(seq)
+        seq.cache.store.release()
+        seq.cache = None
+        seq.status = WAITING
+        seq.preemptions += 1
+        self.stats["preemptions"] += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str):
+        seq.status, seq.finish_reason = FINISHED, reason
+        self.running.remove(seq)
+        seq.cache.store.release()
+        seq.cache = None
+
+    def publish(self, seq: Sequence):
+        """Publish the sequence's full blocks that it will never write again: every full block of an
+        unbounded sequence (it only appends), the blocks of a bounded one's protected prefix."""
+        bs, cache = self.pool.block_size, seq.cache
+        limit = cache.seen if not seq.bounded else min(cache.seen, protected_prefix(seq.policy))
+        tokens = seq.tokens
+        while (seq.published + 1) * bs <= limit:
+            i = seq.published
+            chunk = tokens[i * bs:(i + 1) * bs]
+            seq.last_hash = block_hash(seq.last_hash, chunk)
+            self.pool.publish(cache.store.blocks[i], seq.last_hash, chunk)
+            seq.published += 1
