@@ -1,0 +1,223 @@
+"""Paged engine: block pool, prefix cache, copy-on-write, scheduler (batching, preemption), LLM API."""
+import pytest
+import torch
+
+from kvbound.block_manager import BlockPool, block_hash
+from kvbound.cache import KVCache
+from kvbound.config import KvboundError, ModelConfig
+from kvbound.engine import LLM, LLMEngine
+from kvbound.generate import SamplingParams, generate_ids
+from kvbound.model import CausalLM
+from kvbound.policies import H2OPolicy, parse_policy
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = ModelConfig(arch="LlamaForCausalLM", vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, intermediate_size=96)
+    torch.manual_seed(0)
+    m = CausalLM(cfg).eval()
+    with torch.no_grad():  # sharper logits than the default init, so greedy choices are not near-ties
+        m.lm_head.weight.mul_(8)
+    return m
+
+
+def prompt(seed, n):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def alone(model, ids, policy, params, chunk):
+    cache = KVCache(model.config, policy)
+    return list(generate_ids(model, ids, params, cache, (), chunk))
+
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+POLICIES = [None, "h2o:sink=2,heavy=10,recent=12", "window:budget=20,sink=2",
+            "h2o:sink=2,heavy=8,recent=14,score=ema,granularity=layer", "h2o:sink=2,heavy=9,recent=9,evict_every=3"]
+
+
+def mixed_requests():
+    """Mixed lengths (some prompts longer than their budget, so they evict during prefill) and policies."""
+    lengths = [5, 70, 33, 18, 51, 9, 40, 26]
+    return [(prompt(i, n), POLICIES[i % len(POLICIES)]) for i, n in enumerate(lengths)]
+
+
+def run_engine(model, requests, chunk=16, **kw):
+    llm = LLM(model, prefill_chunk=chunk, **kw)
+    pols = [parse_policy(p) if p else None for _, p in requests]
+    outs = llm.generate([ids for ids, _ in requests], GREEDY, pols, use_tqdm=False)
+    llm.engine.pool.check()
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks, "blocks leaked after all requests finished"
+    return [o.outputs[0].token_ids for o in outs], llm.engine
+
+
+def test_batch_equals_each_sequence_alone(model):
+    reqs = mixed_requests()
+    got, engine = run_engine(model, reqs, num_blocks=256, max_num_batched_tokens=48)
+    for (ids, pol), out in zip(reqs, got):
+        assert out == alone(model, ids, parse_policy(pol) if pol else None, GREEDY, 16), pol
+    assert engine.scheduler.stats["preemptions"] == 0
+
+
+def test_preemption_under_a_small_pool_gives_the_same_outputs(model):
+    reqs = mixed_requests()
+    roomy, _ = run_engine(model, reqs, num_blocks=256, max_num_batched_tokens=48)
+    tight, engine = run_engine(model, reqs, num_blocks=10, block_size=8, max_num_batched_tokens=48)
+    assert engine.scheduler.stats["preemptions"] > 0
+    assert tight == roomy
+
+
+def test_request_that_can_never_fit_is_refused(model):
+    engine = LLMEngine(model, num_blocks=4, block_size=8)
+    with pytest.raises(KvboundError, match="needs 8 blocks"):
+        engine.add_request(prompt(0, 40), SamplingParams(max_tokens=24))
+    with pytest.raises(KvboundError, match="cache bound"):
+        engine.add_request(prompt(0, 10), SamplingParams(max_tokens=1), parse_policy("window:budget=40,sink=2"))
+    with pytest.raises(KvboundError, match="empty"):
+        engine.add_request([], SamplingParams())
+    with pytest.raises(KvboundError, match="token ids"):
+        engine.add_request([VOCAB + 3], SamplingParams())
+    with pytest.raises(KvboundError, match="max_num_batched_tokens"):
+        LLMEngine(model, max_num_batched_tokens=64, prefill_chunk=128)
+
+
+def test_decodes_run_every_step_while_a_long_prompt_is_chunked(model):
+    engine = LLMEngine(model, num_blocks=64, max_num_batched_tokens=16, prefill_chunk=16)
+    short = engine.add_request(prompt(1, 4), SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.step()  # the short prompt is prefilled; it decodes from now on
+    engine.add_request(prompt(2, 120), SamplingParams(max_tokens=2, ignore_eos=True))
+    seen, schedule = [], engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: seen.append(schedule()) or seen[-1]
+    for _ in range(6):
+        engine.step()
+        feeds = {s.request_id: t for s, t in seen[-1]}
+        assert feeds[short] == 1 and sum(feeds.values()) == 16 and len(feeds) == 2
+
+
+def test_prefix_hit_reuses_blocks_and_matches_a_cold_run(model):
+    system = prompt(7, 40)
+    a, b = system + prompt(8, 9), system + prompt(9, 5)
+    engine = LLMEngine(model, num_blocks=64, block_size=8)
+    engine.add_request(a, GREEDY)
+    while engine.has_unfinished():
+        engine.step()
+    engine.pool.check()
+    cold = alone(model, b, None, GREEDY, 512)
+    rid = engine.add_request(b, GREEDY)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert engine.scheduler.stats["prefix_hit_tokens"] == 40  # 5 full blocks of the shared prefix
+    assert [o for o in outs if o.request_id == rid][-1].outputs[0].token_ids == cold
+
+
+def test_logits_after_prefix_hit_equal_cold_logits(model):
+    ids = prompt(3, 37)
+    logits = []
+    for warm in (False, True):
+        engine = LLMEngine(model, num_blocks=32, block_size=8)
+        if warm:
+            engine.add_request(ids[:33] + [1, 2], SamplingParams(max_tokens=1))
+            engine.step()
+        engine.add_request(ids, SamplingParams(max_tokens=1))
+        batch = engine.scheduler.schedule()
+        assert [t for _, t in batch] == ([5] if warm else [37])  # 4 cached blocks of 8; the rest computed
+        logits.append(engine._forward(batch, [0])[0])
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_bounded_sequence_pins_shared_prefix_and_never_writes_it(model):
+    system = prompt(11, 24)
+    pol = H2OPolicy(sink=2, heavy=26, recent=12, pinned=((0, 24),))
+    engine = LLMEngine(model, num_blocks=64, block_size=8, prefill_chunk=16, max_num_batched_tokens=32)
+    engine.add_request(system + prompt(12, 3), SamplingParams(max_tokens=1), pol)
+    while engine.has_unfinished():
+        engine.step()
+    shared = sorted(engine.pool.block_info)
+    assert len(shared) == 3  # the pinned 24 tokens, published by the bounded sequence
+    before = engine.pool.k.clone(), engine.pool.v.clone()
+    ids = system + prompt(13, 50)  # longer than the budget: evicts during prefill and decode
+    rid = engine.add_request(ids, GREEDY, pol)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert engine.scheduler.stats["prefix_hit_tokens"] == 24
+    bs = engine.pool.block_size
+    for b in shared:
+        torch.testing.assert_close(engine.pool.k[:, b * bs:(b + 1) * bs], before[0][:, b * bs:(b + 1) * bs],
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(engine.pool.v[:, b * bs:(b + 1) * bs], before[1][:, b * bs:(b + 1) * bs],
+                                   rtol=0, atol=0)
+    cold = alone(model, ids, pol, GREEDY, 16)
+    assert [o for o in outs if o.request_id == rid][-1].outputs[0].token_ids == cold
+
+
+def test_fork_shares_the_prompt_and_copies_one_block_on_divergence(model):
+    engine = LLMEngine(model, num_blocks=64, block_size=8)
+    ids = prompt(4, 20)  # 2 full blocks + a partial third
+    engine.add_request(ids, SamplingParams(max_tokens=3, n=2, temperature=1.0, seed=5, ignore_eos=True))
+    engine.step()  # prefill, then fork: both completions share the 3 prompt blocks
+    parent, kid = engine.requests["0"]
+    assert parent.cache.store.blocks == kid.cache.store.blocks
+    assert all(engine.pool.ref[b] == 2 for b in parent.cache.store.blocks)
+    engine.step()  # both append into the shared partial block: the first writer copies it
+    assert engine.pool.copies == 1
+    assert parent.cache.store.blocks[:2] == kid.cache.store.blocks[:2]
+    assert parent.cache.store.blocks[2] != kid.cache.store.blocks[2]
+    while engine.has_unfinished():
+        out = engine.step()
+    assert engine.pool.copies == 1 and engine.pool.num_free == engine.pool.num_blocks
+    engine.pool.check()
+    assert [o.index for o in out[0].outputs] == [0, 1]
+
+
+def test_forked_completions_equal_separate_seeded_runs(model):
+    ids = prompt(5, 13)
+    llm = LLM(model, num_blocks=64, block_size=4)
+    p = SamplingParams(max_tokens=10, n=3, temperature=0.9, seed=21, ignore_eos=True)
+    together = llm.generate(ids, p, use_tqdm=False)[0].outputs
+    for i, comp in enumerate(together):
+        one = SamplingParams(max_tokens=10, temperature=0.9, seed=21 + i, ignore_eos=True)
+        assert comp.token_ids == alone(model, ids, None, one, 512)
+    assert len({tuple(c.token_ids) for c in together}) > 1
+
+
+def test_prefix_hash_collision_never_serves_the_wrong_blocks(model, monkeypatch):
+    import kvbound.block_manager as bm
+    monkeypatch.setattr(bm, "block_hash", lambda prev, tokens: 42)  # every block collides
+    import kvbound.scheduler as sch
+    monkeypatch.setattr(sch, "block_hash", bm.block_hash)
+    pool = BlockPool(1, 1, 4, num_blocks=4, block_size=2)
+    b = pool.allocate()
+    pool.publish(b, 42, (1, 2))
+    assert pool.match_prefix([1, 2, 3], 1) == [b]
+    pool.decref(b)
+    assert pool.match_prefix([5, 6, 3], 1) == []  # same hash, other tokens: a miss
+
+
+def test_block_pool_lru_and_refcounts():
+    pool = BlockPool(1, 1, 4, num_blocks=3, block_size=2)
+    a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+    pool.publish(a, block_hash(None, (1, 2)), (1, 2))
+    pool.publish(b, block_hash(None, (3, 4)), (3, 4))
+    pool.free_all([a, b, c])
+    assert pool.num_free == 3
+    assert pool.allocate() == c  # never-published blocks go first; cached ones stay findable
+    assert pool.match_prefix([1, 2], 1) == [a]
+    assert pool.allocate() == b  # then the least recently freed cached block, which loses its hash
+    assert block_hash(None, (3, 4)) not in pool.by_hash and pool.match_prefix([3, 4], 1) == []
+    with pytest.raises(KvboundError, match="exhausted"):
+        pool.allocate()
+    pool.decref(a)
+    with pytest.raises(KvboundError, match="freed more times"):
+        pool.decref(a)
+    pool.check()
+
+
+def test_stream_yields_the_same_tokens_as_generate(model):
+    ids = prompt(6, 12)
+    llm = LLM(model, num_blocks=32)
+    streamed = list(llm.stream(ids, GREEDY))
+    assert streamed == llm.generate(ids, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
