@@ -45,3 +45,12 @@ def test_unknown_architecture_and_malformed_config(tmp_path):
     r = run("info", "--model", bad_dir(tmp_path / "b", {"architectures": ["LlamaForCausalLM"], "hidden_size": 8}))
     assert r.returncode != 0 and "malformed config, missing key" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["bench", "serve", "--rate", "0"], "--rate and --duration must be > 0"),
+    (["bench", "throughput", "--num-blocks", "1", "--input-len", "64"], "but the pool has only 1"),
+])
+def test_bench_bad_input(args, needle):
+    r = run(*args)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr

@@ -96,3 +96,34 @@ def test_eval_ppl_cli_small(tmp_path, smollm, shared_data):
     assert res["strategies"]["baseline"]["delta_pct"] == 0
     assert all(v["ppl"] > 1 for v in res["strategies"].values())
     assert res["config"]["budget"] == 24
+
+
+def test_bench_serve_cli_sized_run(tmp_path):
+    """`kvbound bench serve` on the real model at a low rate: a few seconds, JSON report and timeline plot."""
+    import json
+    import subprocess
+    import sys
+    out, png = tmp_path / "serve.json", tmp_path / "serve.png"
+    r = subprocess.run([sys.executable, "-m", "kvbound.cli", "bench", "serve", "--rate", "3", "--duration", "2",
+                        "--input-len", "16", "--output-len", "6", "--policy", "window", "--budget", "12",
+                        "--json", str(out), "--plot", str(png)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["requests"] == len(res["per_request"]) > 0
+    assert set(res["phases"]) == {"ramp", "steady", "tail"}
+    assert all(q["tokens"] == 6 and q["ttft"] > 0 for q in res["per_request"])
+    assert res["ttft_p50"] <= res["ttft_p99"] and res["steps"] > 0
+    assert png.stat().st_size > 1000 and "TTFT p50" in r.stdout
+
+
+def test_bench_throughput_cli(tmp_path):
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "t.json"
+    r = subprocess.run([sys.executable, "-m", "kvbound.cli", "bench", "throughput", "--num-prompts", "4",
+                        "--input-len", "7", "--output-len", "6", "--num-blocks", "3", "--block-size", "8",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["requests"] == 4 and res["output_tokens_per_s"] > 0 and res["preemptions"] > 0

@@ -94,8 +94,9 @@ def kv_dtype(args, model_dtype):
 
 
 def cmd_generate(args):
-    from .cache import KVCache
-    from .generate import SamplingParams, generate_ids
+    """Through the engine (LLMEngine) with one request; quantized KV (--kv-bits) uses the single-sequence
+    path, since the paged pool stores K/V unquantized."""
+    from .generate import SamplingParams
     from .quant import parse_kv_bits
     from .tokenizer import StreamDecoder
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -105,12 +106,23 @@ def cmd_generate(args):
     model, tok, dtype = load_model(args)
     prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     ids = tok.encode(prompt)
-    cache = KVCache(model.config, policy, device=args.device, dtype=kv_dtype(args, dtype), kv_bits=bits,
-                    kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start)
+    if bits is None:
+        from .engine import LLM
+        need = policy.budget + policy.evict_every if policy.budget is not None else len(ids) + args.max_tokens
+        llm = LLM(model, tokenizer=tok, policy=policy, num_blocks=-(-need // 16), block_size=16,
+                  prefill_chunk=args.prefill_chunk, max_num_batched_tokens=args.prefill_chunk,
+                  kv_dtype=kv_dtype(args, dtype))
+        tokens = llm.stream(ids, params)
+    else:
+        from .cache import KVCache
+        from .generate import generate_ids
+        cache = KVCache(model.config, policy, device=args.device, dtype=kv_dtype(args, dtype), kv_bits=bits,
+                        kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start)
+        tokens = generate_ids(model, ids, params, cache, tok.eos_ids, args.prefill_chunk)
     stream = StreamDecoder(tok)
     if args.echo:
         sys.stdout.write(prompt)
-    for t in generate_ids(model, ids, params, cache, tok.eos_ids, args.prefill_chunk):
+    for t in tokens:
         sys.stdout.write(stream.push(t))
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -169,6 +181,8 @@ def build_parser():
 
     from .evaluate import add_eval_parser
     add_eval_parser(sub)
+    from .bench import add_bench_parser
+    add_bench_parser(sub)
     return ap
 
 
