@@ -221,3 +221,50 @@ def test_stream_yields_the_same_tokens_as_generate(model):
     llm = LLM(model, num_blocks=32)
     streamed = list(llm.stream(ids, GREEDY))
     assert streamed == llm.generate(ids, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("mode", [None, "sum", "normalized", "ema"])
+def test_paged_decode_reference_matches_per_sequence_attend(mode):
+    """The batched CPU path of paged decode attention against `attend` run on each sequence alone."""
+    from kvbound.attention import attend, paged_decode_attention
+    gen = torch.Generator().manual_seed(len(str(mode)))
+    lens, hq, hkv, d, slots = [9, 1, 30], 6, 2, 16, 64
+    q = torch.randn(3, hq, d, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(slots, hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    table = torch.randperm(slots, generator=gen)[:sum(lens)].split(lens)
+    padded = torch.zeros(3, max(lens), dtype=torch.int32)
+    for b, t in enumerate(table):
+        padded[b, :len(t)] = t
+    score0 = torch.rand(3, max(lens), hkv, generator=gen, dtype=torch.float64)
+    score = score0.clone()
+    out = paged_decode_attention(q, k, v, padded, torch.tensor(lens), score=score if mode else None,
+                                 score_mode=mode, ema_decay=0.9)
+    for b, t in enumerate(table):
+        ref, ks = attend(q[b:b + 1], k[t.long()], v[t.long()], None if mode is None else
+                         ("normalized" if mode == "normalized" else "sum"))
+        torch.testing.assert_close(out[b], ref[0])
+        n = lens[b]
+        if mode == "ema":
+            torch.testing.assert_close(score[b, :n], 0.9 * score0[b, :n] + 0.1 * ks, rtol=1e-5, atol=1e-6)
+        elif mode:  # `attend` computes its scores in float32
+            torch.testing.assert_close(score[b, :n], score0[b, :n] + ks, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(score[b, n:], score0[b, n:])  # padding keys untouched
+
+
+def test_batched_groups_carry_the_decode_steps(model, monkeypatch):
+    """The append and evict groups (one call per layer for many sequences) really run, and give each
+    sequence what it gets alone (test_batch_equals_each_sequence_alone checks the tokens)."""
+    from kvbound.runner import StepBatch
+    calls = {"append": 0, "evict": 0}
+    for name in calls:
+        orig = getattr(StepBatch, "_" + name)
+
+        def wrapped(self, layer, q, *a, _orig=orig, _name=name):
+            calls[_name] += q.shape[0]
+            return _orig(self, layer, q, *a)
+        monkeypatch.setattr(StepBatch, "_" + name, wrapped)
+    reqs = mixed_requests()
+    got, _ = run_engine(model, reqs, num_blocks=256, max_num_batched_tokens=48)
+    assert calls["append"] > 0 and calls["evict"] > 0
+    for (ids, pol), out in zip(reqs, got):
+        assert out == alone(model, ids, parse_policy(pol) if pol else None, GREEDY, 16), pol

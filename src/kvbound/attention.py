@@ -48,3 +48,42 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mode: str | 
 def _causal_mask(t: int, n: int, device) -> torch.Tensor:
     """[T, n+T] bool, True where query t may attend key m."""
     return torch.arange(n + t, device=device)[None, :] <= (n + torch.arange(t, device=device))[:, None]
+
+
+def paged_decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=None, score_mode=None,
+                           ema_decay=0.95):
+    """The reference of kernels.decode_attention (same arguments): one query per sequence over the keys at
+    slot_table[b, :ctx_lens[b]] of the pools, GQA; `score` [B, max_len, Hkv] gets this step's probabilities
+    (summed over each KV head's query group) added ("sum"), weighted by the number of keys ("normalized"),
+    or folded in as an EMA ("ema"), for the valid keys only. Returns out [B, Hq, D] in q's dtype."""
+    b, hq, d = q.shape
+    hkv = k_pool.shape[1]
+    g = hq // hkv
+    scale = d ** -0.5 if scale is None else scale
+    idx = slot_table.long()
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 accumulation, as the kernel's
+    k, v = k_pool[idx].to(acc), v_pool[idx].to(acc)  # [B, M, Hkv, D]
+    valid = torch.arange(idx.shape[1], device=q.device)[None, :] < ctx_lens.to(q.device)[:, None]  # [B, M]
+    logits = torch.einsum("bhgd,bmhd->bhgm", q.to(acc).view(b, hkv, g, d), k) * scale
+    probs = logits.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)
+    out = torch.einsum("bhgm,bmhd->bhgd", probs, v).reshape(b, hq, d).to(q.dtype)
+    if score_mode is not None:
+        step = probs.sum(2).transpose(1, 2)  # [B, M, Hkv]
+        if score_mode == "normalized":
+            step = step * ctx_lens.to(step)[:, None, None]
+        if score_mode == "ema":
+            new = score * ema_decay + step * (1 - ema_decay)
+        elif score_mode in ("sum", "normalized"):
+            new = score + step
+        else:
+            raise ValueError(f"unknown score_mode {score_mode!r}")
+        score.copy_(torch.where(valid[:, :, None], new, score))
+    return out
+
+
+def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, **kw):
+    """The one dispatch point for paged decode attention: the Triton kernel on CUDA, the reference elsewhere."""
+    if q.is_cuda:
+        from .kernels import decode_attention as kernel
+        return kernel(q, k_pool, v_pool, slot_table, ctx_lens, **kw)
+    return paged_decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, **kw)

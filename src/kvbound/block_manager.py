@@ -38,6 +38,20 @@ class BlockPool:
         self.by_hash: dict[int, int] = {}  # hash -> block
         self.block_info: dict[int, tuple[int, tuple]] = {}  # block -> (hash, token ids) while published
         self.copies = 0  # copy-on-write copies made (for tests and stats)
+        # every live sequence's block table, one row each, on the pool's device: the batched decode reads
+        # its slot tables from here with one gather per step
+        self.tables = torch.zeros(16, num_blocks, dtype=torch.int32, device=device)
+        self.free_rows = list(range(15, -1, -1))
+
+    def take_row(self) -> int:
+        if not self.free_rows:
+            old = self.tables.shape[0]
+            self.tables = torch.cat([self.tables, torch.zeros_like(self.tables)])
+            self.free_rows = list(range(2 * old - 1, old - 1, -1))
+        return self.free_rows.pop()
+
+    def give_row(self, row: int):
+        self.free_rows.append(row)
 
     # --- accounting -----------------------------------------------------------------------------
     @property

@@ -23,10 +23,13 @@ from .kv_store import make_store
 
 class KVCache:
     def __init__(self, config, policy=None, device="cpu", dtype=torch.float32, kv_bits=None,
-                 kv_group_size: int = 64, quantized_kv_start: int = 0, initial_slots: int = 256, store=None):
+                 kv_group_size: int = 64, quantized_kv_start: int = 0, initial_slots: int = 256, store=None,
+                 meta=None):
         """dtype: the dtype unquantized K/V are stored in (bf16 for a realistic cache; the model's dtype
         for bit-exact comparisons). store: where K/V live (default: a store of this cache's own; the
-        engine passes a PagedStore over its shared block pool, which grows only when `prepare` asks)."""
+        engine passes a PagedStore over its shared block pool, which grows only when `prepare` asks).
+        meta: (pos, score, spare) tensors to use for a bounded cache's metadata, e.g. views of one row of
+        the engine's stacked metadata, so that a batch of such caches can be updated in one operation."""
         self.cfg = config
         self.policy = policy or FullPolicy()
         self.bounded = self.policy.budget is not None
@@ -39,10 +42,20 @@ class KVCache:
             cap = cap if self.bounded else store.capacity
         self.store = store if store is not None else make_store(
             layers, cap, h, config.head_dim, device, dtype, kv_bits, kv_group_size, quantized_kv_start, self.policy)
-        self.pos = torch.full((layers, cap, h), -1, dtype=torch.int32, device=device)  # stream positions
-        self.score = torch.zeros((layers, cap, h), dtype=torch.float32, device=device) if self.policy.score else None
+        if meta is not None and self.bounded:
+            self.pos, self.score, self.spare = meta
+            self.pos.fill_(-1)
+            if self.score is not None:
+                self.score.zero_()
+        else:
+            self.pos = torch.full((layers, cap, h), -1, dtype=torch.int32, device=device)  # stream positions
+            self.score = (torch.zeros((layers, cap, h), dtype=torch.float32, device=device) if self.policy.score
+                          else None)
+            self.spare = torch.zeros((layers, h), dtype=torch.long, device=device)
         self.n = [0] * layers  # live tokens per layer
-        self.spare = [None] * layers  # per layer, once full: each head's free slot (the last victim's)
+        self.meta_row = None  # (StackedMeta, row) when `meta` is a row of the engine's stacked metadata
+        # per layer, once full: each head has a free slot, spare[layer, head] (the last victim's)
+        self.has_spare = [False] * layers
         self.seen = 0  # tokens processed so far: the next token's position
         self.device = device
 
@@ -74,6 +87,14 @@ class KVCache:
             first = protected_prefix(self.policy) if self.bounded else self._slots_used(0)
             self.store.make_private(first // self.store.pool.block_size)
 
+    def release(self):
+        """Give the store's blocks (and a stacked-metadata row) back; the cache is unusable afterwards."""
+        if hasattr(self.store, "release"):
+            self.store.release()
+        if self.meta_row is not None:
+            self.meta_row[0].give(self.meta_row[1])
+            self.meta_row = None
+
     def adopt_prefix(self, t: int):
         """The store's first t slots already hold tokens [0, t) (a prefix-cache hit): take them as processed."""
         if self.seen:
@@ -92,7 +113,9 @@ class KVCache:
             self.store.pool.incref(b)
         child.pos = self.pos.clone()
         child.score = None if self.score is None else self.score.clone()
-        child.n, child.spare = list(self.n), list(self.spare)
+        child.spare = self.spare.clone()
+        child.meta_row = None
+        child.n, child.has_spare = list(self.n), list(self.has_spare)
         return child
 
     # --- called by each attention layer -------------------------------------------------------
@@ -101,7 +124,7 @@ class KVCache:
         t, n, h = k.shape[0], self.n[layer], k.shape[1]
         self._grow(self.slots_needed(t, layer))
         new_pos = positions[:, None].expand(t, h).to(self.pos.dtype)
-        spare = self.spare[layer]
+        spare = self.spare[layer] if self.has_spare[layer] else None
         if spare is not None and t > 1:
             self._densify(layer)
             spare = None
@@ -133,7 +156,7 @@ class KVCache:
         return out
 
     def _slots_used(self, layer):
-        return self.n[layer] + (self.spare[layer] is not None)
+        return self.n[layer] + self.has_spare[layer]
 
     def _score_mode(self):
         if not self.policy.score:
@@ -168,6 +191,7 @@ class KVCache:
         victim = self.policy.victim(pos, None if self.score is None else self.score[layer, :total])
         self.pos[layer, victim, torch.arange(victim.shape[0], device=victim.device)] = -1
         self.spare[layer] = victim
+        self.has_spare[layer] = True
         self.n[layer] = self.budget
 
     def _densify(self, layer):
@@ -178,7 +202,7 @@ class KVCache:
         keep = spare != b
         self._move(layer, heads[keep], last[keep], spare[keep])
         self.pos[layer, b] = -1
-        self.spare[layer] = None
+        self.has_spare[layer] = False
 
     def _update_scores(self, layer, n, key_scores):
         """Add this step's attention to the n cached tokens' scores; return the new tokens' scores."""
@@ -248,11 +272,20 @@ class KVCache:
             self.score = torch.cat([self.score, self.score.new_zeros(self.score.shape[0], extra, self.score.shape[2])], 1)
 
     # --- introspection ------------------------------------------------------------------------
+    def _sync_full_positions(self):
+        """An unbounded cache holds tokens [0, n) in slots [0, n); the engine's batched decode does not
+        write their positions one by one, so introspection fills them in."""
+        if not self.bounded:
+            for layer, n in enumerate(self.n):
+                self.pos[layer, :n] = torch.arange(n, dtype=self.pos.dtype, device=self.pos.device)[:, None]
+
     def kept_positions(self, layer: int, head: int) -> list[int]:
+        self._sync_full_positions()
         return sorted(p for p in self.pos[layer, :self._slots_used(layer), head].tolist() if p >= 0)
 
     def nbytes(self) -> dict:
         """KV bytes actually held for this sequence's tokens (data + scales/biases + scores + positions)."""
+        self._sync_full_positions()
         total = 0
         for layer in range(len(self.n)):
             live = self.pos[layer, :self._slots_used(layer)] >= 0

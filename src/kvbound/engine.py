@@ -16,10 +16,11 @@ import torch
 from tqdm import tqdm
 
 from .block_manager import BlockPool
-from .cache import KVCache, MultiCache
+from .cache import KVCache
 from .config import KvboundError
 from .generate import SamplingParams, sample
 from .policies import FullPolicy
+from .runner import StackedMeta, StepBatch, batchable_policy
 from .scheduler import FINISHED, RUNNING, Scheduler, Sequence
 
 
@@ -59,10 +60,22 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, self._make_cache, max_num_batched_tokens, max_num_seqs, prefill_chunk)
         self.eos_ids = set(tokenizer.eos_ids) if tokenizer is not None else set()
         self.requests: dict[str, list[Sequence]] = {}
+        self.stacked: dict = {}  # policy -> StackedMeta of its bounded caches
         self._ids = itertools.count()
 
     def _make_cache(self, policy, store) -> KVCache:
-        return KVCache(self.model.config, policy, device=self.device, dtype=self.kv_dtype, store=store)
+        meta = None
+        if batchable_policy(policy):
+            if policy not in self.stacked:
+                cfg = self.model.config
+                self.stacked[policy] = StackedMeta(policy, cfg.num_layers, cfg.num_kv_heads,
+                                                   self.scheduler.max_num_seqs + 1, self.device)
+            meta = self.stacked[policy].take()
+        cache = KVCache(self.model.config, policy, device=self.device, dtype=self.kv_dtype, store=store,
+                        meta=None if meta is None else meta[1])
+        if meta is not None:
+            cache.meta_row = (self.stacked[policy], meta[0])
+        return cache
 
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, policy=None,
@@ -100,7 +113,7 @@ class LLMEngine:
     # --- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one batch; returns the requests that got new tokens or finished (finished ones are dropped)."""
-        batch = self.scheduler.schedule()
+        batch = StepBatch.order(self.scheduler.schedule())
         if not batch:
             return []
         sampling = [i for i, (seq, t) in enumerate(batch) if seq.to_feed() == t]
@@ -120,13 +133,11 @@ class LLMEngine:
     def _forward(self, batch, sampling) -> torch.Tensor:
         ids = torch.tensor([tok for seq, t in batch for tok in seq.tokens[seq.cache.seen:seq.cache.seen + t]],
                            device=self.device)
-        multi = MultiCache([seq.cache for seq, _ in batch])
-        lengths = [t for _, t in batch]
-        positions = multi.positions(lengths)
-        ends = list(itertools.accumulate(lengths))
-        logits_at = torch.tensor([ends[i] - 1 for i in sampling], dtype=torch.long)
-        logits = self.model(ids, positions, multi, logits_at=logits_at)
-        multi.advance()
+        step = StepBatch(self.pool, batch)
+        ends = list(itertools.accumulate(t for _, t in batch))
+        logits_at = torch.tensor([ends[i] - 1 for i in sampling], dtype=torch.long, device=self.device)
+        logits = self.model(ids, step.positions(), step, logits_at=logits_at)
+        step.advance()
         return logits
 
     def _fork(self, seq: Sequence) -> list[Sequence]:

@@ -73,7 +73,13 @@ class PagedStore:
     def __init__(self, pool, blocks=()):
         self.pool = pool
         self.blocks = list(blocks)
+        self.row = pool.take_row()  # this sequence's row in pool.tables
+        self._changed()
+
+    def _changed(self):
         self._map = None
+        if self.blocks:
+            self.pool.tables[self.row, :len(self.blocks)] = torch.tensor(self.blocks, dtype=torch.int32)
 
     @property
     def capacity(self):
@@ -82,8 +88,8 @@ class PagedStore:
     def slotmap(self):
         if self._map is None:
             bs = self.pool.block_size
-            b = torch.tensor(self.blocks, dtype=torch.long)
-            self._map = (b[:, None] * bs + torch.arange(bs)).flatten().to(self.pool.k.device)
+            b = self.pool.tables[self.row, :len(self.blocks)].long()
+            self._map = (b[:, None] * bs + torch.arange(bs, device=b.device)).flatten()
         return self._map
 
     def read(self, layer, n):
@@ -120,24 +126,28 @@ class PagedStore:
 
     def grow(self, slots):
         """Take blocks from the pool until `slots` local slots exist (exactly, rounded up to a block)."""
-        for _ in range(self.blocks_for(slots)):
-            self.blocks.append(self.pool.allocate())
-        self._map = None
+        need = self.blocks_for(slots)
+        if need:
+            self.blocks += [self.pool.allocate() for _ in range(need)]
+            self._changed()
         return self.capacity
 
     def make_private(self, first_block: int = 0):
         """Copy-on-write: replace every shared block from `first_block` on by a private copy."""
+        copied = False
         for i in range(first_block, len(self.blocks)):
             b = self.blocks[i]
             if self.pool.ref[b] > 1:
                 self.blocks[i] = self.pool.copy_block(b)
                 self.pool.decref(b)
-                self._map = None
+                copied = True
+        if copied:
+            self._changed()
 
     def release(self):
         self.pool.free_all(self.blocks)
-        self.blocks = []
-        self._map = None
+        self.pool.give_row(self.row)
+        self.blocks, self.row, self._map = [], None, None
 
     def bytes_per_token(self):
         return 2 * self.pool.k.shape[2] * self.pool.k.shape[3] * self.pool.k.element_size()

@@ -65,10 +65,16 @@ def protected_prefix(policy) -> int:
 
 def lowest(pos: torch.Tensor, rank: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
     """Per column, the index of the unprotected token with the lowest rank (the oldest among ties): the one
-    `select_keep` drops when exactly one token must go. Cheaper than sorting, for the decode step."""
+    `select_keep` drops when exactly one token must go. Cheaper than sorting, for the decode step.
+    [M, H] -> [H], or batched [B, M, H] -> [B, H]."""
     key = rank.float().masked_fill(protected, float("inf"))
-    tied = key == key.min(0, keepdim=True).values
-    return torch.where(tied, pos, torch.iinfo(pos.dtype).max).argmin(0)
+    tied = key == key.min(-2, keepdim=True).values
+    return torch.where(tied, pos, torch.iinfo(pos.dtype).max).argmin(-2)
+
+
+def newest(pos: torch.Tensor) -> torch.Tensor:
+    """The newest position held, per sequence: a scalar for [M, H], [B, 1, 1] for a batch [B, M, H]."""
+    return pos.max() if pos.dim() == 2 else pos.flatten(1).amax(1)[:, None, None]
 
 
 def select_keep(pos: torch.Tensor, rank: torch.Tensor, protected: torch.Tensor, budget: int) -> torch.Tensor:
@@ -161,7 +167,7 @@ class H2OPolicy:
         return self.sink + self.heavy + self.recent
 
     def _protected(self, pos):
-        return _protected_base(pos, self.sink, self.pinned) | (pos > pos.max() - self.recent)
+        return _protected_base(pos, self.sink, self.pinned) | (pos > newest(pos) - self.recent)
 
     def keep_mask(self, pos, score):
         return select_keep(pos, score, self._protected(pos), self.budget)

@@ -141,7 +141,7 @@ class Scheduler:
             if not t or not self._take(seq, t):
                 if not self.running:  # nothing will free blocks: must not happen when `add` checked
                     raise KvboundError(f"request {seq.request_id} cannot be scheduled in an empty pool")
-                seq.cache.store.release()
+                seq.cache.release()
                 seq.cache = None
                 break
             self.waiting.popleft()
@@ -189,7 +189,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence):
         self.running.remove(seq)
-        seq.cache.store.release()
+        seq.cache.release()
         seq.cache = None
         seq.status = WAITING
         seq.preemptions += 1
@@ -199,7 +199,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str):
         seq.status, seq.finish_reason = FINISHED, reason
         self.running.remove(seq)
-        seq.cache.store.release()
+        seq.cache.release()
         seq.cache = None
 
     def publish(self, seq: Sequence):

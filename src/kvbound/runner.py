@@ -1,0 +1,167 @@
+"""One engine step on the model: the flat batch, and attention for every sequence in it.
+
+A step's rows are ordered in groups, and each group attends in one call per layer whatever its size:
+  - "append": decodes of unbounded caches. The new token's K/V go to the next slot of each sequence (one
+    scatter into the pool), then one paged decode attention over every sequence's slot table.
+  - "evict": decodes of bounded caches in steady state (each head's spare slot is free) that share one
+    policy. The new token is written into the spare slot, attention exports its scores into the
+    sequences' stacked metadata (`StackedMeta`), and one batched victim choice picks each head's next
+    spare slot: slot replacement for the whole batch, with no per-sequence work.
+  - everything else (prefill pieces, caches still filling): each cache's own `attend`.
+Paged decode attention is the Triton kernel on CUDA and its PyTorch reference elsewhere
+(`attention.decode_attention`).
+"""
+from __future__ import annotations
+
+import torch
+
+from .attention import decode_attention
+
+
+class StackedMeta:
+    """Positions, scores and spare slots of many bounded caches with one policy, one row per cache, so a
+    batch of them is read and updated with one operation per layer. Caches hold views of their row."""
+
+    def __init__(self, policy, layers: int, heads: int, rows: int, device):
+        cap = policy.budget + policy.evict_every
+        self.policy = policy
+        self.pos = torch.full((rows, layers, cap, heads), -1, dtype=torch.int32, device=device)
+        self.score = torch.zeros((rows, layers, cap, heads), device=device) if policy.score else None
+        self.spare = torch.zeros((rows, layers, heads), dtype=torch.long, device=device)
+        self.free = list(range(rows - 1, -1, -1))
+
+    def take(self):
+        """(row, (pos, score, spare) views) or None when every row is in use."""
+        if not self.free:
+            return None
+        r = self.free.pop()
+        return r, (self.pos[r], None if self.score is None else self.score[r], self.spare[r])
+
+    def give(self, row: int):
+        self.free.append(row)
+
+
+def batchable_policy(policy) -> bool:
+    """Bounded policies whose steady-state decode the evict group runs (the kernel exports per-KV-head scores)."""
+    return (policy.budget is not None and policy.evict_every == 1
+            and (policy.score is None or policy.granularity == "kv-head"))
+
+
+def group_of(seq, t: int):
+    if t != 1:
+        return None
+    cache = seq.cache
+    if not cache.bounded:
+        return "append"
+    if cache.meta_row is not None and cache.has_spare[0]:
+        return cache.meta_row[0]  # the StackedMeta of its policy
+    return None
+
+
+class StepBatch:
+    """The cache object the model sees for one step: `attend` splits the flat run by group."""
+
+    def __init__(self, pool, batch):
+        """batch: [(seq, t)] already ordered by `order`."""
+        self.pool = pool
+        self.batch = batch
+        dev = pool.k.device
+        bs = pool.block_size
+        self.groups = []  # (kind, start, end, data)
+        i = 0
+        while i < len(batch):
+            kind = group_of(*batch[i])
+            j = i + 1
+            while kind is not None and j < len(batch) and group_of(*batch[j]) is kind:
+                j += 1
+            seqs = [s for s, _ in batch[i:j]]
+            if kind == "append":
+                lens = [s.cache.n[0] + 1 for s in seqs]
+                new = [s.cache.store.blocks[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, lens)]
+                rows = torch.tensor([s.cache.store.row for s in seqs], device=dev)
+                width = -(-max(lens) // bs)
+                table = (pool.tables[rows, :width][:, :, None] * bs
+                         + torch.arange(bs, device=dev, dtype=torch.int32)).flatten(1)
+                data = dict(new=torch.tensor(new, device=dev), lens=torch.tensor(lens, device=dev, dtype=torch.int32),
+                            table=table)
+            elif kind is not None:
+                meta, cap = kind, kind.pos.shape[2]
+                rows = torch.tensor([s.cache.store.row for s in seqs], device=dev)
+                table = (pool.tables[rows, :-(-cap // bs)][:, :, None] * bs
+                         + torch.arange(bs, device=dev, dtype=torch.int32)).flatten(1)[:, :cap].contiguous()
+                data = dict(meta=meta, rows=torch.tensor([s.cache.meta_row[1] for s in seqs], device=dev),
+                            table=table, lens=torch.full((len(seqs),), cap, device=dev, dtype=torch.int32))
+            else:
+                data = None
+            self.groups.append((kind, i, j, data))
+            i = j
+        self.starts = [0]
+        for _, t in batch:
+            self.starts.append(self.starts[-1] + t)
+
+    @staticmethod
+    def order(batch):
+        """Rows of one group next to each other (groups in order of first appearance), the rest last."""
+        rank = {}
+
+        def key(st):
+            g = group_of(*st)
+            return 1 << 30 if g is None else rank.setdefault(id(g), len(rank))
+        return sorted(batch, key=key)
+
+    def positions(self) -> torch.Tensor:
+        pos = [p for seq, t in self.batch for p in range(seq.cache.seen, seq.cache.seen + t)]
+        return torch.tensor(pos, device=self.pool.k.device)
+
+    def advance(self):
+        for kind, i, j, _ in self.groups:
+            for seq, t in self.batch[i:j]:
+                if kind == "append":
+                    seq.cache.n = [n + 1 for n in seq.cache.n]
+                seq.cache.advance(t)
+
+    def attend(self, layer, q, k, v, positions):
+        outs = []
+        for kind, i, j, data in self.groups:
+            a, b = self.starts[i], self.starts[j]
+            if kind == "append":
+                outs.append(self._append(layer, q[a:b], k[a:b], v[a:b], data))
+            elif kind is not None:
+                outs.append(self._evict(layer, q[a:b], k[a:b], v[a:b], positions[a:b], data))
+            else:
+                for seq, t in self.batch[i:j]:
+                    outs.append(seq.cache.attend(layer, q[a:a + t], k[a:a + t], v[a:a + t], positions[a:a + t]))
+                    a += t
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _append(self, layer, q, k, v, d):
+        kp, vp = self.pool.k[layer], self.pool.v[layer]
+        kp[d["new"]] = k.to(kp.dtype)
+        vp[d["new"]] = v.to(vp.dtype)
+        return decode_attention(q, kp, vp, d["table"], d["lens"])
+
+    def _evict(self, layer, q, k, v, positions, d):
+        meta, rows, table = d["meta"], d["rows"], d["table"]
+        pol = meta.policy
+        kp, vp = self.pool.k[layer], self.pool.v[layer]
+        heads = torch.arange(k.shape[1], device=k.device)[None, :]
+        r = rows[:, None]
+        spare = meta.spare[rows, layer]  # [B, H] local slot each head writes
+        dst = table.gather(1, spare).long()
+        kp[dst, heads] = k.to(kp.dtype)
+        vp[dst, heads] = v.to(vp.dtype)
+        meta.pos[r, layer, spare, heads] = positions[:, None].to(torch.int32)
+        score = None
+        if meta.score is not None:
+            meta.score[r, layer, spare, heads] = 0
+            score = meta.score[rows, layer]
+        out = decode_attention(q, kp, vp, table, d["lens"], score=score,
+                               score_mode=None if score is None else pol.score.replace("cumulative", "sum"),
+                               ema_decay=getattr(pol, "ema_decay", 0.95))
+        if score is not None:
+            meta.score[rows, layer] = score
+        pos = meta.pos[rows, layer]
+        victim = pol.victim(pos, score)
+        meta.pos[r, layer, victim, heads] = -1
+        meta.spare[rows, layer] = victim
+        return out
