@@ -120,18 +120,20 @@ class LLMEngine:
         logits = self._forward(batch, sampling)
         for seq, _ in batch:
             self.scheduler.publish(seq)
+        greedy = logits.argmax(-1).tolist()  # one transfer for every greedy row
         now = time.perf_counter()
         touched = {}
         for row, i in enumerate(sampling):
             seq = batch[i][0]
             group = [seq] + self._fork(seq)
             for s in group:
-                self._append(s, sample(logits[row], s.params, s.generator), now)
+                tok = greedy[row] if s.params.temperature == 0 else sample(logits[row], s.params, s.generator)
+                self._append(s, tok, now)
                 touched[s.request_id] = True
         return [self._output(rid) for rid in touched]
 
     def _forward(self, batch, sampling) -> torch.Tensor:
-        ids = torch.tensor([tok for seq, t in batch for tok in seq.tokens[seq.cache.seen:seq.cache.seen + t]],
+        ids = torch.tensor([tok for seq, t in batch for tok in seq.token_slice(seq.cache.seen, seq.cache.seen + t)],
                            device=self.device)
         step = StepBatch(self.pool, batch)
         ends = list(itertools.accumulate(t for _, t in batch))

@@ -54,6 +54,15 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    def token_slice(self, a: int, b: int) -> list[int]:
+        """tokens[a:b] without building the whole list (a step feeds a few tokens of a long sequence)."""
+        p = len(self.prompt)
+        if b <= p:
+            return self.prompt[a:b]
+        if a >= p:
+            return self.output[a - p:b - p]
+        return self.prompt[a:] + self.output[:b - p]
+
     @property
     def bounded(self) -> bool:
         return self.policy.budget is not None
@@ -207,10 +216,9 @@ class Scheduler:
         unbounded sequence (it only appends), the blocks of a bounded one's protected prefix."""
         bs, cache = self.pool.block_size, seq.cache
         limit = cache.seen if not seq.bounded else min(cache.seen, protected_prefix(seq.policy))
-        tokens = seq.tokens
         while (seq.published + 1) * bs <= limit:
             i = seq.published
-            chunk = tokens[i * bs:(i + 1) * bs]
+            chunk = seq.token_slice(i * bs, (i + 1) * bs)
             seq.last_hash = block_hash(seq.last_hash, chunk)
             self.pool.publish(cache.store.blocks[i], seq.last_hash, chunk)
             seq.published += 1

@@ -1,0 +1,178 @@
+"""Engine throughput on the lent GPU (issue #6), everything side by side in one run.
+
+Random weights in real shapes (cost per token does not depend on weight values); transformers and kvbound
+run the very same weights (kvbound's model is built from the transformers model's state dict).
+
+  offline   N requests of random prompts at once: kvbound's engine against transformers' generate() with
+            one static batch of all N (equal prompt lengths, so no padding) and transformers'
+            continuous batching (generate_batch). Output tokens per second.
+  bounded   4k-token prompts in one fixed KV memory: the full cache against h2o (budget 256). The most
+            sequences each fits at once, and the decode throughput with that many running.
+
+PYTHONPATH=src python benchmarks/engine_throughput.py --shape smollm2 --offline 256 --bounded --out $OUT
+Prints a table last; --out DIR writes engine_<shape>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from kvbound.config import ModelConfig
+from kvbound.engine import LLMEngine
+from kvbound.generate import SamplingParams
+from kvbound.loader import build_model
+from kvbound.policies import FullPolicy, H2OPolicy
+
+SHAPES = {
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=1e5),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, rope_theta=5e5),
+}
+
+
+def models(shape, dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=16384, bos_token_id=None, eos_token_id=None,
+                      pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = LlamaForCausalLM(cfg).to(dtype).eval()
+    ours = build_model(ModelConfig.from_hf({**cfg.to_dict(), "architectures": ["LlamaForCausalLM"]}),
+                       hf.state_dict(), device="cuda", dtype=dtype)
+    return hf, ours
+
+
+def prompts(n, length, vocab, seed=0):
+    return torch.randint(1, vocab, (n, length), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def sync_time():
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def run_engine(model, reqs, out_len, policy=None, num_blocks=None, max_num_seqs=256, mnbt=2048):
+    """Returns (seconds, output tokens, decode tokens/s in all-decode steps, peak running, stats)."""
+    eng = LLMEngine(model, None, policy=policy, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=mnbt, prefill_chunk=512)
+    params = SamplingParams(max_tokens=out_len, ignore_eos=True)
+    for p in reqs:
+        eng.add_request(p, params)
+    peak, dec_tok, dec_s = 0, 0, 0.0
+    t0 = sync_time()
+    while eng.has_unfinished():
+        s0 = time.perf_counter()
+        before = [(s, s.to_feed()) for s in eng.scheduler.running]
+        eng.step()
+        s1 = sync_time()
+        running = len(eng.scheduler.running)
+        peak = max(peak, running)
+        if before and all(f == 1 for _, f in before) and not eng.scheduler.waiting:
+            dec_tok += len(before)
+            dec_s += s1 - s0
+    t1 = sync_time()
+    return t1 - t0, len(reqs) * out_len, dec_tok / dec_s if dec_s else float("nan"), peak, eng.scheduler.stats
+
+
+def run_hf_generate(hf, reqs, out_len):
+    ids = torch.tensor(reqs, device="cuda")
+    t0 = sync_time()
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len, min_new_tokens=out_len,
+                      do_sample=False)
+    t1 = sync_time()
+    return t1 - t0, (out.shape[1] - ids.shape[1]) * ids.shape[0]
+
+
+def run_hf_batch(hf, reqs, out_len):
+    from transformers.generation import GenerationConfig
+    gc = GenerationConfig(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    t0 = sync_time()
+    res = hf.generate_batch(reqs, generation_config=gc, progress_bar=False)
+    t1 = sync_time()
+    return t1 - t0, sum(len(r.generated_tokens) for r in res.values())
+
+
+def warm(model, vocab):
+    run_engine(model, prompts(4, 32, vocab, 99), 4)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=list(SHAPES), default="smollm2")
+    ap.add_argument("--offline", type=int, default=256, help="concurrent requests in the offline run (0: skip)")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--bounded", action="store_true", help="run the h2o vs full at 4k context comparison")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--kv-gib", type=float, default=4.0, help="KV memory of the bounded comparison")
+    ap.add_argument("--bounded-output", type=int, default=64)
+    ap.add_argument("--max-bounded-seqs", type=int, default=256, help="run at most this many of those that fit")
+    ap.add_argument("--skip-hf-batch", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dtype = torch.bfloat16
+    hf, ours = models(args.shape, dtype)
+    vocab = ours.config.vocab_size
+    warm(ours, vocab)
+    rows, res = [], {"shape": args.shape, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if args.offline:
+        import transformers
+        res["transformers"] = transformers.__version__
+        reqs = prompts(args.offline, args.input_len, vocab)
+        blocks = args.offline * -(-(args.input_len + args.output_len) // 16) + 64
+        sec, toks, dec, peak, stats = run_engine(ours, reqs, args.output_len, num_blocks=blocks,
+                                                 max_num_seqs=args.offline)
+        res["kvbound"] = dict(seconds=sec, tokens=toks, tok_s=toks / sec, decode_tok_s=dec, peak=peak)
+        rows.append(("kvbound engine", args.offline, toks / sec, dec, peak))
+        run_hf_generate(hf, reqs[:4], 4)  # warm
+        sec, toks = run_hf_generate(hf, reqs, args.output_len)
+        res["hf_generate"] = dict(seconds=sec, tokens=toks, tok_s=toks / sec)
+        rows.append(("transformers generate()", args.offline, toks / sec, float("nan"), args.offline))
+        if not args.skip_hf_batch:
+            try:
+                run_hf_batch(hf, reqs[:4], 4)
+                sec, toks = run_hf_batch(hf, reqs, args.output_len)
+                res["hf_generate_batch"] = dict(seconds=sec, tokens=toks, tok_s=toks / sec)
+                rows.append(("transformers generate_batch", args.offline, toks / sec, float("nan"), float("nan")))
+            except Exception as e:  # report, do not hide, a peer that fails here
+                res["hf_generate_batch"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+                rows.append((f"generate_batch failed: {type(e).__name__}", args.offline, float("nan"),
+                             float("nan"), float("nan")))
+    del hf
+    torch.cuda.empty_cache()
+    if args.bounded:
+        cfg = ours.config
+        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+        blocks = int(args.kv_gib * 2**30 // (per_token * 16))
+        res["bounded"] = {"kv_gib": args.kv_gib, "blocks": blocks, "context": args.context}
+        for name, pol in [("full", FullPolicy()), ("h2o-256", H2OPolicy(sink=4, heavy=128, recent=124))]:
+            need = -(-(args.context + args.bounded_output) // 16) if pol.budget is None else -(-(pol.budget + 1) // 16)
+            fit = blocks // need
+            n = min(fit, args.max_bounded_seqs)
+            reqs = prompts(n, args.context, vocab, 1)
+            sec, toks, dec, peak, stats = run_engine(ours, reqs, args.bounded_output, policy=pol, num_blocks=blocks,
+                                                     max_num_seqs=n, mnbt=8192)
+            res["bounded"][name] = dict(fit=fit, requests=n, seconds=sec, tok_s=toks / sec, decode_tok_s=dec,
+                                        peak=peak, preemptions=stats["preemptions"])
+            rows.append((f"{args.context}-token prompts, {name}", n, toks / sec, dec, peak))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"engine_{args.shape}.json"), "w") as f:
+            json.dump(res, f, indent=2)
+    print(f"\n{args.shape} on {res['device']}, bf16, random weights; offline: {args.input_len} in / "
+          f"{args.output_len} out")
+    print(f"{'run':<36} {'seqs':>6} {'out tok/s':>10} {'decode tok/s':>13} {'peak running':>13}")
+    for name, n, tps, dec, peak in rows:
+        print(f"{name:<36} {n:>6} {tps:>10.0f} {dec:>13.0f} {peak:>13}")
+    if "hf_generate" in res:
+        print(f"kvbound / generate(): {res['kvbound']['tok_s'] / res['hf_generate']['tok_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
