@@ -98,6 +98,33 @@ def run_hf_batch(hf, reqs, out_len):
     return t1 - t0, sum(len(r.generated_tokens) for r in res.values())
 
 
+def check(shape):
+    """fp32, kernels and graphs on: every request's greedy tokens from the batched engine equal a
+    single-sequence run on the same GPU (per-sequence path, no batching, no graphs)."""
+    from kvbound.cache import KVCache
+    from kvbound.generate import generate_ids
+    from kvbound.policies import WindowPolicy
+    hf, ours = models(shape, torch.float32)
+    del hf
+    vocab = ours.config.vocab_size
+    pols = [None, H2OPolicy(sink=4, heavy=60, recent=64), WindowPolicy(budget=96, sink=4), None,
+            H2OPolicy(sink=4, heavy=60, recent=64, score="ema"), H2OPolicy(sink=2, heavy=40, recent=22)]
+    reqs = [prompts(1, n, vocab, 10 + i)[0] for i, n in enumerate([40, 300, 150, 700, 90, 64])]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    eng = LLMEngine(ours, None, num_blocks=2048, max_num_seqs=16, max_num_batched_tokens=512, prefill_chunk=128)
+    ids = [eng.add_request(r, params, p) for r, p in zip(reqs, pols)]
+    got = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            got[o.request_id] = o.outputs[0].token_ids
+    same = 0
+    for rid, r, p in zip(ids, reqs, pols):
+        ref = list(generate_ids(ours, r, params, KVCache(ours.config, p, device="cuda"), (), 128))
+        same += ref == got[rid]
+    print(f"check ({shape}, fp32): {same}/{len(reqs)} requests give the same greedy tokens batched as alone")
+    return same, len(reqs)
+
+
 def warm(model, vocab):
     run_engine(model, prompts(4, 32, vocab, 99), 4)
 
@@ -115,12 +142,15 @@ def main():
     ap.add_argument("--max-bounded-seqs", type=int, default=256, help="run at most this many of those that fit")
     ap.add_argument("--skip-hf-batch", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--check", action="store_true", help="first compare batched engine outputs with single runs")
     args = ap.parse_args()
     dtype = torch.bfloat16
+    checked = check(args.shape) if args.check else None
     hf, ours = models(args.shape, dtype)
     vocab = ours.config.vocab_size
     warm(ours, vocab)
-    rows, res = [], {"shape": args.shape, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    rows, res = [], {"shape": args.shape, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                     "check": checked}
     if args.offline:
         import transformers
         res["transformers"] = transformers.__version__

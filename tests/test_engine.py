@@ -254,15 +254,15 @@ def test_paged_decode_reference_matches_per_sequence_attend(mode):
 def test_batched_groups_carry_the_decode_steps(model, monkeypatch):
     """The append and evict groups (one call per layer for many sequences) really run, and give each
     sequence what it gets alone (test_batch_equals_each_sequence_alone checks the tokens)."""
-    from kvbound.runner import StepBatch
+    from kvbound.runner import AppendAttention, StepBatch
     calls = {"append": 0, "evict": 0}
-    for name in calls:
-        orig = getattr(StepBatch, "_" + name)
+    for name, cls, meth in [("append", AppendAttention, "attend"), ("evict", StepBatch, "_evict")]:
+        orig = getattr(cls, meth)
 
         def wrapped(self, layer, q, *a, _orig=orig, _name=name):
             calls[_name] += q.shape[0]
             return _orig(self, layer, q, *a)
-        monkeypatch.setattr(StepBatch, "_" + name, wrapped)
+        monkeypatch.setattr(cls, meth, wrapped)
     reqs = mixed_requests()
     got, _ = run_engine(model, reqs, num_blocks=256, max_num_batched_tokens=48)
     assert calls["append"] > 0 and calls["evict"] > 0

@@ -23,9 +23,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mode: str | 
     n = k.shape[0] - t
     scale = d ** -0.5
     mask = None if t == 1 else _causal_mask(t, n, q.device)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None].to(q.dtype), v.transpose(0, 1)[None].to(q.dtype),
-        attn_mask=mask, scale=scale, enable_gqa=hq != hkv)[0].transpose(0, 1)
+    if mask is not None and q.is_cuda:
+        out = _causal_cuda(q, k.to(q.dtype), v.to(q.dtype), n, scale)
+    else:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None].to(q.dtype), v.transpose(0, 1)[None].to(q.dtype),
+            attn_mask=mask, scale=scale, enable_gqa=hq != hkv)[0].transpose(0, 1)
     if score_mode is None:
         return out, None
     # The scores come from the same logits recomputed in fp32; the output stays SDPA's, so a policy that
@@ -43,6 +46,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mode: str | 
     elif score_mode != "sum":
         raise ValueError(f"unknown score_mode {score_mode!r}")
     return out, probs.sum(dim=(1, 2)).transpose(0, 1).contiguous()
+
+
+def _causal_cuda(q, k, v, n, scale):
+    """A prefill chunk on CUDA: a causal mask aligned to the bottom right (the chunk's queries come after
+    n cached keys) instead of a boolean mask, so SDPA can take a fused kernel."""
+    from torch.nn.attention.bias import causal_lower_right
+    t, hq, _ = q.shape
+    g = hq // k.shape[1]
+    qh = q.transpose(0, 1)[None]
+    kh = k.repeat_interleave(g, 1).transpose(0, 1)[None]
+    vh = v.repeat_interleave(g, 1).transpose(0, 1)[None]
+    if n == 0:
+        return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)[0].transpose(0, 1)
+    bias = causal_lower_right(t, n + t)
+    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, scale=scale)[0].transpose(0, 1)
 
 
 def _causal_mask(t: int, n: int, device) -> torch.Tensor:

@@ -20,7 +20,7 @@ from .cache import KVCache
 from .config import KvboundError
 from .generate import SamplingParams, sample
 from .policies import FullPolicy
-from .runner import StackedMeta, StepBatch, batchable_policy
+from .runner import DecodeGraphs, StackedMeta, StepBatch, batchable_policy
 from .scheduler import FINISHED, RUNNING, Scheduler, Sequence
 
 
@@ -46,9 +46,11 @@ class RequestOutput:
 class LLMEngine:
     def __init__(self, model, tokenizer=None, policy=None, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_tokens: int = 16384, max_num_batched_tokens: int = 512, max_num_seqs: int = 256,
-                 prefill_chunk: int = 512, kv_dtype=None):
+                 prefill_chunk: int = 512, kv_dtype=None, cuda_graphs: bool = True, graph_max_len: int = 8192):
         """policy: the default eviction policy of a request (a policy object; FullPolicy when None).
-        The pool holds `num_blocks` blocks of `block_size` tokens (default: kv_cache_tokens / block_size)."""
+        The pool holds `num_blocks` blocks of `block_size` tokens (default: kv_cache_tokens / block_size).
+        On CUDA, decode steps of unbounded caches up to `graph_max_len` tokens replay CUDA graphs captured
+        here for batch sizes up to max_num_seqs (`cuda_graphs=False` runs them eagerly)."""
         cfg = model.config
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
@@ -59,6 +61,9 @@ class LLMEngine:
                               self.device, self.kv_dtype)
         self.scheduler = Scheduler(self.pool, self._make_cache, max_num_batched_tokens, max_num_seqs, prefill_chunk)
         self.eos_ids = set(tokenizer.eos_ids) if tokenizer is not None else set()
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(model, self.pool, max_num_seqs, graph_max_len)
         self.requests: dict[str, list[Sequence]] = {}
         self.stacked: dict = {}  # policy -> StackedMeta of its bounded caches
         self._ids = itertools.count()
@@ -136,6 +141,10 @@ class LLMEngine:
         ids = torch.tensor([tok for seq, t in batch for tok in seq.token_slice(seq.cache.seen, seq.cache.seen + t)],
                            device=self.device)
         step = StepBatch(self.pool, batch)
+        if self.graphs is not None and step.all_append() and self.graphs.fits(batch):
+            logits = self.graphs.run(batch)
+            step.advance()
+            return logits
         ends = list(itertools.accumulate(t for _, t in batch))
         logits_at = torch.tensor([ends[i] - 1 for i in sampling], dtype=torch.long, device=self.device)
         logits = self.model(ids, step.positions(), step, logits_at=logits_at)

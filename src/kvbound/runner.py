@@ -58,6 +58,35 @@ def group_of(seq, t: int):
     return None
 
 
+class AppendAttention:
+    """Decode rows whose caches only append: each new token's K/V go to slot `new[b]` of the pool, then
+    one paged attention over `table[b, :lens[b]]`. Also the cache object of a captured decode graph."""
+
+    def __init__(self, pool, new, lens, table):
+        self.pool, self.new, self.lens, self.table = pool, new, lens, table
+
+    def attend(self, layer, q, k, v, positions=None):
+        kp, vp = self.pool.k[layer], self.pool.v[layer]
+        kp[self.new] = k.to(kp.dtype)
+        vp[self.new] = v.to(vp.dtype)
+        return decode_attention(q, kp, vp, self.table, self.lens)
+
+
+def append_rows(pool, seqs):
+    """(new slots, context lengths, slot-table width in blocks) of append decodes, computed on the host."""
+    bs = pool.block_size
+    lens = [s.cache.n[0] + 1 for s in seqs]
+    new = [s.cache.store.blocks[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, lens)]
+    return new, lens, -(-max(lens) // bs)
+
+
+def expand_table(pool, rows, width_blocks):
+    """Slot tables [B, width_blocks * bs] (int32) from the pool's block tables of `rows`."""
+    bs = pool.block_size
+    return (pool.tables[rows, :width_blocks][:, :, None] * bs
+            + torch.arange(bs, device=pool.tables.device, dtype=torch.int32)).flatten(1)
+
+
 class StepBatch:
     """The cache object the model sees for one step: `attend` splits the flat run by group."""
 
@@ -76,19 +105,15 @@ class StepBatch:
                 j += 1
             seqs = [s for s, _ in batch[i:j]]
             if kind == "append":
-                lens = [s.cache.n[0] + 1 for s in seqs]
-                new = [s.cache.store.blocks[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, lens)]
+                new, lens, width = append_rows(pool, seqs)
                 rows = torch.tensor([s.cache.store.row for s in seqs], device=dev)
-                width = -(-max(lens) // bs)
-                table = (pool.tables[rows, :width][:, :, None] * bs
-                         + torch.arange(bs, device=dev, dtype=torch.int32)).flatten(1)
-                data = dict(new=torch.tensor(new, device=dev), lens=torch.tensor(lens, device=dev, dtype=torch.int32),
-                            table=table)
+                data = AppendAttention(pool, torch.tensor(new, device=dev),
+                                       torch.tensor(lens, device=dev, dtype=torch.int32),
+                                       expand_table(pool, rows, width))
             elif kind is not None:
                 meta, cap = kind, kind.pos.shape[2]
                 rows = torch.tensor([s.cache.store.row for s in seqs], device=dev)
-                table = (pool.tables[rows, :-(-cap // bs)][:, :, None] * bs
-                         + torch.arange(bs, device=dev, dtype=torch.int32)).flatten(1)[:, :cap].contiguous()
+                table = expand_table(pool, rows, -(-cap // bs))[:, :cap].contiguous()
                 data = dict(meta=meta, rows=torch.tensor([s.cache.meta_row[1] for s in seqs], device=dev),
                             table=table, lens=torch.full((len(seqs),), cap, device=dev, dtype=torch.int32))
             else:
@@ -120,12 +145,15 @@ class StepBatch:
                     seq.cache.n = [n + 1 for n in seq.cache.n]
                 seq.cache.advance(t)
 
+    def all_append(self) -> bool:
+        return len(self.groups) == 1 and self.groups[0][0] == "append"
+
     def attend(self, layer, q, k, v, positions):
         outs = []
         for kind, i, j, data in self.groups:
             a, b = self.starts[i], self.starts[j]
             if kind == "append":
-                outs.append(self._append(layer, q[a:b], k[a:b], v[a:b], data))
+                outs.append(data.attend(layer, q[a:b], k[a:b], v[a:b]))
             elif kind is not None:
                 outs.append(self._evict(layer, q[a:b], k[a:b], v[a:b], positions[a:b], data))
             else:
@@ -133,12 +161,6 @@ class StepBatch:
                     outs.append(seq.cache.attend(layer, q[a:a + t], k[a:a + t], v[a:a + t], positions[a:a + t]))
                     a += t
         return torch.cat(outs) if len(outs) > 1 else outs[0]
-
-    def _append(self, layer, q, k, v, d):
-        kp, vp = self.pool.k[layer], self.pool.v[layer]
-        kp[d["new"]] = k.to(kp.dtype)
-        vp[d["new"]] = v.to(vp.dtype)
-        return decode_attention(q, kp, vp, d["table"], d["lens"])
 
     def _evict(self, layer, q, k, v, positions, d):
         meta, rows, table = d["meta"], d["rows"], d["table"]
@@ -165,3 +187,71 @@ class StepBatch:
         meta.pos[r, layer, victim, heads] = -1
         meta.spare[rows, layer] = victim
         return out
+
+
+class DecodeGraphs:
+    """CUDA graphs of whole decode steps whose rows all append (unbounded caches), captured at start-up for
+    batch sizes 1, 2, 4, ... up to max_seqs; a step is padded to the next captured size with rows that write
+    and read one scratch slot. Sequences longer than `max_len` tokens run eagerly."""
+
+    def __init__(self, model, pool, max_seqs: int, max_len: int):
+        self.model, self.pool = model, pool
+        bs, dev = pool.block_size, pool.k.device
+        self.width = -(-max_len // bs)  # table width in blocks
+        self.sizes = [1]
+        while self.sizes[-1] < max_seqs:
+            self.sizes.append(self.sizes[-1] * 2)
+        top = self.sizes[-1]
+        self.scratch_block = pool.allocate()  # padding rows write here; never given back
+        scratch = self.scratch_block * bs
+        self.ids = torch.zeros(top, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(top, dtype=torch.long, device=dev)
+        self.new = torch.full((top,), scratch, dtype=torch.long, device=dev)
+        self.lens = torch.ones(top, dtype=torch.int32, device=dev)
+        self.table = torch.full((top, self.width * bs), scratch, dtype=torch.int32, device=dev)
+        self.graphs, self.logits = {}, {}
+        self.mempool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
+            self._capture(size)
+
+    def _forward(self, size):
+        attn = AppendAttention(self.pool, self.new[:size], self.lens[:size], self.table[:size])
+        return self.model(self.ids[:size], self.pos[:size], attn)
+
+    def _capture(self, size):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile the kernels and settle the allocator outside the graph
+                self._forward(size)
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.mempool):
+            self.logits[size] = self._forward(size)
+        self.graphs[size] = g
+
+    def fits(self, batch) -> bool:
+        return len(batch) <= self.sizes[-1] and all(s.cache.n[0] < self.width * self.pool.block_size
+                                                    for s, _ in batch)
+
+    def run(self, batch) -> torch.Tensor:
+        """Logits [B, vocab] of one all-append decode step; the caches' bookkeeping is the caller's."""
+        b = len(batch)
+        size = next(x for x in self.sizes if x >= b)
+        seqs = [s for s, _ in batch]
+        new, lens, width = append_rows(self.pool, seqs)
+        dev = self.ids.device
+        host = torch.tensor([[s.token_slice(s.cache.seen, s.cache.seen + 1)[0] for s in seqs],
+                             [s.cache.seen for s in seqs], new, lens])
+        host = host.to(dev, non_blocking=True)
+        self.ids[:b], self.pos[:b], self.new[:b] = host[0], host[1], host[2]
+        self.lens[:b] = host[3].to(torch.int32)
+        if size > b:  # padding rows: write and read the scratch slot only
+            scratch = self.scratch_block * self.pool.block_size
+            self.new[b:size] = scratch
+            self.lens[b:size] = 1
+            self.table[b:size, 0] = scratch
+        rows = torch.tensor([s.cache.store.row for s in seqs], device=dev)
+        self.table[:b, :width * self.pool.block_size] = expand_table(self.pool, rows, width)
+        self.graphs[size].replay()
+        return self.logits[size][:b]
