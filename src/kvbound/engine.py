@@ -20,12 +20,13 @@ from .cache import KVCache
 from .config import KvboundError
 from .generate import SamplingParams, sample
 from .policies import FullPolicy
-from .runner import DecodeGraphs, StackedMeta, StepBatch, batchable_policy
+from .runner import DecodeGraphs, appended, StackedMeta, StepBatch, batchable_policy
 from .scheduler import FINISHED, RUNNING, Scheduler, Sequence
 
 
 @dataclass
 class CompletionOutput:
+    """token_ids grows while the request runs; text is set when the request is done."""
     index: int
     token_ids: list[int]
     text: str
@@ -140,11 +141,12 @@ class LLMEngine:
     def _forward(self, batch, sampling) -> torch.Tensor:
         ids = torch.tensor([tok for seq, t in batch for tok in seq.token_slice(seq.cache.seen, seq.cache.seen + t)],
                            device=self.device)
-        step = StepBatch(self.pool, batch)
-        if self.graphs is not None and step.all_append() and self.graphs.fits(batch):
+        if self.graphs is not None and StepBatch.all_append(batch) and self.graphs.fits(batch):
             logits = self.graphs.run(batch)
-            step.advance()
+            for seq, _ in batch:
+                appended(seq.cache)
             return logits
+        step = StepBatch(self.pool, batch)
         ends = list(itertools.accumulate(t for _, t in batch))
         logits_at = torch.tensor([ends[i] - 1 for i in sampling], dtype=torch.long, device=self.device)
         logits = self.model(ids, step.positions(), step, logits_at=logits_at)
@@ -180,11 +182,12 @@ class LLMEngine:
     def _output(self, request_id: str) -> RequestOutput:
         seqs = self.requests[request_id]
         done = all(s.status == FINISHED for s in seqs) and len(seqs) == seqs[0].params.n
-        outs = [CompletionOutput(s.index, list(s.output), self.tokenizer.decode(s.output) if self.tokenizer else "",
-                                 s.finish_reason) for s in seqs]
+        # token lists are the sequences' own (no copy per step); text is decoded once, when the request is done
+        outs = [CompletionOutput(s.index, s.output, self.tokenizer.decode(s.output) if done and self.tokenizer
+                                 else "", s.finish_reason) for s in seqs]
         first = seqs[0]
         out = RequestOutput(request_id, first.prompt, outs, done, first.arrival, first.first_token_time,
-                            list(first.token_times))
+                            first.token_times)
         if done:
             del self.requests[request_id]
         return out

@@ -80,6 +80,12 @@ def append_rows(pool, seqs):
     return new, lens, -(-max(lens) // bs)
 
 
+def appended(cache):
+    """Bookkeeping after an append decode wrote and attended its token in every layer."""
+    cache.n = [n + 1 for n in cache.n]
+    cache.advance(1)
+
+
 def expand_table(pool, rows, width_blocks):
     """Slot tables [B, width_blocks * bs] (int32) from the pool's block tables of `rows`."""
     bs = pool.block_size
@@ -142,11 +148,13 @@ class StepBatch:
         for kind, i, j, _ in self.groups:
             for seq, t in self.batch[i:j]:
                 if kind == "append":
-                    seq.cache.n = [n + 1 for n in seq.cache.n]
-                seq.cache.advance(t)
+                    appended(seq.cache)
+                else:
+                    seq.cache.advance(t)
 
-    def all_append(self) -> bool:
-        return len(self.groups) == 1 and self.groups[0][0] == "append"
+    @staticmethod
+    def all_append(batch) -> bool:
+        return all(group_of(seq, t) == "append" for seq, t in batch)
 
     def attend(self, layer, q, k, v, positions):
         outs = []

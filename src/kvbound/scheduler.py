@@ -166,6 +166,11 @@ class Scheduler:
 
     def _take(self, seq: Sequence, t: int) -> bool:
         """Reserve the blocks (new and copy-on-write) that feeding t tokens needs, if there are enough."""
+        cache = seq.cache
+        if t == 1 and not seq.bounded:  # the common decode: room left in a private last block
+            n, bs = cache.n[0], self.pool.block_size
+            if n < cache.store.capacity and self.pool.ref[cache.store.blocks[n // bs]] == 1:
+                return True
         if self._blocks_needed(seq, t) > self.pool.num_free:
             return False
         seq.cache.prepare(t)
