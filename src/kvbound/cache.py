@@ -147,10 +147,13 @@ class KVCache:
         else:  # a prefill chunk longer than the room left
             kc, vc = self.store.read(layer, n)
             k_in, v_in = self.store.roundtrip(layer, k), self.store.roundtrip(layer, v)
-            out, key_scores = attend(q, torch.cat([kc, k_in.to(kc.dtype)]), torch.cat([vc, v_in.to(vc.dtype)]),
-                                     self._score_mode())
+            cand_k, cand_v = torch.cat([kc, k_in.to(kc.dtype)]), torch.cat([vc, v_in.to(vc.dtype)])
+            out, key_scores = attend(q, cand_k, cand_v, self._score_mode())
             new_score = self._update_scores(layer, n, key_scores)
-            self._evict_and_write(layer, k, v, new_pos, new_score)
+            if getattr(self.store, "exact", False):
+                self._keep_and_rewrite(layer, cand_k, cand_v, new_pos, new_score)
+            else:
+                self._evict_and_write(layer, k, v, new_pos, new_score)
         if hasattr(self.store, "after_insert"):
             self.store.after_insert(layer, self._slots_used(layer), self.pos[layer], int(positions[-1]))
         return out
@@ -232,6 +235,25 @@ class KVCache:
         for head in range(keep.shape[1]):
             movers = keep[b:, head].nonzero().flatten() + b
             self._move(layer, torch.full_like(movers, head), movers, (~keep[:b, head]).nonzero().flatten())
+        self.pos[layer, b:] = -1
+        self.n[layer] = b
+
+    def _keep_and_rewrite(self, layer, cand_k, cand_v, new_pos, new_score):
+        """The same choice as `_evict_and_write` for stores that read back exactly what was written (dense,
+        paged): each head's kept candidates, in stream order, are gathered and written to slots [0, budget)
+        in a few whole-tensor operations (no per-head loop, no host sync). The protected prefix [0, P) is
+        its own gather, so those slots (possibly shared blocks) are not written."""
+        n, b = self.n[layer], self.budget
+        cand_pos = torch.cat([self.pos[layer, :n], new_pos])
+        cand_score = None if self.score is None else torch.cat([self.score[layer, :n], new_score])
+        keep = self.policy.keep_mask(cand_pos, cand_score)
+        order = torch.sort(keep.to(torch.int8), dim=0, descending=True, stable=True).indices[:b]  # [b, H]
+        first = min(protected_prefix(self.policy), n)
+        idx = order[first:, :, None].expand(-1, -1, cand_k.shape[2])
+        self.store.write_range(layer, first, cand_k.gather(0, idx), cand_v.gather(0, idx))
+        self.pos[layer, :b] = cand_pos.gather(0, order)
+        if self.score is not None:
+            self.score[layer, :b] = cand_score.gather(0, order)
         self.pos[layer, b:] = -1
         self.n[layer] = b
 

@@ -10,6 +10,7 @@ import torch
 
 
 class DenseStore:
+    exact = True  # reads back exactly what was written
     def __init__(self, layers, slots, heads, head_dim, device, dtype):
         self.k = torch.zeros(layers, slots, heads, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
@@ -69,6 +70,8 @@ class PagedStore:
     """One sequence's view of the shared block pool (block_manager.BlockPool): local slot j lives in pool
     slot blocks[j // bs] * bs + j % bs. Same methods as DenseStore. Growing takes blocks from the pool;
     `make_private` copies shared blocks before they are written (copy-on-write)."""
+
+    exact = True
 
     def __init__(self, pool, blocks=()):
         self.pool = pool

@@ -7,13 +7,17 @@ A step's rows are ordered in groups, and each group attends in one call per laye
     policy. The new token is written into the spare slot, attention exports its scores into the
     sequences' stacked metadata (`StackedMeta`), and one batched victim choice picks each head's next
     spare slot: slot replacement for the whole batch, with no per-sequence work.
-  - everything else (prefill pieces, caches still filling): each cache's own `attend`.
+  - "fresh": first prefill pieces of unbounded caches, of one length: K/V into their slots, then one
+    batched causal attention.
+  - everything else (later prefill pieces, bounded prefills, caches still filling): each cache's own
+    `attend`.
 Paged decode attention is the Triton kernel on CUDA and its PyTorch reference elsewhere
 (`attention.decode_attention`).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .attention import decode_attention
 
@@ -48,9 +52,10 @@ def batchable_policy(policy) -> bool:
 
 
 def group_of(seq, t: int):
-    if t != 1:
-        return None
     cache = seq.cache
+    if t != 1:
+        # a whole first piece of an unbounded cache: one causal attention with the others of its length
+        return ("fresh", t) if not cache.bounded and cache.n[0] == 0 else None
     if not cache.bounded:
         return "append"
     if cache.meta_row is not None and cache.has_spare[0]:
@@ -107,7 +112,7 @@ class StepBatch:
         while i < len(batch):
             kind = group_of(*batch[i])
             j = i + 1
-            while kind is not None and j < len(batch) and group_of(*batch[j]) is kind:
+            while kind is not None and j < len(batch) and group_of(*batch[j]) == kind:
                 j += 1
             seqs = [s for s, _ in batch[i:j]]
             if kind == "append":
@@ -116,6 +121,10 @@ class StepBatch:
                 data = AppendAttention(pool, torch.tensor(new, device=dev),
                                        torch.tensor(lens, device=dev, dtype=torch.int32),
                                        expand_table(pool, rows, width))
+            elif isinstance(kind, tuple):
+                t = kind[1]
+                rows = torch.tensor([s.cache.store.row for s in seqs], device=dev)
+                data = expand_table(pool, rows, -(-t // bs))[:, :t].flatten().long()  # pool slots of the K/V
             elif kind is not None:
                 meta, cap = kind, kind.pos.shape[2]
                 rows = torch.tensor([s.cache.store.row for s in seqs], device=dev)
@@ -137,7 +146,7 @@ class StepBatch:
 
         def key(st):
             g = group_of(*st)
-            return 1 << 30 if g is None else rank.setdefault(id(g), len(rank))
+            return 1 << 30 if g is None else rank.setdefault(g, len(rank))
         return sorted(batch, key=key)
 
     def positions(self) -> torch.Tensor:
@@ -150,6 +159,8 @@ class StepBatch:
                 if kind == "append":
                     appended(seq.cache)
                 else:
+                    if isinstance(kind, tuple):
+                        seq.cache.n = [t] * len(seq.cache.n)
                     seq.cache.advance(t)
 
     @staticmethod
@@ -162,6 +173,8 @@ class StepBatch:
             a, b = self.starts[i], self.starts[j]
             if kind == "append":
                 outs.append(data.attend(layer, q[a:b], k[a:b], v[a:b]))
+            elif isinstance(kind, tuple):
+                outs.append(self._fresh(layer, q[a:b], k[a:b], v[a:b], kind[1], data))
             elif kind is not None:
                 outs.append(self._evict(layer, q[a:b], k[a:b], v[a:b], positions[a:b], data))
             else:
@@ -169,6 +182,17 @@ class StepBatch:
                     outs.append(seq.cache.attend(layer, q[a:a + t], k[a:a + t], v[a:a + t], positions[a:a + t]))
                     a += t
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _fresh(self, layer, q, k, v, t, slots):
+        """First pieces of t tokens of unbounded caches: K/V into their slots, one batched causal attention."""
+        kp, vp = self.pool.k[layer], self.pool.v[layer]
+        kp[slots] = k.to(kp.dtype)
+        vp[slots] = v.to(vp.dtype)
+        g = q.shape[1] // k.shape[1]
+        qb = q.unflatten(0, (-1, t)).transpose(1, 2)  # [G, Hq, t, D]
+        kb = k.to(q.dtype).unflatten(0, (-1, t)).repeat_interleave(g, 2).transpose(1, 2)
+        vb = v.to(q.dtype).unflatten(0, (-1, t)).repeat_interleave(g, 2).transpose(1, 2)
+        return F.scaled_dot_product_attention(qb, kb, vb, is_causal=True).transpose(1, 2).flatten(0, 1)
 
     def _evict(self, layer, q, k, v, positions, d):
         meta, rows, table = d["meta"], d["rows"], d["table"]
