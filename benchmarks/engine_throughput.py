@@ -111,18 +111,25 @@ def check(shape):
             H2OPolicy(sink=4, heavy=60, recent=64, score="ema"), H2OPolicy(sink=2, heavy=40, recent=22)]
     reqs = [prompts(1, n, vocab, 10 + i)[0] for i, n in enumerate([40, 300, 150, 700, 90, 64])]
     params = SamplingParams(max_tokens=48, ignore_eos=True)
-    eng = LLMEngine(ours, None, num_blocks=2048, max_num_seqs=16, max_num_batched_tokens=512, prefill_chunk=128)
-    ids = [eng.add_request(r, params, p) for r, p in zip(reqs, pols)]
-    got = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            got[o.request_id] = o.outputs[0].token_ids
-    same = 0
-    for rid, r, p in zip(ids, reqs, pols):
-        ref = list(generate_ids(ours, r, params, KVCache(ours.config, p, device="cuda"), (), 128))
-        same += ref == got[rid]
-    print(f"check ({shape}, fp32): {same}/{len(reqs)} requests give the same greedy tokens batched as alone")
-    return same, len(reqs)
+    h2o = H2OPolicy(sink=4, heavy=60, recent=64)
+    runs = {"mixed policies (batched groups)": (reqs, pols),  # the same policy for all: whole steps replay graphs
+            "all h2o (evict graphs)": ([prompts(1, 200 + 37 * i, vocab, 30 + i)[0] for i in range(5)], [h2o] * 5),
+            "all full (append graphs)": ([prompts(1, 50 + 23 * i, vocab, 40 + i)[0] for i in range(5)], [None] * 5)}
+    same = total = 0
+    for name, (rs, ps) in runs.items():
+        eng = LLMEngine(ours, None, num_blocks=2048, max_num_seqs=16, max_num_batched_tokens=512, prefill_chunk=128)
+        ids = [eng.add_request(r, params, p) for r, p in zip(rs, ps)]
+        got = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                got[o.request_id] = o.outputs[0].token_ids
+        ok = sum(list(generate_ids(ours, r, params, KVCache(ours.config, p, device="cuda"), (), 128)) == got[rid]
+                 for rid, r, p in zip(ids, rs, ps))
+        graphs = sorted({str(k if isinstance(k, str) else "evict") + f"x{b}" for k, b in eng.graphs.graphs})
+        print(f"check ({shape}, fp32) {name}: {ok}/{len(rs)} requests give the same greedy tokens batched as "
+              f"alone; graphs {graphs}")
+        same, total = same + ok, total + len(rs)
+    return same, total
 
 
 def warm(model, vocab):

@@ -109,6 +109,7 @@ class KVCache:
         from copy import copy
         child = copy(self)
         child.store = type(self.store)(self.store.pool, self.store.blocks)
+        self.store.private = False
         for b in self.store.blocks:
             self.store.pool.incref(b)
         child.pos = self.pos.clone()

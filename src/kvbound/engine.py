@@ -20,7 +20,7 @@ from .cache import KVCache
 from .config import KvboundError
 from .generate import SamplingParams, sample
 from .policies import FullPolicy
-from .runner import DecodeGraphs, appended, StackedMeta, StepBatch, batchable_policy
+from .runner import DecodeGraphs, after_decode, StackedMeta, StepBatch, batchable_policy
 from .scheduler import FINISHED, RUNNING, Scheduler, Sequence
 
 
@@ -141,10 +141,10 @@ class LLMEngine:
     def _forward(self, batch, sampling) -> torch.Tensor:
         ids = torch.tensor([tok for seq, t in batch for tok in seq.token_slice(seq.cache.seen, seq.cache.seen + t)],
                            device=self.device)
-        if self.graphs is not None and StepBatch.all_append(batch) and self.graphs.fits(batch):
-            logits = self.graphs.run(batch)
+        logits = self.graphs.run(batch) if self.graphs is not None else None
+        if logits is not None:
             for seq, _ in batch:
-                appended(seq.cache)
+                after_decode(seq)
             return logits
         step = StepBatch(self.pool, batch)
         ends = list(itertools.accumulate(t for _, t in batch))

@@ -76,6 +76,7 @@ class PagedStore:
     def __init__(self, pool, blocks=()):
         self.pool = pool
         self.blocks = list(blocks)
+        self.private = False  # set once `make_private` found nothing shared past its first block
         self.row = pool.take_row()  # this sequence's row in pool.tables
         self._changed()
 
@@ -146,6 +147,7 @@ class PagedStore:
                 copied = True
         if copied:
             self._changed()
+        self.private = True
 
     def release(self):
         self.pool.free_all(self.blocks)

@@ -29,9 +29,10 @@ class StackedMeta:
     def __init__(self, policy, layers: int, heads: int, rows: int, device):
         cap = policy.budget + policy.evict_every
         self.policy = policy
-        self.pos = torch.full((rows, layers, cap, heads), -1, dtype=torch.int32, device=device)
-        self.score = torch.zeros((rows, layers, cap, heads), device=device) if policy.score else None
-        self.spare = torch.zeros((rows, layers, heads), dtype=torch.long, device=device)
+        self.pos = torch.full((rows + 1, layers, cap, heads), -1, dtype=torch.int32, device=device)
+        self.score = torch.zeros((rows + 1, layers, cap, heads), device=device) if policy.score else None
+        self.spare = torch.zeros((rows + 1, layers, heads), dtype=torch.long, device=device)
+        self.scratch_row = rows  # the padding rows of a decode graph update this one
         self.free = list(range(rows - 1, -1, -1))
 
     def take(self):
@@ -98,6 +99,54 @@ def expand_table(pool, rows, width_blocks):
             + torch.arange(bs, device=pool.tables.device, dtype=torch.int32)).flatten(1)
 
 
+class EvictAttention:
+    """Steady-state decodes of bounded caches sharing one policy (`StackedMeta`), rows `rows` of it: each
+    head's new token goes into its spare slot, attention exports this step's scores into the stacked
+    scores, and one batched victim choice frees each head's next spare slot. Nothing else moves."""
+
+    def __init__(self, pool, meta, rows, table):
+        self.pool, self.meta, self.rows, self.table = pool, meta, rows, table
+        self.lens = torch.full((table.shape[0],), table.shape[1], dtype=torch.int32, device=table.device)
+
+    def attend(self, layer, q, k, v, positions):
+        meta, rows, table, pol = self.meta, self.rows, self.table, self.meta.policy
+        kp, vp = self.pool.k[layer], self.pool.v[layer]
+        heads = torch.arange(k.shape[1], device=k.device)[None, :]
+        r = rows[:, None]
+        spare = meta.spare[rows, layer]  # [B, H] local slot each head writes
+        dst = table.gather(1, spare).long()
+        kp[dst, heads] = k.to(kp.dtype)
+        vp[dst, heads] = v.to(vp.dtype)
+        meta.pos[r, layer, spare, heads] = positions[:, None].to(torch.int32)
+        score = None
+        if meta.score is not None:
+            meta.score[r, layer, spare, heads] = 0
+            score = meta.score[rows, layer]
+        out = decode_attention(q, kp, vp, table, self.lens, score=score,
+                               score_mode=None if score is None else pol.score.replace("cumulative", "sum"),
+                               ema_decay=getattr(pol, "ema_decay", 0.95))
+        if score is not None:
+            meta.score[rows, layer] = score
+        victim = pol.victim(meta.pos[rows, layer], score)
+        meta.pos[r, layer, victim, heads] = -1
+        meta.spare[rows, layer] = victim
+        return out
+
+
+def evict_table(pool, seqs, cap):
+    """Slot tables [B, cap] of bounded caches: local slot j of row b -> its pool slot."""
+    rows = torch.tensor([s.cache.store.row for s in seqs], device=pool.k.device)
+    return expand_table(pool, rows, -(-cap // pool.block_size))[:, :cap].contiguous()
+
+
+def after_decode(seq):
+    """Bookkeeping of a decode that ran in a batched group (append or evict) or a graph of one."""
+    if seq.cache.bounded:
+        seq.cache.advance(1)
+    else:
+        appended(seq.cache)
+
+
 class StepBatch:
     """The cache object the model sees for one step: `attend` splits the flat run by group."""
 
@@ -126,11 +175,8 @@ class StepBatch:
                 rows = torch.tensor([s.cache.store.row for s in seqs], device=dev)
                 data = expand_table(pool, rows, -(-t // bs))[:, :t].flatten().long()  # pool slots of the K/V
             elif kind is not None:
-                meta, cap = kind, kind.pos.shape[2]
-                rows = torch.tensor([s.cache.store.row for s in seqs], device=dev)
-                table = expand_table(pool, rows, -(-cap // bs))[:, :cap].contiguous()
-                data = dict(meta=meta, rows=torch.tensor([s.cache.meta_row[1] for s in seqs], device=dev),
-                            table=table, lens=torch.full((len(seqs),), cap, device=dev, dtype=torch.int32))
+                data = EvictAttention(pool, kind, torch.tensor([s.cache.meta_row[1] for s in seqs], device=dev),
+                                      evict_table(pool, seqs, kind.pos.shape[2]))
             else:
                 data = None
             self.groups.append((kind, i, j, data))
@@ -156,16 +202,12 @@ class StepBatch:
     def advance(self):
         for kind, i, j, _ in self.groups:
             for seq, t in self.batch[i:j]:
-                if kind == "append":
-                    appended(seq.cache)
+                if kind is not None and not isinstance(kind, tuple):
+                    after_decode(seq)
                 else:
                     if isinstance(kind, tuple):
                         seq.cache.n = [t] * len(seq.cache.n)
                     seq.cache.advance(t)
-
-    @staticmethod
-    def all_append(batch) -> bool:
-        return all(group_of(seq, t) == "append" for seq, t in batch)
 
     def attend(self, layer, q, k, v, positions):
         outs = []
@@ -176,7 +218,7 @@ class StepBatch:
             elif isinstance(kind, tuple):
                 outs.append(self._fresh(layer, q[a:b], k[a:b], v[a:b], kind[1], data))
             elif kind is not None:
-                outs.append(self._evict(layer, q[a:b], k[a:b], v[a:b], positions[a:b], data))
+                outs.append(data.attend(layer, q[a:b], k[a:b], v[a:b], positions[a:b]))
             else:
                 for seq, t in self.batch[i:j]:
                     outs.append(seq.cache.attend(layer, q[a:a + t], k[a:a + t], v[a:a + t], positions[a:a + t]))
@@ -194,96 +236,88 @@ class StepBatch:
         vb = v.to(q.dtype).unflatten(0, (-1, t)).repeat_interleave(g, 2).transpose(1, 2)
         return F.scaled_dot_product_attention(qb, kb, vb, is_causal=True).transpose(1, 2).flatten(0, 1)
 
-    def _evict(self, layer, q, k, v, positions, d):
-        meta, rows, table = d["meta"], d["rows"], d["table"]
-        pol = meta.policy
-        kp, vp = self.pool.k[layer], self.pool.v[layer]
-        heads = torch.arange(k.shape[1], device=k.device)[None, :]
-        r = rows[:, None]
-        spare = meta.spare[rows, layer]  # [B, H] local slot each head writes
-        dst = table.gather(1, spare).long()
-        kp[dst, heads] = k.to(kp.dtype)
-        vp[dst, heads] = v.to(vp.dtype)
-        meta.pos[r, layer, spare, heads] = positions[:, None].to(torch.int32)
-        score = None
-        if meta.score is not None:
-            meta.score[r, layer, spare, heads] = 0
-            score = meta.score[rows, layer]
-        out = decode_attention(q, kp, vp, table, d["lens"], score=score,
-                               score_mode=None if score is None else pol.score.replace("cumulative", "sum"),
-                               ema_decay=getattr(pol, "ema_decay", 0.95))
-        if score is not None:
-            meta.score[rows, layer] = score
-        pos = meta.pos[rows, layer]
-        victim = pol.victim(pos, score)
-        meta.pos[r, layer, victim, heads] = -1
-        meta.spare[rows, layer] = victim
-        return out
-
 
 class DecodeGraphs:
-    """CUDA graphs of whole decode steps whose rows all append (unbounded caches), captured at start-up for
-    batch sizes 1, 2, 4, ... up to max_seqs; a step is padded to the next captured size with rows that write
-    and read one scratch slot. Sequences longer than `max_len` tokens run eagerly."""
+    """CUDA graphs of whole decode steps, one per (group, batch size): steps whose rows all append
+    (unbounded caches), captured at start-up, and steps whose rows all evict under one policy, captured
+    when first seen. Batch sizes are 1, 2, 4, ... up to max_seqs; a step is padded to the next size with
+    rows that write and read one scratch slot (and a scratch metadata row). Unbounded sequences longer
+    than `max_len` tokens, and every other step, run eagerly."""
 
     def __init__(self, model, pool, max_seqs: int, max_len: int):
         self.model, self.pool = model, pool
         bs, dev = pool.block_size, pool.k.device
-        self.width = -(-max_len // bs)  # table width in blocks
+        self.width = -(-max_len // bs)  # append table width in blocks
         self.sizes = [1]
         while self.sizes[-1] < max_seqs:
             self.sizes.append(self.sizes[-1] * 2)
         top = self.sizes[-1]
-        self.scratch_block = pool.allocate()  # padding rows write here; never given back
-        scratch = self.scratch_block * bs
+        self.scratch = pool.allocate() * bs  # padding rows write here; never given back
         self.ids = torch.zeros(top, dtype=torch.long, device=dev)
         self.pos = torch.zeros(top, dtype=torch.long, device=dev)
-        self.new = torch.full((top,), scratch, dtype=torch.long, device=dev)
+        self.new = torch.full((top,), self.scratch, dtype=torch.long, device=dev)
         self.lens = torch.ones(top, dtype=torch.int32, device=dev)
-        self.table = torch.full((top, self.width * bs), scratch, dtype=torch.int32, device=dev)
+        self.table = torch.full((top, self.width * bs), self.scratch, dtype=torch.int32, device=dev)
+        self.evict_buffers = {}  # StackedMeta -> (rows, table)
         self.graphs, self.logits = {}, {}
         self.mempool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
-            self._capture(size)
+            self._capture("append", size)
 
-    def _forward(self, size):
-        attn = AppendAttention(self.pool, self.new[:size], self.lens[:size], self.table[:size])
-        return self.model(self.ids[:size], self.pos[:size], attn)
+    def _attention(self, kind, size):
+        if kind == "append":
+            return AppendAttention(self.pool, self.new[:size], self.lens[:size], self.table[:size])
+        rows, table = self.evict_buffers[kind]
+        return EvictAttention(self.pool, kind, rows[:size], table[:size])
 
-    def _capture(self, size):
+    def _capture(self, kind, size):
+        attn = self._attention(kind, size)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile the kernels and settle the allocator outside the graph
-                self._forward(size)
+                self.model(self.ids[:size], self.pos[:size], attn)
         torch.cuda.current_stream().wait_stream(stream)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.mempool):
-            self.logits[size] = self._forward(size)
-        self.graphs[size] = g
+            self.logits[kind, size] = self.model(self.ids[:size], self.pos[:size], attn)
+        self.graphs[kind, size] = g
 
-    def fits(self, batch) -> bool:
-        return len(batch) <= self.sizes[-1] and all(s.cache.n[0] < self.width * self.pool.block_size
-                                                    for s, _ in batch)
-
-    def run(self, batch) -> torch.Tensor:
-        """Logits [B, vocab] of one all-append decode step; the caches' bookkeeping is the caller's."""
+    def run(self, batch):
+        """Logits [B, vocab] of a decode step that a graph covers, else None. The caller does the caches'
+        bookkeeping (`after_decode`)."""
+        kinds = {group_of(seq, t) for seq, t in batch}
+        kind = kinds.pop() if len(kinds) == 1 else None
         b = len(batch)
-        size = next(x for x in self.sizes if x >= b)
+        if kind is None or isinstance(kind, tuple) or b > self.sizes[-1]:
+            return None
         seqs = [s for s, _ in batch]
-        new, lens, width = append_rows(self.pool, seqs)
+        if kind == "append" and any(s.cache.n[0] >= self.width * self.pool.block_size for s in seqs):
+            return None
+        size = next(x for x in self.sizes if x >= b)
         dev = self.ids.device
-        host = torch.tensor([[s.token_slice(s.cache.seen, s.cache.seen + 1)[0] for s in seqs],
-                             [s.cache.seen for s in seqs], new, lens])
-        host = host.to(dev, non_blocking=True)
-        self.ids[:b], self.pos[:b], self.new[:b] = host[0], host[1], host[2]
-        self.lens[:b] = host[3].to(torch.int32)
-        if size > b:  # padding rows: write and read the scratch slot only
-            scratch = self.scratch_block * self.pool.block_size
-            self.new[b:size] = scratch
-            self.lens[b:size] = 1
-            self.table[b:size, 0] = scratch
-        rows = torch.tensor([s.cache.store.row for s in seqs], device=dev)
-        self.table[:b, :width * self.pool.block_size] = expand_table(self.pool, rows, width)
-        self.graphs[size].replay()
-        return self.logits[size][:b]
+        ids = [s.token_slice(s.cache.seen, s.cache.seen + 1)[0] for s in seqs]
+        if kind == "append":
+            new, lens, width = append_rows(self.pool, seqs)
+            host = torch.tensor([ids, [s.cache.seen for s in seqs], new, lens]).to(dev, non_blocking=True)
+            self.new[:b], self.lens[:b] = host[2], host[3].to(torch.int32)
+            self.new[b:size], self.lens[b:size], self.table[b:size, 0] = self.scratch, 1, self.scratch
+            rows = torch.tensor([s.cache.store.row for s in seqs], device=dev)
+            self.table[:b, :width * self.pool.block_size] = expand_table(self.pool, rows, width)
+        else:
+            if kind not in self.evict_buffers:
+                cap = kind.pos.shape[2]
+                self.evict_buffers[kind] = (
+                    torch.full((self.sizes[-1],), kind.scratch_row, dtype=torch.long, device=dev),
+                    torch.full((self.sizes[-1], cap), self.scratch, dtype=torch.int32, device=dev))
+            rows, table = self.evict_buffers[kind]
+            host = torch.tensor([ids, [s.cache.seen for s in seqs], [s.cache.meta_row[1] for s in seqs]])
+            host = host.to(dev, non_blocking=True)
+            rows[:b], rows[b:size], table[b:size] = host[2], kind.scratch_row, self.scratch
+            table[:b] = evict_table(self.pool, seqs, table.shape[1])
+        self.ids[:b], self.pos[:b] = host[0], host[1]
+        if (kind, size) not in self.graphs:
+            self.ids[b:size] = 0
+            self._capture(kind, size)
+        self.graphs[kind, size].replay()
+        return self.logits[kind, size][:b]

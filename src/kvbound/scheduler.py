@@ -171,6 +171,8 @@ class Scheduler:
             n, bs = cache.n[0], self.pool.block_size
             if n < cache.store.capacity and self.pool.ref[cache.store.blocks[n // bs]] == 1:
                 return True
+        if t == 1 and seq.bounded and cache.store.private and cache.slots_needed(1) <= cache.store.capacity:
+            return True  # a bounded decode within its blocks, none of them shared
         if self._blocks_needed(seq, t) > self.pool.num_free:
             return False
         seq.cache.prepare(t)
