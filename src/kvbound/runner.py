@@ -119,8 +119,8 @@ class EvictAttention:
         vp[dst, heads] = v.to(vp.dtype)
         meta.pos[r, layer, spare, heads] = positions[:, None].to(torch.int32)
         score = None
-        if meta.score is not None:
-            meta.score[r, layer, spare, heads] = 0
+        if meta.score is not None:  # (device scalars: a host scalar cannot be copied in during graph capture)
+            meta.score[r, layer, spare, heads] = meta.score.new_zeros(())
             score = meta.score[rows, layer]
         out = decode_attention(q, kp, vp, table, self.lens, score=score,
                                score_mode=None if score is None else pol.score.replace("cumulative", "sum"),
@@ -128,7 +128,7 @@ class EvictAttention:
         if score is not None:
             meta.score[rows, layer] = score
         victim = pol.victim(meta.pos[rows, layer], score)
-        meta.pos[r, layer, victim, heads] = -1
+        meta.pos[r, layer, victim, heads] = meta.pos.new_full((), -1)
         meta.spare[rows, layer] = victim
         return out
 
