@@ -12,7 +12,9 @@ from engine_throughput import models, prompts, run_engine, sync_time
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--shape", default="smollm2")
-ap.add_argument("--seqs", type=int, default=64)
+ap.add_argument("--seqs", type=int, default=256)
+ap.add_argument("--input-len", type=int, default=128)
+ap.add_argument("--output-len", type=int, default=128)
 ap.add_argument("--policy", default=None)
 args = ap.parse_args()
 hf, ours = models(args.shape, torch.bfloat16)
@@ -21,13 +23,14 @@ pol = None
 if args.policy:
     from kvbound.policies import parse_policy
     pol = parse_policy(args.policy)
-reqs = prompts(args.seqs, 128, ours.config.vocab_size)
+reqs = prompts(args.seqs, args.input_len, ours.config.vocab_size)
 run_engine(ours, reqs[:4], 8, policy=pol)
 pr = cProfile.Profile()
 pr.enable()
 t0 = sync_time()
-out = run_engine(ours, reqs, 64, policy=pol)
+out = run_engine(ours, reqs, args.output_len, policy=pol, max_num_seqs=args.seqs)
 t1 = sync_time()
 pr.disable()
 print("seconds", t1 - t0, "result", out[:4])
-pstats.Stats(pr).sort_stats("tottime").print_stats(22)
+pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+pstats.Stats(pr).sort_stats("cumtime").print_stats(30)

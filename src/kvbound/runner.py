@@ -296,6 +296,15 @@ class DecodeGraphs:
             return None
         size = next(x for x in self.sizes if x >= b)
         dev = self.ids.device
+        if kind != "append" and (kind, size) not in self.graphs:
+            # capture first: its warm-up runs execute, so they must only touch the scratch row and slot
+            if kind not in self.evict_buffers:
+                self.evict_buffers[kind] = (
+                    torch.full((self.sizes[-1],), kind.scratch_row, dtype=torch.long, device=dev),
+                    torch.full((self.sizes[-1], kind.pos.shape[2]), self.scratch, dtype=torch.int32, device=dev))
+            rows, table = self.evict_buffers[kind]
+            rows[:size], table[:size] = kind.scratch_row, self.scratch
+            self._capture(kind, size)
         ids = [s.token_slice(s.cache.seen, s.cache.seen + 1)[0] for s in seqs]
         if kind == "append":
             new, lens, width = append_rows(self.pool, seqs)
@@ -305,19 +314,11 @@ class DecodeGraphs:
             rows = torch.tensor([s.cache.store.row for s in seqs], device=dev)
             self.table[:b, :width * self.pool.block_size] = expand_table(self.pool, rows, width)
         else:
-            if kind not in self.evict_buffers:
-                cap = kind.pos.shape[2]
-                self.evict_buffers[kind] = (
-                    torch.full((self.sizes[-1],), kind.scratch_row, dtype=torch.long, device=dev),
-                    torch.full((self.sizes[-1], cap), self.scratch, dtype=torch.int32, device=dev))
             rows, table = self.evict_buffers[kind]
             host = torch.tensor([ids, [s.cache.seen for s in seqs], [s.cache.meta_row[1] for s in seqs]])
             host = host.to(dev, non_blocking=True)
             rows[:b], rows[b:size], table[b:size] = host[2], kind.scratch_row, self.scratch
             table[:b] = evict_table(self.pool, seqs, table.shape[1])
         self.ids[:b], self.pos[:b] = host[0], host[1]
-        if (kind, size) not in self.graphs:
-            self.ids[b:size] = 0
-            self._capture(kind, size)
         self.graphs[kind, size].replay()
         return self.logits[kind, size][:b]
