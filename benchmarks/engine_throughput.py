@@ -56,7 +56,7 @@ def sync_time():
     return time.perf_counter()
 
 
-def run_engine(model, reqs, out_len, policy=None, num_blocks=None, max_num_seqs=256, mnbt=2048):
+def run_engine(model, reqs, out_len, policy=None, num_blocks=None, max_num_seqs=256, mnbt=8192):
     """Returns (seconds, output tokens, decode tokens/s in all-decode steps, peak running, stats)."""
     eng = LLMEngine(model, None, policy=policy, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=mnbt, prefill_chunk=512)

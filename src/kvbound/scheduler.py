@@ -71,11 +71,14 @@ class Sequence:
         """Tokens not yet in the cache (the last sampled token included)."""
         return len(self.prompt) + len(self.output) - (self.cache.seen if self.cache else 0)
 
-    def next_piece(self, room: int, chunk: int) -> int:
-        """How many tokens to feed now, given `room` left in this step's token budget (0 = wait)."""
+    def next_piece(self, room: int, chunk: int, partial_ok: bool = True) -> int:
+        """How many tokens to feed now, given `room` left in this step's token budget (0 = wait). An
+        unbounded sequence feeds up to `chunk` tokens, fewer only where `partial_ok` (so first pieces of
+        equal prompts stay whole and attend as one batch)."""
         seen, left = (self.cache.seen if self.cache else 0), self.to_feed()
         if not self.bounded:
-            return min(left, room)
+            piece = min(left, chunk)
+            return piece if piece <= room else (room if partial_ok else 0)
         if seen >= len(self.prompt):  # replaying generated tokens: one per step, as decoding fed them
             return 1 if room >= 1 else 0
         piece = min(len(self.prompt), (seen // chunk + 1) * chunk) - seen
@@ -142,11 +145,12 @@ class Scheduler:
                 if t and self._take(seq, t):
                     batch.append((seq, t))
                     room -= t
+        admitted = 0
         while self.waiting and room > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.cache is None:
                 self._attach_cache(seq)
-            t = seq.next_piece(room, self.chunk)
+            t = seq.next_piece(room, self.chunk, partial_ok=not admitted)  # a partial first piece: progress
             if not t or not self._take(seq, t):
                 if not self.running:  # nothing will free blocks: must not happen when `add` checked
                     raise KvboundError(f"request {seq.request_id} cannot be scheduled in an empty pool")
@@ -154,6 +158,7 @@ class Scheduler:
                 seq.cache = None
                 break
             self.waiting.popleft()
+            admitted += 1
             seq.status = RUNNING
             self.running.append(seq)
             batch.append((seq, t))
