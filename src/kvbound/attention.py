@@ -48,6 +48,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mode: str | 
     return out, probs.sum(dim=(1, 2)).transpose(0, 1).contiguous()
 
 
+def fused_sdpa(*args, **kw):
+    """SDPA on CUDA through flash / memory-efficient attention: cuDNN's backend plans each new shape anew
+    (over a millisecond of host time), and prefill pieces come in many shapes."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(*args, **kw)
+
+
 def _causal_cuda(q, k, v, n, scale):
     """A prefill chunk on CUDA: a causal mask aligned to the bottom right (the chunk's queries come after
     n cached keys) instead of a boolean mask, so SDPA can take a fused kernel."""
@@ -58,9 +66,9 @@ def _causal_cuda(q, k, v, n, scale):
     kh = k.repeat_interleave(g, 1).transpose(0, 1)[None]
     vh = v.repeat_interleave(g, 1).transpose(0, 1)[None]
     if n == 0:
-        return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)[0].transpose(0, 1)
+        return fused_sdpa(qh, kh, vh, is_causal=True, scale=scale)[0].transpose(0, 1)
     bias = causal_lower_right(t, n + t)
-    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, scale=scale)[0].transpose(0, 1)
+    return fused_sdpa(qh, kh, vh, attn_mask=bias, scale=scale)[0].transpose(0, 1)
 
 
 def _causal_mask(t: int, n: int, device) -> torch.Tensor:

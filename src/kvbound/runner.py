@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .attention import decode_attention
+from .attention import decode_attention, fused_sdpa
 
 
 class StackedMeta:
@@ -234,7 +234,8 @@ class StepBatch:
         qb = q.unflatten(0, (-1, t)).transpose(1, 2)  # [G, Hq, t, D]
         kb = k.to(q.dtype).unflatten(0, (-1, t)).repeat_interleave(g, 2).transpose(1, 2)
         vb = v.to(q.dtype).unflatten(0, (-1, t)).repeat_interleave(g, 2).transpose(1, 2)
-        return F.scaled_dot_product_attention(qb, kb, vb, is_causal=True).transpose(1, 2).flatten(0, 1)
+        sdpa = fused_sdpa if q.is_cuda else F.scaled_dot_product_attention
+        return sdpa(qb, kb, vb, is_causal=True).transpose(1, 2).flatten(0, 1)
 
 
 class DecodeGraphs:
