@@ -260,7 +260,7 @@ class DecodeGraphs:
         self.lens = torch.ones(top, dtype=torch.int32, device=dev)
         self.table = torch.full((top, self.width * bs), self.scratch, dtype=torch.int32, device=dev)
         self.evict_buffers = {}  # StackedMeta -> (rows, table)
-        self.graphs, self.logits = {}, {}
+        self.graphs, self.logits, self.attn = {}, {}, {}
         self.mempool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
             self._capture("append", size)
@@ -273,6 +273,7 @@ class DecodeGraphs:
 
     def _capture(self, kind, size):
         attn = self._attention(kind, size)
+        self.attn[kind, size] = attn  # the graph reads its tensors (EvictAttention's lens): keep them alive
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
