@@ -139,13 +139,13 @@ class LLMEngine:
         return [self._output(rid) for rid in touched]
 
     def _forward(self, batch, sampling) -> torch.Tensor:
-        ids = torch.tensor([tok for seq, t in batch for tok in seq.token_slice(seq.cache.seen, seq.cache.seen + t)],
-                           device=self.device)
         logits = self.graphs.run(batch) if self.graphs is not None else None
         if logits is not None:
             for seq, _ in batch:
                 after_decode(seq)
             return logits
+        ids = torch.tensor([tok for seq, t in batch for tok in seq.token_slice(seq.cache.seen, seq.cache.seen + t)],
+                           device=self.device)
         step = StepBatch(self.pool, batch)
         ends = list(itertools.accumulate(t for _, t in batch))
         logits_at = torch.tensor([ends[i] - 1 for i in sampling], dtype=torch.long, device=self.device)
