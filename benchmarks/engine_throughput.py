@@ -48,7 +48,7 @@ def models(shape, dtype):
     return hf, ours
 
 
-def steady_decode(model, policy, blocks, context, cap, vocab, steps=32):
+def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=False):
     """As many `context`-token requests as fit in `blocks` (at most `cap`): prefill them all, then time
     `steps` decode steps with every one of them running. Returns fit, running, prefill and decode figures."""
     bs = 16
@@ -65,6 +65,15 @@ def steady_decode(model, policy, blocks, context, cap, vocab, steps=32):
     while eng.scheduler.waiting or any(s.to_feed() > 1 for s in eng.scheduler.running):
         eng.step()
     t1 = sync_time()
+    if profile:  # where a steady decode step's time goes: kernels on the GPU, calls on the host
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(4):
+                eng.step()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=50))
+        t1 = sync_time()
     for _ in range(steps):
         eng.step()
     t2 = sync_time()

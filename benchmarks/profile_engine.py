@@ -10,6 +10,8 @@ import torch
 
 from engine_throughput import models, prompts, run_engine, sync_time
 
+from kvbound.policies import FullPolicy
+
 ap = argparse.ArgumentParser()
 ap.add_argument("--shape", default="smollm2")
 ap.add_argument("--seqs", type=int, default=256)
@@ -18,6 +20,8 @@ ap.add_argument("--output-len", type=int, default=128)
 ap.add_argument("--policy", default=None)
 ap.add_argument("--mnbt", type=int, default=8192)
 ap.add_argument("--torch-profile", action="store_true")
+ap.add_argument("--steady", action="store_true")
+ap.add_argument("--blocks", type=int, default=11650)
 args = ap.parse_args()
 hf, ours = models(args.shape, torch.bfloat16)
 del hf
@@ -26,8 +30,14 @@ if args.policy:
     from kvbound.policies import parse_policy
     pol = parse_policy(args.policy)
 reqs = prompts(args.seqs, args.input_len, ours.config.vocab_size)
-run_engine(ours, reqs[:4], 8, policy=pol)
-if args.torch_profile:  # GPU kernel time by kernel
+if not args.steady:
+    run_engine(ours, reqs[:4], 8, policy=pol)
+if args.steady:  # profile steady decode steps of as many `--context`-token requests as fit (--policy)
+    from engine_throughput import steady_decode
+    r = steady_decode(ours, pol or FullPolicy(), args.blocks, args.input_len, args.seqs, ours.config.vocab_size,
+                      profile=True)
+    print(r)
+elif args.torch_profile:  # GPU kernel time by kernel
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         out = run_engine(ours, reqs, args.output_len, policy=pol, max_num_seqs=args.seqs, mnbt=args.mnbt)
