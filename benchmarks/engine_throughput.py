@@ -75,7 +75,7 @@ def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=50))
         t1 = sync_time()
     for _ in range(steps):
-        eng.step()
+        eng.step(only_finished=True)
     t2 = sync_time()
     running = len(eng.scheduler.running)
     return dict(fit=fit, running=running, prefill_s=t1 - t0, prefill_tok_s=n * context / (t1 - t0),
@@ -103,7 +103,7 @@ def run_engine(model, reqs, out_len, policy=None, num_blocks=None, max_num_seqs=
     while eng.has_unfinished():
         s0 = time.perf_counter()
         before = [(s, s.to_feed()) for s in eng.scheduler.running]
-        eng.step()
+        eng.step(only_finished=True)
         s1 = sync_time()
         running = len(eng.scheduler.running)
         peak = max(peak, running)

@@ -50,7 +50,7 @@ def cmd_throughput(args):
     bar = tqdm(total=args.num_prompts, desc="throughput", unit="req")
     start = time.perf_counter()
     while engine.has_unfinished():
-        outs = engine.step()
+        outs = engine.step(only_finished=True)
         peak = max(peak, len(engine.scheduler.running))
         bar.update(sum(o.finished for o in outs))
     if torch.cuda.is_available() and str(engine.device).startswith("cuda"):

@@ -117,8 +117,9 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # --- one step -------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one batch; returns the requests that got new tokens or finished (finished ones are dropped)."""
+    def step(self, only_finished: bool = False) -> list[RequestOutput]:
+        """Run one batch; returns the requests that got new tokens or finished (finished ones are dropped),
+        or with `only_finished` just the finished ones (cheaper when nobody streams)."""
         batch = StepBatch.order(self.scheduler.schedule())
         if not batch:
             return []
@@ -134,9 +135,9 @@ class LLMEngine:
             group = [seq] + self._fork(seq)
             for s in group:
                 tok = greedy[row] if s.params.temperature == 0 else sample(logits[row], s.params, s.generator)
-                self._append(s, tok, now)
-                touched[s.request_id] = True
-        return [self._output(rid) for rid in touched]
+                if self._append(s, tok, now) or not only_finished:
+                    touched[s.request_id] = True
+        return [out for out in map(self._output, touched) if out.finished or not only_finished]
 
     def _forward(self, batch, sampling) -> torch.Tensor:
         logits = self.graphs.run(batch) if self.graphs is not None else None
@@ -171,13 +172,16 @@ class LLMEngine:
     def _append(self, seq: Sequence, tok: int, now: float):
         if seq.first_token_time is None:
             seq.first_token_time = now
+        """Returns True when the sequence finished."""
         if tok in self.eos_ids and not seq.params.ignore_eos:
             self.scheduler.finish(seq, "stop")
-            return
+            return True
         seq.output.append(tok)
         seq.token_times.append(now)
         if len(seq.output) >= seq.params.max_tokens:
             self.scheduler.finish(seq, "length")
+            return True
+        return False
 
     def _output(self, request_id: str) -> RequestOutput:
         seqs = self.requests[request_id]
@@ -220,10 +224,9 @@ class LLM:
         results = {}
         bar = tqdm(total=n, desc="generate", disable=not use_tqdm, unit="req")
         while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    results[out.request_id] = out
-                    bar.update(1)
+            for out in self.engine.step(only_finished=True):
+                results[out.request_id] = out
+                bar.update(1)
         bar.close()
         return [results[i] for i in ids]
 

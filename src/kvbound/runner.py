@@ -88,7 +88,7 @@ def append_rows(pool, seqs):
 
 def appended(cache):
     """Bookkeeping after an append decode wrote and attended its token in every layer."""
-    cache.n = [n + 1 for n in cache.n]
+    cache.n = [cache.n[0] + 1] * len(cache.n)  # every layer appended one token
     cache.advance(1)
 
 

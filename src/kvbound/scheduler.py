@@ -126,8 +126,12 @@ class Scheduler:
         """Pick this step's (sequence, tokens to feed); reserves blocks for them."""
         batch: list[tuple[Sequence, int]] = []
         room = self.max_tokens_per_step
+        prefills = []
         for seq in list(self.running):  # decodes first
-            if seq.status != RUNNING or seq.to_feed() != 1:
+            if seq.status != RUNNING:
+                continue
+            if seq.to_feed() != 1:
+                prefills.append(seq)
                 continue
             while not self._take(seq, 1):
                 victim = self.running[-1]
@@ -137,10 +141,10 @@ class Scheduler:
             if seq.status == RUNNING:
                 batch.append((seq, 1))
                 room -= 1
-        for seq in self.running:  # then prefills (and replays) already under way
+        for seq in prefills:  # then prefills (and replays) already under way
             if room <= 0:
                 break
-            if seq.to_feed() > 1:
+            if seq.status == RUNNING:
                 t = seq.next_piece(room, self.chunk)
                 if t and self._take(seq, t):
                     batch.append((seq, t))
