@@ -50,8 +50,9 @@ class LLMEngine:
                  prefill_chunk: int = 512, kv_dtype=None, cuda_graphs: bool = True, graph_max_len: int = 8192):
         """policy: the default eviction policy of a request (a policy object; FullPolicy when None).
         The pool holds `num_blocks` blocks of `block_size` tokens (default: kv_cache_tokens / block_size).
-        On CUDA, decode steps of unbounded caches up to `graph_max_len` tokens replay CUDA graphs captured
-        here for batch sizes up to max_num_seqs (`cuda_graphs=False` runs them eagerly)."""
+        On CUDA, whole decode steps replay CUDA graphs for batch sizes up to max_num_seqs: those of unbounded
+        caches (up to `graph_max_len` tokens) and of the default policy are captured here, those of other
+        bounded policies when first seen (`cuda_graphs=False` runs them eagerly)."""
         cfg = model.config
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
@@ -62,21 +63,24 @@ class LLMEngine:
                               self.device, self.kv_dtype)
         self.scheduler = Scheduler(self.pool, self._make_cache, max_num_batched_tokens, max_num_seqs, prefill_chunk)
         self.eos_ids = set(tokenizer.eos_ids) if tokenizer is not None else set()
-        self.graphs = None
-        if cuda_graphs and self.device.type == "cuda":
-            self.graphs = DecodeGraphs(model, self.pool, max_num_seqs, graph_max_len)
         self.requests: dict[str, list[Sequence]] = {}
         self.stacked: dict = {}  # policy -> StackedMeta of its bounded caches
         self._ids = itertools.count()
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(model, self.pool, max_num_seqs, graph_max_len)
+            if batchable_policy(self.default_policy):  # the default policy's evict graphs, pre-warmed too
+                self.graphs.capture_evict(self._stacked(self.default_policy))
+
+    def _stacked(self, policy) -> StackedMeta:
+        if policy not in self.stacked:
+            cfg = self.model.config
+            self.stacked[policy] = StackedMeta(policy, cfg.num_layers, cfg.num_kv_heads,
+                                               self.scheduler.max_num_seqs + 1, self.device)
+        return self.stacked[policy]
 
     def _make_cache(self, policy, store) -> KVCache:
-        meta = None
-        if batchable_policy(policy):
-            if policy not in self.stacked:
-                cfg = self.model.config
-                self.stacked[policy] = StackedMeta(policy, cfg.num_layers, cfg.num_kv_heads,
-                                                   self.scheduler.max_num_seqs + 1, self.device)
-            meta = self.stacked[policy].take()
+        meta = self._stacked(policy).take() if batchable_policy(policy) else None
         cache = KVCache(self.model.config, policy, device=self.device, dtype=self.kv_dtype, store=store,
                         meta=None if meta is None else meta[1])
         if meta is not None:

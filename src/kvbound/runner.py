@@ -285,6 +285,19 @@ class DecodeGraphs:
             self.logits[kind, size] = self.model(self.ids[:size], self.pos[:size], attn)
         self.graphs[kind, size] = g
 
+    def capture_evict(self, meta, sizes=None):
+        """Capture the evict graphs of one policy's stacked metadata (all batch sizes by default). Their
+        warm-up runs execute, so the buffers point at the scratch row and slot while capturing."""
+        dev = self.ids.device
+        if meta not in self.evict_buffers:
+            self.evict_buffers[meta] = (
+                torch.full((self.sizes[-1],), meta.scratch_row, dtype=torch.long, device=dev),
+                torch.full((self.sizes[-1], meta.pos.shape[2]), self.scratch, dtype=torch.int32, device=dev))
+        rows, table = self.evict_buffers[meta]
+        for size in sorted(sizes or self.sizes, reverse=True):
+            rows[:size], table[:size] = meta.scratch_row, self.scratch
+            self._capture(meta, size)
+
     def run(self, batch):
         """Logits [B, vocab] of a decode step that a graph covers, else None. The caller does the caches'
         bookkeeping (`after_decode`)."""
@@ -299,14 +312,7 @@ class DecodeGraphs:
         size = next(x for x in self.sizes if x >= b)
         dev = self.ids.device
         if kind != "append" and (kind, size) not in self.graphs:
-            # capture first: its warm-up runs execute, so they must only touch the scratch row and slot
-            if kind not in self.evict_buffers:
-                self.evict_buffers[kind] = (
-                    torch.full((self.sizes[-1],), kind.scratch_row, dtype=torch.long, device=dev),
-                    torch.full((self.sizes[-1], kind.pos.shape[2]), self.scratch, dtype=torch.int32, device=dev))
-            rows, table = self.evict_buffers[kind]
-            rows[:size], table[:size] = kind.scratch_row, self.scratch
-            self._capture(kind, size)
+            self.capture_evict(kind, [size])
         ids = [s.token_slice(s.cache.seen, s.cache.seen + 1)[0] for s in seqs]
         if kind == "append":
             new, lens, width = append_rows(self.pool, seqs)
