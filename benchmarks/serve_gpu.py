@@ -1,0 +1,53 @@
+"""`kvbound bench serve` on the lent GPU with random weights in SmolLM2's shape (issue #6).
+
+The real checkpoint cannot travel to the GPU machine in one call, and cost per token does not depend on
+weight values, so this writes a Hugging Face directory with random weights and a stand-in tokenizer
+(prompts are random token ids anyway), then runs the CLI on it exactly as a user would.
+
+PYTHONPATH=src python benchmarks/serve_gpu.py --out $OUT -- --rate 100 --duration 20
+Everything after `--` goes to `kvbound bench serve`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+from tokenizers import Tokenizer, models
+
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=1e5,
+               max_position_embeddings=8192)
+
+
+def random_model_dir(path: str) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**SMOLLM2)).to(torch.bfloat16).save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(SMOLLM2["vocab_size"])}
+    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "t2"}, f)
+    return path
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--name", default="serve_smollm2")
+    args, rest = ap.parse_known_args()
+    rest = [a for a in rest if a != "--"]
+    from kvbound.cli import main as cli
+    with tempfile.TemporaryDirectory() as d:
+        random_model_dir(d)
+        os.makedirs(args.out, exist_ok=True)
+        rc = cli(["bench", "serve", "--model", d, "--json", os.path.join(args.out, args.name + ".json"),
+                  "--plot", os.path.join(args.out, args.name + ".png"), *rest])
+    sys.exit(rc)
+
+
+if __name__ == "__main__":
+    main()
