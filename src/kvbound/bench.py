@@ -232,4 +232,4 @@ def add_engine_args(p):
                    "--kv-cache-tokens / --block-size)")
     g.add_argument("--kv-cache-tokens", type=_positive_int, default=16384)
     g.add_argument("--max-num-seqs", type=_positive_int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=512)
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)

@@ -46,7 +46,7 @@ class RequestOutput:
 
 class LLMEngine:
     def __init__(self, model, tokenizer=None, policy=None, block_size: int = 16, num_blocks: int | None = None,
-                 kv_cache_tokens: int = 16384, max_num_batched_tokens: int = 512, max_num_seqs: int = 256,
+                 kv_cache_tokens: int = 16384, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                  prefill_chunk: int = 512, kv_dtype=None, cuda_graphs: bool = True, graph_max_len: int = 8192):
         """policy: the default eviction policy of a request (a policy object; FullPolicy when None).
         The pool holds `num_blocks` blocks of `block_size` tokens (default: kv_cache_tokens / block_size).

@@ -23,7 +23,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        if x.dtype == torch.float32:  # one fused op (same math as below)
+        if x.dtype == torch.float32 or x.is_cuda:  # one fused op (fp32 accumulation, as below)
             return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
