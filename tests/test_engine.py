@@ -67,6 +67,8 @@ def test_preemption_under_a_small_pool_gives_the_same_outputs(model):
     tight, engine = run_engine(model, reqs, num_blocks=10, block_size=8, max_num_batched_tokens=48)
     assert engine.scheduler.stats["preemptions"] > 0
     assert tight == roomy
+    # a recomputed prompt is counted once: neither its tokens nor its blocks found again count twice
+    assert engine.scheduler.stats["prompt_tokens"] == sum(len(ids) for ids, _ in reqs)
 
 
 def test_request_that_can_never_fit_is_refused(model):

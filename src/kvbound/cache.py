@@ -260,7 +260,7 @@ class KVCache:
 
     def _evict_and_write(self, layer, k, v, new_pos, new_score):
         """General path: keep `budget` of the n cached + T new tokens; fill slots [0, budget) densely."""
-        n, t, h, b = self.n[layer], k.shape[0], k.shape[1], self.budget
+        n, h, b = self.n[layer], k.shape[1], self.budget
         cand_pos = torch.cat([self.pos[layer, :n], new_pos])
         cand_score = None if self.score is None else torch.cat([self.score[layer, :n], new_score])
         keep = self.policy.keep_mask(cand_pos, cand_score)

@@ -47,6 +47,7 @@ class Sequence:
     published: int = 0  # leading blocks published to the prefix cache
     last_hash: int | None = None
     forked: bool = False  # the n - 1 siblings have been made
+    hit_tokens: int = 0  # prompt tokens found in the prefix cache at the last admission
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
 
@@ -163,6 +164,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             admitted += 1
+            if seq.preemptions == 0:  # counted once: recomputation after a preemption is no hit (vLLM #25780)
+                self.stats["prompt_tokens"] += len(seq.prompt)
+                self.stats["prefix_hit_tokens"] += seq.hit_tokens
             seq.status = RUNNING
             self.running.append(seq)
             batch.append((seq, t))
@@ -208,9 +212,7 @@ class Scheduler:
         if hits:
             seq.cache.adopt_prefix(len(hits) * bs)
         seq.published, seq.last_hash = 0, None
-        if seq.preemptions == 0:  # recomputation after a preemption is not a cache hit (vLLM #25780)
-            self.stats["prompt_tokens"] += len(seq.prompt)
-            self.stats["prefix_hit_tokens"] += len(hits) * bs
+        seq.hit_tokens = len(hits) * bs
 
     def preempt(self, seq: Sequence):
         self.running.remove(seq)
