@@ -84,8 +84,12 @@ class KVCache:
         pinned spans from position 0, e.g. a cached system prompt), so those blocks stay shared."""
         self._grow(self.slots_needed(t))
         if hasattr(self.store, "make_private"):
-            first = protected_prefix(self.policy) if self.bounded else self._slots_used(0)
-            self.store.make_private(first // self.store.pool.block_size)
+            self.store.make_private(self.writable_from() // self.store.pool.block_size)
+
+    def writable_from(self) -> int:
+        """The first local slot the next step may write: past the protected prefix of a bounded cache,
+        the next free slot of an unbounded one (it only appends)."""
+        return protected_prefix(self.policy) if self.bounded else self._slots_used(0)
 
     def release(self):
         """Give the store's blocks (and a stacked-metadata row) back; the cache is unusable afterwards."""

@@ -194,8 +194,7 @@ class Scheduler:
     def _blocks_needed(self, seq: Sequence, t: int) -> int:
         cache = seq.cache
         store = cache.store
-        first = protected_prefix(seq.policy) if seq.bounded else cache._slots_used(0)
-        shared = sum(self.pool.ref[b] > 1 for b in store.blocks[first // self.pool.block_size:])
+        shared = sum(self.pool.ref[b] > 1 for b in store.blocks[cache.writable_from() // self.pool.block_size:])
         return store.blocks_for(cache.slots_needed(t)) + shared
 
     def _attach_cache(self, seq: Sequence):
