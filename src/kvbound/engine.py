@@ -173,10 +173,10 @@ class LLMEngine:
             kids.append(kid)
         return kids
 
-    def _append(self, seq: Sequence, tok: int, now: float):
+    def _append(self, seq: Sequence, tok: int, now: float) -> bool:
+        """Take one sampled token; returns True when the sequence finished."""
         if seq.first_token_time is None:
             seq.first_token_time = now
-        """Returns True when the sequence finished."""
         if tok in self.eos_ids and not seq.params.ignore_eos:
             self.scheduler.finish(seq, "stop")
             return True
@@ -235,7 +235,8 @@ class LLM:
         return [results[i] for i in ids]
 
     def stream(self, prompt, params: SamplingParams | None = None, policy=None) -> Iterator[int]:
-        """Token ids of one completion as they are generated (other requests in the engine keep running)."""
+        """Token ids of one completion as they are generated. Requests added to `self.engine` by hand keep
+        running meanwhile; their outputs are not collected here."""
         rid = self.engine.add_request(prompt, params, policy)
         sent = 0
         while True:
