@@ -112,3 +112,22 @@ def test_store_kv_matches_reference_quantizer(bits):
         for h in range(3):
             if s * 3 + h not in written:
                 assert (pool[s, h] == 99).all()  # nothing else touched
+
+
+@pytest.mark.parametrize("dtype, d", [(torch.float32, 64), (torch.bfloat16, 128), (torch.float32, 48)])
+def test_rope_inplace_matches_apply_rope(dtype, d):
+    from kvbound.kernels import rope_inplace
+    from kvbound.model import apply_rope
+    gen = torch.Generator().manual_seed(d)
+    t, hq, hkv = 7, 6, 2
+    qkv = torch.randn(t, hq + 2 * hkv, d, generator=gen).to(dtype)
+    pos = torch.randint(0, 5000, (t,), generator=gen).float()
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = pos[:, None] * inv[None]
+    cos, sin = freqs.cos(), freqs.sin()
+    want = apply_rope(qkv[:, :hq + hkv], cos, sin)
+    got = qkv.clone().to(DEV)
+    rope_inplace(got, cos.to(DEV), sin.to(DEV), hq + hkv)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got[:, :hq + hkv].cpu(), want, **tol)
+    assert torch.equal(got[:, hq + hkv:].cpu(), qkv[:, hq + hkv:])  # v heads untouched

@@ -277,3 +277,26 @@ def store_kv(x, slots, pool, scale=None, bias=None, bits=16, group=64):
     _store_kernel[(t, h)](x, slots, pool, scale if scale is not None else pool, bias if bias is not None else pool,
                           x.stride(0), x.stride(1), slots.stride(0), pool.stride(0), pool.stride(1), ps[0], ps[1],
                           D=d, BITS=bits, GS=group)
+
+
+@triton.jit
+def _rope_kernel(X, Cos, Sin, stride_xt, stride_xh, stride_ct, HALF: tl.constexpr, HALF_P: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs = tl.arange(0, HALF_P)
+    m = offs < HALF
+    p = X + t * stride_xt + h * stride_xh + offs
+    x1 = tl.load(p, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(p + HALF, mask=m, other=0.0).to(tl.float32)
+    c = tl.load(Cos + t * stride_ct + offs, mask=m, other=0.0)
+    s = tl.load(Sin + t * stride_ct + offs, mask=m, other=0.0)
+    tl.store(p, (x1 * c - x2 * s).to(X.dtype.element_ty), mask=m)
+    tl.store(p + HALF, (x2 * c + x1 * s).to(X.dtype.element_ty), mask=m)
+
+
+def rope_inplace(x, cos, sin, heads: int):
+    """Rotate the first `heads` heads of x [T, H, D] in place (rotate-half RoPE, fp32 math, as
+    model.apply_rope): one launch for the q and k heads of a fused qkv projection, no copies."""
+    t, _, d = x.shape
+    _rope_kernel[(t, heads)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0),
+                             HALF=d // 2, HALF_P=triton.next_power_of_2(d // 2))

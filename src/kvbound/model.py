@@ -72,12 +72,19 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, positions, cache):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], -1)
-        q, k, v = q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        qk = apply_rope(torch.cat([q, k], 1), cos, sin)  # one rotation for q and k heads
-        q, k = qk[:, :self.h], qk[:, self.h:]
+        qkv = self.qkv_proj(x)
+        if x.is_cuda and not self.qk_norm:  # rotate q and k in place inside the projection's output: one kernel
+            from .kernels import rope_inplace
+            heads = qkv.view(t, -1, self.d)
+            rope_inplace(heads, cos, sin, self.h + self.hkv)
+            q, k, v = heads.split([self.h, self.hkv, self.hkv], 1)
+        else:
+            q, k, v = qkv.split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], -1)
+            q, k, v = q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            qk = apply_rope(torch.cat([q, k], 1), cos, sin)  # one rotation for q and k heads
+            q, k = qk[:, :self.h], qk[:, self.h:]
         out = cache.attend(self.layer, q, k, v, positions)
         return self.o_proj(out.reshape(t, self.h * self.d))
 
