@@ -50,6 +50,9 @@ def test_unknown_architecture_and_malformed_config(tmp_path):
 @pytest.mark.parametrize("args, needle", [
     (["bench", "serve", "--rate", "0"], "--rate and --duration must be > 0"),
     (["bench", "throughput", "--num-blocks", "1", "--input-len", "64"], "but the pool has only 1"),
+    (["bench", "throughput", "--kv-bits", "8"], "stores K/V unquantized"),
+    (["bench", "serve", "--policy", "window", "--budget", "4"], "must be < budget (4)"),
+    (["bench", "throughput", "--prefill-chunk", "4096"], "must be >= prefill_chunk"),
 ])
 def test_bench_bad_input(args, needle):
     r = run(*args)

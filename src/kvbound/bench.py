@@ -24,11 +24,21 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return torch.randint(0, vocab, (n, length), generator=gen).tolist()
 
 
-def make_engine(args, model, tok):
+def engine_policy(args):
+    """The engine's default policy, checked before the model loads; options the engine cannot honour fail."""
     from .cli import make_policy
-    return LLMEngine(model, tok, policy=make_policy(args), block_size=args.block_size, num_blocks=args.num_blocks,
+    if args.kv_bits is not None:
+        raise KvboundError(f"--kv-bits {args.kv_bits}: the engine's block pool stores K/V unquantized "
+                           "(quantized KV runs through `kvbound generate` / `kvbound eval`)")
+    return make_policy(args)
+
+
+def make_engine(args, model, tok, dtype):
+    from .cli import kv_dtype
+    return LLMEngine(model, tok, policy=engine_policy(args), block_size=args.block_size, num_blocks=args.num_blocks,
                      kv_cache_tokens=args.kv_cache_tokens, max_num_batched_tokens=args.max_num_batched_tokens,
-                     max_num_seqs=args.max_num_seqs, prefill_chunk=args.prefill_chunk)
+                     max_num_seqs=args.max_num_seqs, prefill_chunk=args.prefill_chunk,
+                     kv_dtype=kv_dtype(args, dtype))
 
 
 def pct(xs, q):
@@ -40,8 +50,9 @@ def pct(xs, q):
 
 def cmd_throughput(args):
     from .cli import load_model
-    model, tok, _ = load_model(args)
-    engine = make_engine(args, model, tok)
+    engine_policy(args)
+    model, tok, dtype = load_model(args)
+    engine = make_engine(args, model, tok, dtype)
     prompts = random_prompts(args.num_prompts, args.input_len, model.config.vocab_size, args.seed)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     for p in prompts:
@@ -85,8 +96,9 @@ def cmd_serve(args):
     from .cli import load_model
     if args.rate <= 0 or args.duration <= 0:
         raise KvboundError(f"--rate and --duration must be > 0, got {args.rate} and {args.duration}")
-    model, tok, _ = load_model(args)
-    engine = make_engine(args, model, tok)
+    engine_policy(args)
+    model, tok, dtype = load_model(args)
+    engine = make_engine(args, model, tok, dtype)
     arrivals = poisson_arrivals(args.rate, args.duration, args.seed)
     if not arrivals:
         raise KvboundError(f"no request arrives in {args.duration} s at {args.rate}/s: raise --rate or --duration")
