@@ -271,3 +271,16 @@ def test_batched_groups_carry_the_decode_steps(model, monkeypatch):
     assert calls["append"] > 0 and calls["evict"] > 0 and calls["fresh"] > 0
     for (ids, pol), out in zip(reqs, got):
         assert out == alone(model, ids, parse_policy(pol) if pol else None, GREEDY, 16), pol
+
+
+def test_forked_bounded_completions_equal_separate_seeded_runs(model):
+    """n > 1 under an evicting policy: each fork owns its metadata and copies shared blocks before writing."""
+    ids = prompt(12, 45)  # longer than the budget
+    pol = parse_policy("h2o:sink=2,heavy=10,recent=12")
+    llm = LLM(model, num_blocks=64, block_size=4, prefill_chunk=16)
+    p = SamplingParams(max_tokens=20, n=3, temperature=0.9, seed=4, ignore_eos=True)
+    together = llm.generate(ids, p, pol, use_tqdm=False)[0].outputs
+    for i, comp in enumerate(together):
+        one = SamplingParams(max_tokens=20, temperature=0.9, seed=4 + i, ignore_eos=True)
+        assert comp.token_ids == alone(model, ids, pol, one, 16)
+    assert llm.engine.pool.copies > 0 and llm.engine.pool.num_free == llm.engine.pool.num_blocks
