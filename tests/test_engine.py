@@ -284,3 +284,25 @@ def test_forked_bounded_completions_equal_separate_seeded_runs(model):
         one = SamplingParams(max_tokens=20, temperature=0.9, seed=4 + i, ignore_eos=True)
         assert comp.token_ids == alone(model, ids, pol, one, 16)
     assert llm.engine.pool.copies > 0 and llm.engine.pool.num_free == llm.engine.pool.num_blocks
+
+
+@pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=10,recent=12", "h2o:sink=2,heavy=10,recent=12,score=ema",
+                                  "h2o:sink=1,heavy=11,recent=12,score=normalized", "window:budget=24,sink=3"])
+def test_bounded_prefill_pieces_evict_as_one_batch(model, monkeypatch, spec):
+    """Later prefill pieces of full bounded caches with one policy keep-and-rewrite together ("chunk" group),
+    with the same outputs as each sequence alone; a pinned prefix is honoured."""
+    from kvbound.runner import ChunkEvictAttention
+    seen = []
+    orig = ChunkEvictAttention.attend
+
+    def counted(self, layer, q, *a):
+        seen.append(self.rows.shape[0])
+        return orig(self, layer, q, *a)
+    monkeypatch.setattr(ChunkEvictAttention, "attend", counted)
+    pol = parse_policy(spec, pinned=((0, 5),))
+    reqs = [prompt(20 + i, 80 + (i % 2)) for i in range(4)]
+    llm = LLM(model, num_blocks=128, block_size=8, prefill_chunk=16, max_num_batched_tokens=64)
+    outs = llm.generate(reqs, GREEDY, pol, use_tqdm=False)
+    assert max(seen) > 1  # several sequences in one call
+    for ids, out in zip(reqs, outs):
+        assert out.outputs[0].token_ids == alone(model, ids, pol, GREEDY, 16)

@@ -18,25 +18,32 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mode: str | 
     the query heads of its KV head and over the T queries; with score_mode="normalized" each query's
     probabilities are first multiplied by the number of keys it attended to.
     """
-    t, hq, d = q.shape
-    hkv = k.shape[1]
-    n = k.shape[0] - t
+    out, scores = attend_batch(q[None], k[None], v[None], score_mode)
+    return out[0], None if scores is None else scores[0]
+
+
+def attend_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mode: str | None = None):
+    """`attend` for B sequences at once, each with the same numbers of cached and new tokens:
+    q [B, T, Hq, D], k and v [B, n + T, Hkv, D]; returns out [B, T, Hq, D] and key_scores [B, n + T, Hkv]."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    n = k.shape[1] - t
     scale = d ** -0.5
     mask = None if t == 1 else _causal_mask(t, n, q.device)
     if mask is not None and q.is_cuda:
         out = _causal_cuda(q, k.to(q.dtype), v.to(q.dtype), n, scale)
     else:
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None].to(q.dtype), v.transpose(0, 1)[None].to(q.dtype),
-            attn_mask=mask, scale=scale, enable_gqa=hq != hkv)[0].transpose(0, 1)
+            q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+            attn_mask=mask, scale=scale, enable_gqa=hq != hkv).transpose(1, 2)
     if score_mode is None:
         return out, None
     # The scores come from the same logits recomputed in fp32; the output stays SDPA's, so a policy that
     # has not evicted anything yet gives bit-identical logits to the full cache.
     g = hq // hkv
-    # [hkv, t*g, d] @ [hkv, d, m] -> [hkv, g, t, m]
-    qh = q.float().view(t, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, t * g, d)
-    logits = torch.bmm(qh, k.float().permute(1, 2, 0)).view(hkv, t, g, -1).transpose(1, 2) * scale
+    # [B, hkv, t*g, d] @ [B, hkv, d, m] -> [B, hkv, g, t, m]
+    qh = q.float().view(b, t, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
+    logits = torch.matmul(qh, k.float().permute(0, 2, 3, 1)).view(b, hkv, t, g, -1).transpose(2, 3) * scale
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf"))
     probs = logits.softmax(-1)
@@ -45,7 +52,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mode: str | 
         probs = probs * seen[:, None]
     elif score_mode != "sum":
         raise ValueError(f"unknown score_mode {score_mode!r}")
-    return out, probs.sum(dim=(1, 2)).transpose(0, 1).contiguous()
+    return out, probs.sum(dim=(2, 3)).transpose(1, 2).contiguous()
 
 
 def fused_sdpa(*args, **kw):
@@ -57,18 +64,18 @@ def fused_sdpa(*args, **kw):
 
 
 def _causal_cuda(q, k, v, n, scale):
-    """A prefill chunk on CUDA: a causal mask aligned to the bottom right (the chunk's queries come after
-    n cached keys) instead of a boolean mask, so SDPA can take a fused kernel."""
+    """Prefill chunks on CUDA, q [B, T, Hq, D] after n cached keys: a causal mask aligned to the bottom
+    right instead of a boolean mask, so SDPA can take a fused kernel."""
     from torch.nn.attention.bias import causal_lower_right
-    t, hq, _ = q.shape
-    g = hq // k.shape[1]
-    qh = q.transpose(0, 1)[None]
-    kh = k.repeat_interleave(g, 1).transpose(0, 1)[None]
-    vh = v.repeat_interleave(g, 1).transpose(0, 1)[None]
+    t, hq = q.shape[1], q.shape[2]
+    g = hq // k.shape[2]
+    qh = q.transpose(1, 2)
+    kh = k.repeat_interleave(g, 2).transpose(1, 2)
+    vh = v.repeat_interleave(g, 2).transpose(1, 2)
     if n == 0:
-        return fused_sdpa(qh, kh, vh, is_causal=True, scale=scale)[0].transpose(0, 1)
+        return fused_sdpa(qh, kh, vh, is_causal=True, scale=scale).transpose(1, 2)
     bias = causal_lower_right(t, n + t)
-    return fused_sdpa(qh, kh, vh, attn_mask=bias, scale=scale)[0].transpose(0, 1)
+    return fused_sdpa(qh, kh, vh, attn_mask=bias, scale=scale).transpose(1, 2)
 
 
 def _causal_mask(t: int, n: int, device) -> torch.Tensor:

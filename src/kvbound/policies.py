@@ -78,12 +78,13 @@ def newest(pos: torch.Tensor) -> torch.Tensor:
 
 
 def select_keep(pos: torch.Tensor, rank: torch.Tensor, protected: torch.Tensor, budget: int) -> torch.Tensor:
-    """Keep every protected token, then the highest-`rank` others up to `budget` per column (newer wins ties)."""
+    """Keep every protected token, then the highest-`rank` others up to `budget` per column (newer wins ties).
+    [M, H], or batched [B, M, H]."""
     key = rank.float().masked_fill(protected, float("inf"))
-    by_age = pos.argsort(dim=0, descending=True, stable=True)
-    by_key = key.gather(0, by_age).argsort(dim=0, descending=True, stable=True)
-    chosen = by_age.gather(0, by_key[:budget])
-    return torch.zeros_like(protected).scatter_(0, chosen, True)
+    by_age = pos.argsort(dim=-2, descending=True, stable=True)
+    by_key = key.gather(-2, by_age).argsort(dim=-2, descending=True, stable=True)
+    chosen = by_age.gather(-2, by_key.narrow(-2, 0, budget))
+    return torch.zeros_like(protected).scatter_(-2, chosen, True)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ A step's rows are ordered in groups, and each group attends in one call per laye
     spare slot: slot replacement for the whole batch, with no per-sequence work.
   - "fresh": first prefill pieces of unbounded caches, of one length: K/V into their slots, then one
     batched causal attention.
+  - "chunk": later prefill pieces of one length of full bounded caches that share a policy: one batched
+    attention with scores, one batched keep choice, kept tokens rewritten in place (`ChunkEvictAttention`).
   - everything else (later prefill pieces, bounded prefills, caches still filling): each cache's own
     `attend`.
 Paged decode attention is the Triton kernel on CUDA and its PyTorch reference elsewhere
@@ -19,7 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .attention import decode_attention, fused_sdpa
+from .attention import attend_batch, decode_attention, fused_sdpa
+from .policies import protected_prefix
 
 
 class StackedMeta:
@@ -56,7 +59,12 @@ def group_of(seq, t: int):
     cache = seq.cache
     if t != 1:
         # a whole first piece of an unbounded cache: one causal attention with the others of its length
-        return ("fresh", t) if not cache.bounded and cache.n[0] == 0 else None
+        if not cache.bounded:
+            return ("fresh", t) if cache.n[0] == 0 else None
+        # a later prefill piece of a full bounded cache: evicts with the others of its policy and length
+        if cache.meta_row is not None and cache.n[0] == cache.budget and not cache.has_spare[0]:
+            return ("chunk", cache.meta_row[0], t)
+        return None
     if not cache.bounded:
         return "append"
     if cache.meta_row is not None and cache.has_spare[0]:
@@ -133,6 +141,47 @@ class EvictAttention:
         return out
 
 
+class ChunkEvictAttention:
+    """Prefill pieces of t tokens of bounded caches that share one policy and are full (budget tokens, no
+    spare slot): `KVCache._keep_and_rewrite` for all of them at once. Each piece attends over its
+    cache plus itself, the scores update, each head keeps `budget` of the budget + t candidates in stream
+    order, and the kept tokens are written back to slots [P, budget) past the protected prefix."""
+
+    def __init__(self, pool, meta, rows, table, t):
+        self.pool, self.meta, self.rows, self.table, self.t = pool, meta, rows, table, t
+
+    def attend(self, layer, q, k, v, positions):
+        meta, rows, table, pol, t = self.meta, self.rows, self.table, self.meta.policy, self.t
+        b = pol.budget
+        kp, vp = self.pool.k[layer], self.pool.v[layer]
+        q, k, v = q.unflatten(0, (-1, t)), k.unflatten(0, (-1, t)), v.unflatten(0, (-1, t))  # [B, t, H, D]
+        cand_k = torch.cat([kp[table], k.to(kp.dtype)], 1)  # [B, b + t, H, D]
+        cand_v = torch.cat([vp[table], v.to(vp.dtype)], 1)
+        mode = None if pol.score is None else ("normalized" if pol.score == "normalized" else "sum")
+        out, key_scores = attend_batch(q, cand_k, cand_v, mode)
+        cand_pos = torch.cat([meta.pos[rows, layer, :b],
+                              positions.view(-1, t, 1).expand(-1, -1, k.shape[2]).to(torch.int32)], 1)
+        cand_score = None
+        if key_scores is not None:
+            old = meta.score[rows, layer, :b]
+            if pol.score == "ema":
+                a = pol.ema_decay
+                cand_score = torch.cat([old * a + key_scores[:, :b] * (1 - a), key_scores[:, b:] * (1 - a)], 1)
+            else:
+                cand_score = torch.cat([old + key_scores[:, :b], key_scores[:, b:]], 1)
+        keep = pol.keep_mask(cand_pos, cand_score)
+        order = torch.sort(keep.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :b]  # [B, b, H]
+        first = protected_prefix(pol)
+        idx = order[:, first:, :, None].expand(-1, -1, -1, cand_k.shape[3])
+        kp[table[:, first:]] = cand_k.gather(1, idx)
+        vp[table[:, first:]] = cand_v.gather(1, idx)
+        meta.pos[rows, layer, :b] = cand_pos.gather(1, order)
+        meta.pos[rows, layer, b:] = meta.pos.new_full((), -1)
+        if cand_score is not None:
+            meta.score[rows, layer, :b] = cand_score.gather(1, order)
+        return out.flatten(0, 1)
+
+
 def evict_table(pool, seqs, cap):
     """Slot tables [B, cap] of bounded caches: local slot j of row b -> its pool slot."""
     rows = torch.tensor([s.cache.store.row for s in seqs], device=pool.k.device)
@@ -170,10 +219,14 @@ class StepBatch:
                 data = AppendAttention(pool, torch.tensor(new, device=dev),
                                        torch.tensor(lens, device=dev, dtype=torch.int32),
                                        expand_table(pool, rows, width))
-            elif isinstance(kind, tuple):
+            elif isinstance(kind, tuple) and kind[0] == "fresh":
                 t = kind[1]
                 rows = torch.tensor([s.cache.store.row for s in seqs], device=dev)
                 data = expand_table(pool, rows, -(-t // bs))[:, :t].flatten().long()  # pool slots of the K/V
+            elif isinstance(kind, tuple):
+                meta, budget = kind[1], kind[1].policy.budget
+                data = ChunkEvictAttention(pool, meta, torch.tensor([s.cache.meta_row[1] for s in seqs], device=dev),
+                                           evict_table(pool, seqs, budget).long(), kind[2])
             elif kind is not None:
                 data = EvictAttention(pool, kind, torch.tensor([s.cache.meta_row[1] for s in seqs], device=dev),
                                       evict_table(pool, seqs, kind.pos.shape[2]))
@@ -205,9 +258,9 @@ class StepBatch:
                 if kind is not None and not isinstance(kind, tuple):
                     after_decode(seq)
                 else:
-                    if isinstance(kind, tuple):
+                    if isinstance(kind, tuple) and kind[0] == "fresh":
                         seq.cache.n = [t] * len(seq.cache.n)
-                    seq.cache.advance(t)
+                    seq.cache.advance(t)  # a "chunk" cache stays at its budget
 
     def attend(self, layer, q, k, v, positions):
         outs = []
@@ -215,8 +268,10 @@ class StepBatch:
             a, b = self.starts[i], self.starts[j]
             if kind == "append":
                 outs.append(data.attend(layer, q[a:b], k[a:b], v[a:b]))
-            elif isinstance(kind, tuple):
+            elif isinstance(kind, tuple) and kind[0] == "fresh":
                 outs.append(self._fresh(layer, q[a:b], k[a:b], v[a:b], kind[1], data))
+            elif isinstance(kind, tuple):
+                outs.append(data.attend(layer, q[a:b], k[a:b], v[a:b], positions[a:b]))
             elif kind is not None:
                 outs.append(data.attend(layer, q[a:b], k[a:b], v[a:b], positions[a:b]))
             else:
