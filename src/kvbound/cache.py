@@ -21,6 +21,25 @@ from .policies import FullPolicy, protected_prefix
 from .kv_store import make_store
 
 
+def fold_scores(policy, old, step, n):
+    """This step's attention `step` [..., n + T, H] folded into the n cached tokens' scores `old`
+    [..., n, H]: returns (the cached tokens' new scores, the T new tokens' scores). Also used batched."""
+    if policy.granularity == "layer":
+        step = step.sum(-1, keepdim=True).expand_as(step)
+    cached, new = step.narrow(-2, 0, n), step.narrow(-2, n, step.shape[-2] - n)
+    if policy.score == "ema":
+        a = policy.ema_decay
+        return old.mul(a).add(cached, alpha=1 - a), new * (1 - a)
+    return old.add(cached), new
+
+
+def kept_order(policy, cand_pos, cand_score):
+    """The candidates each head keeps, as indices in stream order: [..., budget, H] of [..., M, H]."""
+    keep = policy.keep_mask(cand_pos, cand_score)
+    order = torch.sort(keep.to(torch.int8), dim=-2, descending=True, stable=True).indices
+    return order.narrow(-2, 0, policy.budget)
+
+
 class KVCache:
     def __init__(self, config, policy=None, device="cpu", dtype=torch.float32, kv_bits=None,
                  kv_group_size: int = 64, quantized_kv_start: int = 0, initial_slots: int = 256, store=None,
@@ -216,15 +235,8 @@ class KVCache:
         """Add this step's attention to the n cached tokens' scores; return the new tokens' scores."""
         if key_scores is None:
             return None
-        if self.policy.granularity == "layer":
-            key_scores = key_scores.sum(1, keepdim=True).expand_as(key_scores)
-        old = self.score[layer, :n]
-        if self.policy.score == "ema":
-            a = self.policy.ema_decay
-            old.mul_(a).add_(key_scores[:n], alpha=1 - a)
-            return key_scores[n:] * (1 - a)
-        old.add_(key_scores[:n])
-        return key_scores[n:]
+        self.score[layer, :n], new = fold_scores(self.policy, self.score[layer, :n], key_scores, n)
+        return new
 
     def _move(self, layer, heads, src, dst):
         """Move kept tokens (src[i], heads[i]) -> (dst[i], heads[i]): packed K/V, position and score as is."""
@@ -251,8 +263,7 @@ class KVCache:
         n, b = self.n[layer], self.budget
         cand_pos = torch.cat([self.pos[layer, :n], new_pos])
         cand_score = None if self.score is None else torch.cat([self.score[layer, :n], new_score])
-        keep = self.policy.keep_mask(cand_pos, cand_score)
-        order = torch.sort(keep.to(torch.int8), dim=0, descending=True, stable=True).indices[:b]  # [b, H]
+        order = kept_order(self.policy, cand_pos, cand_score)  # [b, H]
         first = min(protected_prefix(self.policy), n)
         idx = order[first:, :, None].expand(-1, -1, cand_k.shape[2])
         self.store.write_range(layer, first, cand_k.gather(0, idx), cand_v.gather(0, idx))

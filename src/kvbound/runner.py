@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import attend_batch, decode_attention, fused_sdpa
+from .cache import fold_scores, kept_order
 from .policies import protected_prefix
 
 
@@ -163,14 +164,8 @@ class ChunkEvictAttention:
                               positions.view(-1, t, 1).expand(-1, -1, k.shape[2]).to(torch.int32)], 1)
         cand_score = None
         if key_scores is not None:
-            old = meta.score[rows, layer, :b]
-            if pol.score == "ema":
-                a = pol.ema_decay
-                cand_score = torch.cat([old * a + key_scores[:, :b] * (1 - a), key_scores[:, b:] * (1 - a)], 1)
-            else:
-                cand_score = torch.cat([old + key_scores[:, :b], key_scores[:, b:]], 1)
-        keep = pol.keep_mask(cand_pos, cand_score)
-        order = torch.sort(keep.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :b]  # [B, b, H]
+            cand_score = torch.cat(fold_scores(pol, meta.score[rows, layer, :b], key_scores, b), 1)
+        order = kept_order(pol, cand_pos, cand_score)  # [B, b, H]
         first = protected_prefix(pol)
         idx = order[:, first:, :, None].expand(-1, -1, -1, cand_k.shape[3])
         kp[table[:, first:]] = cand_k.gather(1, idx)
