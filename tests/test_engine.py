@@ -306,3 +306,20 @@ def test_bounded_prefill_pieces_evict_as_one_batch(model, monkeypatch, spec):
     assert max(seen) > 1  # several sequences in one call
     for ids, out in zip(reqs, outs):
         assert out.outputs[0].token_ids == alone(model, ids, pol, GREEDY, 16)
+
+
+def test_preempted_forks_finish_with_the_same_outputs(model):
+    """n > 1 completions under a pool too small for all of them: forks are preempted, recomputed from
+    prompt + what they generated, and end with what a roomy pool gives."""
+    reqs = [prompt(30 + i, 20) for i in range(3)]
+    p = SamplingParams(max_tokens=30, n=2, temperature=0.8, seed=9, ignore_eos=True)
+    outs = {}
+    for name, blocks in (("roomy", 128), ("tight", 14)):
+        llm = LLM(model, num_blocks=blocks, block_size=8, max_num_batched_tokens=32, prefill_chunk=16)
+        res = llm.generate(reqs, p, use_tqdm=False)
+        outs[name] = [[c.token_ids for c in r.outputs] for r in res]
+        llm.engine.pool.check()
+        assert llm.engine.pool.num_free == blocks
+        if name == "tight":
+            assert llm.engine.scheduler.stats["preemptions"] > 0
+    assert outs["tight"] == outs["roomy"]

@@ -38,10 +38,16 @@ class BlockPool:
         self.by_hash: dict[int, int] = {}  # hash -> block
         self.block_info: dict[int, tuple[int, tuple]] = {}  # block -> (hash, token ids) while published
         self.copies = 0  # copy-on-write copies made (for tests and stats)
+        self.reserved = 0  # blocks taken for good (a decode graph's scratch block)
         # every live sequence's block table, one row each, on the pool's device: the batched decode reads
         # its slot tables from here with one gather per step
         self.tables = torch.zeros(16, num_blocks, dtype=torch.int32, device=device)
         self.free_rows = list(range(15, -1, -1))
+
+    def reserve(self) -> int:
+        """A block that is never given back."""
+        self.reserved += 1
+        return self.allocate()
 
     def take_row(self) -> int:
         if not self.free_rows:

@@ -303,7 +303,7 @@ class DecodeGraphs:
         while self.sizes[-1] < max_seqs:
             self.sizes.append(self.sizes[-1] * 2)
         top = self.sizes[-1]
-        self.scratch = pool.allocate() * bs  # padding rows write here; never given back
+        self.scratch = pool.reserve() * bs  # padding rows write here
         self.ids = torch.zeros(top, dtype=torch.long, device=dev)
         self.pos = torch.zeros(top, dtype=torch.long, device=dev)
         self.new = torch.full((top,), self.scratch, dtype=torch.long, device=dev)

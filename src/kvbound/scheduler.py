@@ -112,11 +112,12 @@ class Scheduler:
 
     def add(self, seq: Sequence):
         need = self.blocks_to_finish(seq)
-        if need > self.pool.num_blocks:
+        usable = self.pool.num_blocks - self.pool.reserved
+        if need > usable:
             what = (f"its cache bound ({seq.policy.budget} tokens)" if seq.bounded else
                     f"prompt ({len(seq.prompt)}) + max_tokens ({seq.params.max_tokens})")
             raise KvboundError(f"request {seq.request_id}: {what} needs {need} blocks of "
-                               f"{self.pool.block_size} tokens, but the pool has only {self.pool.num_blocks}")
+                               f"{self.pool.block_size} tokens, but the pool has only {usable}")
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
