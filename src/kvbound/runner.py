@@ -11,8 +11,8 @@ A step's rows are ordered in groups, and each group attends in one call per laye
     batched causal attention.
   - "chunk": later prefill pieces of one length of full bounded caches that share a policy: one batched
     attention with scores, one batched keep choice, kept tokens rewritten in place (`ChunkEvictAttention`).
-  - everything else (later prefill pieces, bounded prefills, caches still filling): each cache's own
-    `attend`.
+  - everything else (later prefill pieces of unbounded caches, bounded caches still filling, policies
+    without stacked metadata): each cache's own `attend`.
 Paged decode attention is the Triton kernel on CUDA and its PyTorch reference elsewhere
 (`attention.decode_attention`).
 """
