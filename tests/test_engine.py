@@ -256,10 +256,10 @@ def test_paged_decode_reference_matches_per_sequence_attend(mode):
 def test_batched_groups_carry_the_decode_steps(model, monkeypatch):
     """The append, evict and fresh groups (one call per layer for many sequences) really run, and give each
     sequence what it gets alone (test_batch_equals_each_sequence_alone checks the tokens)."""
-    from kvbound.runner import AppendAttention, EvictAttention, StepBatch
+    from kvbound.runner import AppendAttention, EvictAttention, FreshAttention
     calls = {"append": 0, "evict": 0, "fresh": 0}
     for name, cls, meth in [("append", AppendAttention, "attend"), ("evict", EvictAttention, "attend"),
-                            ("fresh", StepBatch, "_fresh")]:
+                            ("fresh", FreshAttention, "attend")]:
         orig = getattr(cls, meth)
 
         def wrapped(self, layer, q, *a, _orig=orig, _name=name):

@@ -15,10 +15,22 @@ from __future__ import annotations
 
 import torch
 
-from .attention import attend
+from .attention import attend, decode_attention
 from .config import KvboundError
 from .policies import FullPolicy, protected_prefix
 from .kv_store import make_store
+
+
+def attend_mode(policy):
+    """What `attention.attend` must return for this policy's scores: None, "sum" or "normalized"."""
+    if not policy.score:
+        return None
+    return "normalized" if policy.score == "normalized" else "sum"
+
+
+def kernel_mode(policy):
+    """The decode kernel's score export for this policy: None, "sum", "normalized" or "ema"."""
+    return None if not policy.score else policy.score.replace("cumulative", "sum")
 
 
 def fold_scores(policy, old, step, n):
@@ -172,7 +184,7 @@ class KVCache:
             kc, vc = self.store.read(layer, n)
             k_in, v_in = self.store.roundtrip(layer, k), self.store.roundtrip(layer, v)
             cand_k, cand_v = torch.cat([kc, k_in.to(kc.dtype)]), torch.cat([vc, v_in.to(vc.dtype)])
-            out, key_scores = attend(q, cand_k, cand_v, self._score_mode())
+            out, key_scores = attend(q, cand_k, cand_v, attend_mode(self.policy))
             new_score = self._update_scores(layer, n, key_scores)
             if getattr(self.store, "exact", False):
                 self._keep_and_rewrite(layer, cand_k, cand_v, new_pos, new_score)
@@ -185,11 +197,6 @@ class KVCache:
     def _slots_used(self, layer):
         return self.n[layer] + self.has_spare[layer]
 
-    def _score_mode(self):
-        if not self.policy.score:
-            return None
-        return "normalized" if self.policy.score == "normalized" else "sum"
-
     def _attend_pool(self, layer, q, total, new_slots, new_heads):
         """Attention of the new queries over slots [0, total), all live, the new tokens among them at
         (new_slots, new_heads); every slot's score gets this step's probabilities (new ones start at 0).
@@ -199,15 +206,13 @@ class KVCache:
         if q.shape[0] == 1 and q.is_cuda and (self.score is None or self.policy.granularity == "kv-head"):
             kernel_args = self.store.kernel_args(layer)
             if kernel_args is not None:
-                from .kernels import decode_attention
                 table = self.store.slot_table(total)[None]
                 lens = torch.tensor([total], device=q.device, dtype=torch.int32)
                 score = None if self.score is None else self.score[layer][None]
-                return decode_attention(q, *kernel_args, table, lens, score=score, score_mode=None if score is None
-                                        else self.policy.score.replace("cumulative", "sum"),
+                return decode_attention(q, *kernel_args, table, lens, score=score, score_mode=kernel_mode(self.policy),
                                         ema_decay=getattr(self.policy, "ema_decay", 0.95))
         kc, vc = self.store.read(layer, total)
-        out, key_scores = attend(q, kc, vc, self._score_mode())
+        out, key_scores = attend(q, kc, vc, attend_mode(self.policy))
         self._update_scores(layer, total, key_scores)
         return out
 

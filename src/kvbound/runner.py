@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import attend_batch, decode_attention, fused_sdpa
-from .cache import fold_scores, kept_order
+from .cache import attend_mode, fold_scores, kept_order, kernel_mode
 from .policies import protected_prefix
 
 
@@ -101,6 +101,11 @@ def appended(cache):
     cache.advance(1)
 
 
+def pool_rows(pool, seqs):
+    """The sequences' rows in the pool's block tables, as a device tensor."""
+    return torch.tensor([s.cache.store.row for s in seqs], device=pool.k.device)
+
+
 def expand_table(pool, rows, width_blocks):
     """Slot tables [B, width_blocks * bs] (int32) from the pool's block tables of `rows`."""
     bs = pool.block_size
@@ -131,8 +136,7 @@ class EvictAttention:
         if meta.score is not None:  # (device scalars: a host scalar cannot be copied in during graph capture)
             meta.score[r, layer, spare, heads] = meta.score.new_zeros(())
             score = meta.score[rows, layer]
-        out = decode_attention(q, kp, vp, table, self.lens, score=score,
-                               score_mode=None if score is None else pol.score.replace("cumulative", "sum"),
+        out = decode_attention(q, kp, vp, table, self.lens, score=score, score_mode=kernel_mode(pol),
                                ema_decay=getattr(pol, "ema_decay", 0.95))
         if score is not None:
             meta.score[rows, layer] = score
@@ -140,6 +144,24 @@ class EvictAttention:
         meta.pos[r, layer, victim, heads] = meta.pos.new_full((), -1)
         meta.spare[rows, layer] = victim
         return out
+
+
+class FreshAttention:
+    """First pieces of t tokens of unbounded caches: K/V into their pool slots, one batched causal attention."""
+
+    def __init__(self, pool, slots, t):
+        self.pool, self.slots, self.t = pool, slots, t
+
+    def attend(self, layer, q, k, v, positions=None):
+        kp, vp = self.pool.k[layer], self.pool.v[layer]
+        kp[self.slots] = k.to(kp.dtype)
+        vp[self.slots] = v.to(vp.dtype)
+        t, g = self.t, q.shape[1] // k.shape[1]
+        qb = q.unflatten(0, (-1, t)).transpose(1, 2)  # [G, Hq, t, D]
+        kb = k.to(q.dtype).unflatten(0, (-1, t)).repeat_interleave(g, 2).transpose(1, 2)
+        vb = v.to(q.dtype).unflatten(0, (-1, t)).repeat_interleave(g, 2).transpose(1, 2)
+        sdpa = fused_sdpa if q.is_cuda else F.scaled_dot_product_attention
+        return sdpa(qb, kb, vb, is_causal=True).transpose(1, 2).flatten(0, 1)
 
 
 class ChunkEvictAttention:
@@ -158,8 +180,7 @@ class ChunkEvictAttention:
         q, k, v = q.unflatten(0, (-1, t)), k.unflatten(0, (-1, t)), v.unflatten(0, (-1, t))  # [B, t, H, D]
         cand_k = torch.cat([kp[table], k.to(kp.dtype)], 1)  # [B, b + t, H, D]
         cand_v = torch.cat([vp[table], v.to(vp.dtype)], 1)
-        mode = None if pol.score is None else ("normalized" if pol.score == "normalized" else "sum")
-        out, key_scores = attend_batch(q, cand_k, cand_v, mode)
+        out, key_scores = attend_batch(q, cand_k, cand_v, attend_mode(pol))
         cand_pos = torch.cat([meta.pos[rows, layer, :b],
                               positions.view(-1, t, 1).expand(-1, -1, k.shape[2]).to(torch.int32)], 1)
         cand_score = None
@@ -179,8 +200,7 @@ class ChunkEvictAttention:
 
 def evict_table(pool, seqs, cap):
     """Slot tables [B, cap] of bounded caches: local slot j of row b -> its pool slot."""
-    rows = torch.tensor([s.cache.store.row for s in seqs], device=pool.k.device)
-    return expand_table(pool, rows, -(-cap // pool.block_size))[:, :cap].contiguous()
+    return expand_table(pool, pool_rows(pool, seqs), -(-cap // pool.block_size))[:, :cap].contiguous()
 
 
 def after_decode(seq):
@@ -210,14 +230,13 @@ class StepBatch:
             seqs = [s for s, _ in batch[i:j]]
             if kind == "append":
                 new, lens, width = append_rows(pool, seqs)
-                rows = torch.tensor([s.cache.store.row for s in seqs], device=dev)
                 data = AppendAttention(pool, torch.tensor(new, device=dev),
                                        torch.tensor(lens, device=dev, dtype=torch.int32),
-                                       expand_table(pool, rows, width))
+                                       expand_table(pool, pool_rows(pool, seqs), width))
             elif isinstance(kind, tuple) and kind[0] == "fresh":
                 t = kind[1]
-                rows = torch.tensor([s.cache.store.row for s in seqs], device=dev)
-                data = expand_table(pool, rows, -(-t // bs))[:, :t].flatten().long()  # pool slots of the K/V
+                slots = expand_table(pool, pool_rows(pool, seqs), -(-t // bs))[:, :t].flatten().long()
+                data = FreshAttention(pool, slots, t)
             elif isinstance(kind, tuple):
                 meta, budget = kind[1], kind[1].policy.budget
                 data = ChunkEvictAttention(pool, meta, torch.tensor([s.cache.meta_row[1] for s in seqs], device=dev),
@@ -259,33 +278,15 @@ class StepBatch:
 
     def attend(self, layer, q, k, v, positions):
         outs = []
-        for kind, i, j, data in self.groups:
+        for _, i, j, group in self.groups:
             a, b = self.starts[i], self.starts[j]
-            if kind == "append":
-                outs.append(data.attend(layer, q[a:b], k[a:b], v[a:b]))
-            elif isinstance(kind, tuple) and kind[0] == "fresh":
-                outs.append(self._fresh(layer, q[a:b], k[a:b], v[a:b], kind[1], data))
-            elif isinstance(kind, tuple):
-                outs.append(data.attend(layer, q[a:b], k[a:b], v[a:b], positions[a:b]))
-            elif kind is not None:
-                outs.append(data.attend(layer, q[a:b], k[a:b], v[a:b], positions[a:b]))
+            if group is not None:  # one call for the whole group
+                outs.append(group.attend(layer, q[a:b], k[a:b], v[a:b], positions[a:b]))
             else:
                 for seq, t in self.batch[i:j]:
                     outs.append(seq.cache.attend(layer, q[a:a + t], k[a:a + t], v[a:a + t], positions[a:a + t]))
                     a += t
         return torch.cat(outs) if len(outs) > 1 else outs[0]
-
-    def _fresh(self, layer, q, k, v, t, slots):
-        """First pieces of t tokens of unbounded caches: K/V into their slots, one batched causal attention."""
-        kp, vp = self.pool.k[layer], self.pool.v[layer]
-        kp[slots] = k.to(kp.dtype)
-        vp[slots] = v.to(vp.dtype)
-        g = q.shape[1] // k.shape[1]
-        qb = q.unflatten(0, (-1, t)).transpose(1, 2)  # [G, Hq, t, D]
-        kb = k.to(q.dtype).unflatten(0, (-1, t)).repeat_interleave(g, 2).transpose(1, 2)
-        vb = v.to(q.dtype).unflatten(0, (-1, t)).repeat_interleave(g, 2).transpose(1, 2)
-        sdpa = fused_sdpa if q.is_cuda else F.scaled_dot_product_attention
-        return sdpa(qb, kb, vb, is_causal=True).transpose(1, 2).flatten(0, 1)
 
 
 class DecodeGraphs:
@@ -369,8 +370,7 @@ class DecodeGraphs:
             host = torch.tensor([ids, [s.cache.seen for s in seqs], new, lens]).to(dev, non_blocking=True)
             self.new[:b], self.lens[:b] = host[2], host[3].to(torch.int32)
             self.new[b:size], self.lens[b:size], self.table[b:size, 0] = self.scratch, 1, self.scratch
-            rows = torch.tensor([s.cache.store.row for s in seqs], device=dev)
-            self.table[:b, :width * self.pool.block_size] = expand_table(self.pool, rows, width)
+            self.table[:b, :width * self.pool.block_size] = expand_table(self.pool, pool_rows(self.pool, seqs), width)
         else:
             rows, table = self.evict_buffers[kind]
             host = torch.tensor([ids, [s.cache.seen for s in seqs], [s.cache.meta_row[1] for s in seqs]])

@@ -15,7 +15,6 @@ gives the same result; they take whatever the token budget leaves.
 """
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -68,6 +67,11 @@ class Sequence:
     def bounded(self) -> bool:
         return self.policy.budget is not None
 
+    def drop_cache(self):
+        """Give the cache's blocks back (finished, preempted, or not admitted this step)."""
+        self.cache.release()
+        self.cache = None
+
     def to_feed(self) -> int:
         """Tokens not yet in the cache (the last sampled token included)."""
         return len(self.prompt) + len(self.output) - (self.cache.seen if self.cache else 0)
@@ -100,7 +104,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = dict(preemptions=0, prompt_tokens=0, prefix_hit_tokens=0, steps=0)
-        self._counter = itertools.count()
 
     # --- requests -------------------------------------------------------------------------------
     def blocks_to_finish(self, seq: Sequence) -> int:
@@ -160,8 +163,7 @@ class Scheduler:
             if not t or not self._take(seq, t):
                 if not self.running:  # nothing will free blocks: must not happen when `add` checked
                     raise KvboundError(f"request {seq.request_id} cannot be scheduled in an empty pool")
-                seq.cache.release()
-                seq.cache = None
+                seq.drop_cache()
                 break
             self.waiting.popleft()
             admitted += 1
@@ -216,8 +218,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence):
         self.running.remove(seq)
-        seq.cache.release()
-        seq.cache = None
+        seq.drop_cache()
         seq.status = WAITING
         seq.preemptions += 1
         self.stats["preemptions"] += 1
@@ -226,8 +227,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str):
         seq.status, seq.finish_reason = FINISHED, reason
         self.running.remove(seq)
-        seq.cache.release()
-        seq.cache = None
+        seq.drop_cache()
 
     def publish(self, seq: Sequence):
         """Publish the sequence's full blocks that it will never write again: every full block of an
