@@ -10,8 +10,9 @@ For each shape (SmolLM2 9q/3kv d64; 8B 32q/8kv d128), batch (1/16/64) and contex
   - the kernel against PyTorch's scaled_dot_product_attention on the same dense data.
 Inputs rotate among copies so that each timed call reads memory that is not in L2 (cold L2, as
 FlashInfer measures). Each output is checked against SDPA / dequantize-then-attend before timing.
---e2e adds decode tokens/s of a randomly initialised 8B-shaped model: h2o evicting every step against
-the full cache at the same physical size.
+--e2e adds decode tokens/s of a randomly initialised 8B-shaped model through the engine (CUDA graphs),
+batch 1/16/64: h2o evicting every step against the full cache at the same physical size.
+--e2e-only skips the kernel table.
 """
 import argparse
 import json
@@ -159,10 +160,14 @@ def one_config(name, bsz, ctx, group=64):
     return row
 
 
-def e2e(steps=64, budget=2048):
-    """Decode tokens/s, random 8B-shaped weights: h2o evicting every step vs full cache of the same size."""
-    from kvbound.cache import KVCache
+def e2e(batches=(1, 16, 64), budget=2048, steps=32, rounds=5, profile=False):
+    """Decode tokens/s through the engine (CUDA graphs), random 8B-shaped weights: h2o (budget 2048,
+    evicting every step: prompts longer than the budget) against the full cache holding about as many
+    tokens (2048-token prompts). Both engines are built first, then timed in alternating rounds of
+    `steps` steps; the median round counts."""
     from kvbound.config import ModelConfig
+    from kvbound.engine import LLMEngine
+    from kvbound.generate import SamplingParams
     from kvbound.model import CausalLM
     from kvbound.policies import FullPolicy, H2OPolicy
     cfg = ModelConfig(arch="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
@@ -175,25 +180,55 @@ def e2e(steps=64, budget=2048):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
-    prompt = torch.randint(0, cfg.vocab_size, (budget,), device="cuda")
     res = {}
-    for name, pol in [("full", FullPolicy()), ("h2o", H2OPolicy(sink=4, heavy=budget // 2, recent=budget // 2 - 4))]:
-        cache = KVCache(cfg, pol, device="cuda", dtype=torch.bfloat16, initial_slots=budget + steps + 1)
-        model(prompt, cache.next_positions(budget), cache, logits_at=-1)
-        cache.advance(budget)
-        tok = torch.tensor([1], device="cuda")
-        for _ in range(3):
-            model(tok, cache.next_positions(1), cache)
-            cache.advance(1)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(steps):
-            logits = model(tok, cache.next_positions(1), cache)
-            cache.advance(1)
-            tok = logits[0].argmax()[None]
-        torch.cuda.synchronize()
-        res[name] = {"tok_s": steps / (time.perf_counter() - t), "cache_tokens": len(cache)}
-    res["h2o_vs_full"] = res["h2o"]["tok_s"] / res["full"]["tok_s"]
+    total = steps * (rounds + 1) + 64  # sequences that prefill first also decode during the others' prefill
+    for bsz in batches:
+        engines = {}
+        full_len = budget - steps * (rounds + 2) // 2  # timed rounds hold budget tokens on average
+        for name, pol, plen in [("full", FullPolicy(), full_len),
+                                ("h2o", H2OPolicy(sink=4, heavy=budget // 2, recent=budget // 2 - 4), budget + 64)]:
+            blocks = bsz * (-(-(plen + total) // 16)) + 8
+            eng = LLMEngine(model, None, policy=pol, num_blocks=blocks, max_num_seqs=bsz, max_num_batched_tokens=8192,
+                            prefill_chunk=512, graph_max_len=plen + total + 16)
+            gen = torch.Generator().manual_seed(bsz)
+            for _ in range(bsz):
+                eng.add_request(torch.randint(0, cfg.vocab_size, (plen,), generator=gen).tolist(),
+                                SamplingParams(max_tokens=total, ignore_eos=True))
+            while eng.scheduler.waiting or any(s.to_feed() > 1 for s in eng.scheduler.running):
+                eng.step()
+            for _ in range(steps):  # warm: graphs replayed, every bounded cache evicting
+                eng.step(only_finished=True)
+            engines[name] = eng
+        if profile and bsz == batches[0]:  # GPU time per kernel of a few steps each
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+            for name, eng in engines.items():
+                with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(4):
+                        eng.step(only_finished=True)
+                    torch.cuda.synchronize()
+                print(f"--- {name}, batch {bsz}, 4 steps")
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=60))
+        times = {name: [] for name in engines}
+        for _ in range(rounds):
+            for name, eng in engines.items():
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(steps):
+                    eng.step(only_finished=True)
+                torch.cuda.synchronize()
+                times[name].append(time.perf_counter() - t)
+        row = {}
+        for name, eng in engines.items():
+            ms = statistics.median(times[name]) / steps * 1e3
+            caches = [s.cache for s in eng.scheduler.running]
+            assert len(caches) == bsz, f"{name}: {len(caches)} of {bsz} sequences still running"
+            row[name] = {"ms_step": ms, "tok_s": bsz / ms * 1e3, "cache_tokens": len(caches[0]),
+                         "graphs": eng.graphs is not None, "running": len(caches)}
+        row["h2o_vs_full"] = row["h2o"]["tok_s"] / row["full"]["tok_s"]
+        res[f"b{bsz}"] = row
+        print(json.dumps({f"e2e b{bsz}": row}), flush=True)
+        del engines
+        torch.cuda.empty_cache()
     del model
     torch.cuda.empty_cache()
     return res
@@ -228,6 +263,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one small config per shape")
     ap.add_argument("--e2e", action="store_true")
+    ap.add_argument("--e2e-only", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="with --e2e: GPU time per kernel at batch 1")
     ap.add_argument("--tune", action="store_true", help="only sweep split factor / block / warps (bf16 kernel)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -239,7 +276,7 @@ def main():
     print(f"device-to-device copy: {copy:.0f} GB/s (read + write)", flush=True)
     rows = []
     batches, ctxs = ([1, 16], [1024, 8192]) if args.quick else ([1, 16, 64], [1024, 8192, 32768])
-    for name in SHAPES:
+    for name in SHAPES if not args.e2e_only else []:
         for bsz in batches:
             for ctx in ctxs:
                 t0 = time.time()
@@ -248,8 +285,9 @@ def main():
                 rows.append(row)
                 print(json.dumps(row), f"({time.time() - t0:.1f}s)", flush=True)
     result = {"copy_gbs": copy, "rows": rows}
-    if args.e2e:
-        result["e2e"] = e2e()
+    if args.e2e or args.e2e_only:
+        args.e2e = True
+        result["e2e"] = e2e(profile=args.profile)
         print(json.dumps(result["e2e"]), flush=True)
     with open(os.path.join(args.out, "decode_attention.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -263,9 +301,11 @@ def main():
               f"{r['ms_deq4']:>7.3f} {r.get('ms_sdpa', float('nan')):>7.3f} "
               f"{max(r['err_bf16'], r['err_q8'], r['err_q4']):>8.1e}")
     if args.e2e:
-        e = result["e2e"]
-        print(f"e2e 8B-shape decode: full {e['full']['tok_s']:.1f} tok/s, h2o {e['h2o']['tok_s']:.1f} tok/s "
-              f"(ratio {e['h2o_vs_full']:.3f})")
+        print("e2e 8B-shape decode through the engine (CUDA graphs): ms per step, h2o/full throughput")
+        for b, e in result["e2e"].items():
+            print(f"  {b:>4}: full {e['full']['ms_step']:.2f} ms ({e['full']['cache_tokens']} tokens), "
+                  f"h2o {e['h2o']['ms_step']:.2f} ms ({e['h2o']['cache_tokens']} tokens), "
+                  f"ratio {e['h2o_vs_full']:.3f}")
 
 
 if __name__ == "__main__":

@@ -66,10 +66,9 @@ def test_decode_attention_dense_matches_reference(shape, mode):
             torch.testing.assert_close(got[b, :ln].double(), want_score[b, :ln], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_decode_attention_quantized_matches_dequantize_then_attend(bits):
-    q, k, v, table, n = _case(7, 2, 6, 2, 64, [45, 129])
-    group = 32
+@pytest.mark.parametrize("bits, d, group", [(8, 64, 32), (4, 64, 32), (8, 128, 64), (4, 128, 128), (8, 64, 64)])
+def test_decode_attention_quantized_matches_dequantize_then_attend(bits, d, group):
+    q, k, v, table, n = _case(7 + d + group, 2, 6, 2, d, [45, 129])
     kc, kscale, kbias = quantize(k, bits, group)
     vc, vscale, vbias = quantize(v, bits, group)
     kd, vd = dequantize(kc, kscale, kbias, bits, group), dequantize(vc, vscale, vbias, bits, group)
@@ -131,3 +130,86 @@ def test_rope_inplace_matches_apply_rope(dtype, d):
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(got[:, :hq + hkv].cpu(), want, **tol)
     assert torch.equal(got[:, hq + hkv:].cpu(), qkv[:, hq + hkv:])  # v heads untouched
+
+
+def test_half_precision_export_matches_reference():
+    """bf16 inputs export probabilities through a float16 buffer: scores within half precision."""
+    q, k, v, table, n = _case(11, 3, 8, 2, 64, [200, 33, 129], slots=400)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    score = torch.zeros(3, 200, 2, device=DEV)
+    out = decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), table.to(DEV), n.to(DEV), score=score, score_mode="sum",
+                           split=64, block_n=16)
+    want, want_score = _reference(q.float(), k.float(), v.float(), table, n, "sum", torch.zeros(3, 200, 2), 0)
+    torch.testing.assert_close(out.cpu().double(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(score.cpu().double(), want_score, atol=2e-4, rtol=2e-3)
+
+
+def _evict_state(policy, seed, rows=4, batch=(2, 0, 3), layers=2, heads=2, d=32):
+    """A StackedMeta in steady state (every head holds budget tokens and one spare slot) and a pool."""
+    from types import SimpleNamespace
+    from kvbound.runner import StackedMeta
+    gen = torch.Generator().manual_seed(seed)
+    meta = StackedMeta(policy, layers, heads, rows, "cpu")
+    cap = meta.pos.shape[2]
+    slots = len(batch) * cap + 50
+    now = [cap + 150 + 7 * i for i in range(len(batch))]
+    for i, r in enumerate(batch):
+        for layer in range(layers):
+            for h in range(heads):
+                older = torch.randperm(now[i] - 1, generator=gen)[:cap - 1] + 0  # distinct past positions
+                if i == 0:  # keep the sinks and the newest ones in, so protection matters
+                    older[:3] = torch.tensor([0, 1, now[i] - 1])
+                spare = int(torch.randint(cap, (1,), generator=gen))
+                col = torch.full((cap,), -1, dtype=torch.int32)
+                col[[j for j in range(cap) if j != spare]] = older.to(torch.int32)
+                meta.pos[r, layer, :, h] = col
+                meta.spare[r, layer, h] = spare
+    if meta.score is not None:
+        meta.score.copy_(torch.rand(meta.score.shape, generator=gen).round(decimals=1))  # ties happen
+    hq = 2 * heads
+    pool = SimpleNamespace(k=torch.randn(layers, slots, heads, d, generator=gen),
+                           v=torch.randn(layers, slots, heads, d, generator=gen))
+    table = torch.randperm(slots, generator=gen)[:len(batch) * cap].view(len(batch), cap).to(torch.int32)
+    step = dict(q=torch.randn(len(batch), hq, d, generator=gen), k=torch.randn(len(batch), heads, d, generator=gen),
+                v=torch.randn(len(batch), heads, d, generator=gen), positions=torch.tensor(now))
+    step["q"][1] = 0  # uniform attention: scores stay tied, so the oldest-among-ties rule decides
+    return meta, pool, table, torch.tensor(batch), step
+
+
+@pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=5,recent=3", "h2o:sink=2,heavy=5,recent=3,score=ema",
+                                  "h2o:sink=1,heavy=6,recent=2,score=normalized", "window:budget=9,sink=2",
+                                  "h2o:sink=0,heavy=10,recent=0", "h2o:sink=2,heavy=500,recent=100"])
+def test_evict_decode_matches_torch_path(spec):
+    """The fused evict step (store, attention with export, victim) against runner.EvictAttention's PyTorch
+    steps on the same state: output, pool, positions, scores and each head's next spare slot. The last
+    case spans several key chunks, so the victim is chosen across chunks."""
+    import copy
+    from kvbound.kernels import evict_decode
+    from kvbound.policies import parse_policy
+    from kvbound.runner import EvictAttention, fused_victim
+    pol = parse_policy(spec, pinned=((1, 2),) if "window" in spec else ())
+    meta, pool, table, rows, step = _evict_state(pol, len(spec))
+    ref_meta, ref_pool = copy.deepcopy(meta), copy.deepcopy(pool)
+    layer = 1
+    want = EvictAttention(ref_pool, ref_meta, rows, table).attend(layer, step["q"], step["k"], step["v"],
+                                                                  step["positions"])
+    lens = torch.full((len(rows),), table.shape[1], dtype=torch.int32)
+    dev = lambda t: t.to(DEV)  # noqa: E731
+    kp, vp, pos, spare = dev(pool.k[layer]), dev(pool.v[layer]), dev(meta.pos[:, layer]), dev(meta.spare[:, layer])
+    score = None if meta.score is None else dev(meta.score[:, layer])
+    got = evict_decode(dev(step["q"]), dev(step["k"]), dev(step["v"]), kp, vp, dev(table), dev(lens), dev(rows),
+                       dev(step["positions"]), pos, spare, score, {"cumulative": "sum"}.get(pol.score, pol.score),
+                       getattr(pol, "ema_decay", 0.95), *fused_victim(pol))
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(kp.cpu(), ref_pool.k[layer]) and torch.equal(vp.cpu(), ref_pool.v[layer])
+    assert torch.equal(pos.cpu(), ref_meta.pos[:, layer])
+    assert torch.equal(spare.cpu(), ref_meta.spare[:, layer])
+    if score is not None:
+        torch.testing.assert_close(score.cpu(), ref_meta.score[:, layer], atol=1e-6, rtol=1e-5)
+
+
+def test_fused_victim_refuses_pinned_spans_past_the_prefix():
+    from kvbound.policies import parse_policy
+    from kvbound.runner import fused_victim
+    assert fused_victim(parse_policy("h2o:sink=4,heavy=8,recent=4", pinned=((2, 9),))) == (9, 4)
+    assert fused_victim(parse_policy("h2o:sink=4,heavy=8,recent=4", pinned=((20, 22),))) is None

@@ -2,16 +2,25 @@
 
 One query token per sequence; each sequence reads its keys through its own slot table (local key j
 lives in pool slot `slot_table[b, j]`), GQA, split-K ("flash decoding") with a stable merge, fp32
-accumulation. K/V are bf16/fp16/fp32, or packed 8/4-bit codes with per-group fp16 scale and bias that
-are dequantized in registers.
+accumulation. K/V are bf16/fp16/fp32, or packed 8/4-bit codes with per-group fp16 scale and bias.
+Packed K/V are never dequantized element by element: with x = code * scale + bias per group,
+q.k = sum over groups of scale * (q . codes) + bias * sum(q), and p.V likewise with p scaled per group, so
+the tensor cores multiply the raw codes (exact in bf16) and the scales apply once per key and group.
 
 Score export: H2O needs, per cached key and KV head, the post-softmax probability summed over the
 query heads of its group. The exact probability needs the softmax normaliser over *all* splits, so the
-split kernel writes its raw logits (G floats per key) and the merge kernel finds the normaliser; a
-third kernel, parallel over key blocks, folds exp(logit - M) / L summed over the group into the score
-buffer (sum, EMA, or weighted by the number of attended keys). Turned off (EXPORT=False), that code is compiled out.
+split kernel writes, per key and query head, exp(logit - m) in half precision, where m is its running
+maximum at that key block (stored once per block), and the merge kernel keeps each head's final maximum
+M and normaliser L. A fold kernel, parallel over key blocks with every KV head of a key in one row,
+adds p = e * exp(m - M) / L summed over the group into the score buffer (sum, EMA, or weighted by the
+number of attended keys). Turned off (EXPORT=False), that code is compiled out.
 
-`attention.py` holds the PyTorch reference these kernels are tested against (TRITON_INTERPRET=1 on CPU).
+The fold kernel can also pick each head's eviction victim in the same pass (`decode_attention(...,
+victim=...)`): the engine's steady-state bounded decode (`evict_decode`) is then five launches per layer
+(store, split, merge, fold, victim) with no PyTorch ops between them.
+
+`attention.py` holds the PyTorch reference these kernels are tested against (TRITON_INTERPRET=1 on CPU);
+the evict path's reference is the PyTorch branch of `runner.EvictAttention`.
 """
 from __future__ import annotations
 
@@ -23,13 +32,12 @@ SCORE_MODES = {None: 0, "sum": 1, "normalized": 2, "ema": 3}
 
 
 @triton.jit
-def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, PartL, Logits,
+def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, PartL, E, MBlk,
                   stride_qb, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb,
-                  stride_ob, stride_oh, stride_os, stride_mb, stride_mh, stride_lb, stride_lh,
+                  stride_ob, stride_oh, stride_os, stride_mb, stride_mh, stride_eb, stride_eh, stride_xb, stride_xh,
                   scale, split,
-                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
-                  EXPORT: tl.constexpr, IEEE: tl.constexpr):
+                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BITS: tl.constexpr, GS: tl.constexpr, EXPORT: tl.constexpr, IEEE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -37,70 +45,98 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
     start = s * split
     end = tl.minimum(start + split, n)
     offs_g = tl.arange(0, G_PAD)
-    offs_d = tl.arange(0, D)
     gmask = offs_g < G
     heads = h * G + offs_g
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
-    q = q.to(tl.float32) * scale
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D], tl.float32)
+    # packed layout, as [groups, rows, codes per group]: 8-bit codes are bytes; a 4-bit byte holds elements
+    # 2i (low nibble) and 2i+1 (high nibble), so q and the output split into even and odd elements
+    NG: tl.constexpr = D // GS
+    W: tl.constexpr = GS if BITS != 4 else GS // 2
+    STEP: tl.constexpr = 1 if BITS != 4 else 2
+    offs_ng = tl.arange(0, NG)
+    offs_w = tl.arange(0, W)
+    elem = offs_ng[:, None, None] * GS + offs_w[None, None, :] * STEP  # [NG, 1, W] element index
+    q_ptr = Q + b * stride_qb + heads[None, :, None] * stride_qh + elem
+    if BITS != 16:
+        q0 = tl.load(q_ptr, mask=gmask[None, :, None], other=0.0).to(tl.float32) * scale  # [NG, G_PAD, W]
+    acc0 = tl.zeros([NG, G_PAD, W], tl.float32)
+    offs_d = tl.arange(0, D)
+    if BITS == 16:  # plain 2-D tiles: [G_PAD, D] queries against [BLOCK_N, D] keys
+        q2 = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None],
+                     other=0.0).to(tl.float32) * scale
+        acc2 = tl.zeros([G_PAD, D], tl.float32)
+    if BITS == 4:
+        q1 = tl.load(q_ptr + 1, mask=gmask[None, :, None], other=0.0).to(tl.float32) * scale
+        acc1 = tl.zeros([NG, G_PAD, W], tl.float32)
+    if BITS != 16:
+        qsum = tl.sum(q0, 2)
+        if BITS == 4:
+            qsum += tl.sum(q1, 2)
     for j0 in range(start, end, BLOCK_N):
         offs_n = j0 + tl.arange(0, BLOCK_N)
         valid = offs_n < end
         slot = tl.load(SlotTable + b * stride_tb + offs_n, mask=valid, other=0).to(tl.int64)
         if BITS == 16:
-            kp = K + slot[:, None] * stride_ks + h * stride_kh + offs_d[None, :]
-            k = tl.load(kp, mask=valid[:, None], other=0.0).to(tl.float32)
-            v = tl.load(V + slot[:, None] * stride_ks + h * stride_kh + offs_d[None, :],
-                        mask=valid[:, None], other=0.0).to(tl.float32)
+            kv_ptr = slot[:, None] * stride_ks + h * stride_kh + offs_d[None, :]
+            k = tl.load(K + kv_ptr, mask=valid[:, None], other=0.0)
+            qk = _dot(q2, tl.trans(k), IEEE)
         else:
-            k = _dequant(K, KS, KB, slot, h, valid, stride_ks, stride_kh, stride_ss, stride_sh, D, DP, BITS, GS,
-                         BLOCK_N)
-            v = _dequant(V, VS, VB, slot, h, valid, stride_ks, stride_kh, stride_ss, stride_sh, D, DP, BITS, GS,
-                         BLOCK_N)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))
+            srow = slot[None, :] * stride_ss + h * stride_sh + offs_ng[:, None]  # [NG, BLOCK_N]
+            ks = tl.load(KS + srow, mask=valid[None, :], other=0.0).to(tl.float32)
+            kb = tl.load(KB + srow, mask=valid[None, :], other=0.0).to(tl.float32)
+            row = slot[None, :, None] * stride_ks + h * stride_kh  # [1, BLOCK_N, 1]
+            cmask = valid[None, :, None]
+            kc = tl.load(K + row + offs_ng[:, None, None] * W + offs_w[None, None, :], mask=cmask, other=0)
+            if BITS == 8:
+                raw = _dot(q0, tl.permute(kc, (0, 2, 1)), IEEE)
+            else:
+                raw = _dot(q0, tl.permute(kc & 0xF, (0, 2, 1)), IEEE) + _dot(q1, tl.permute(kc >> 4, (0, 2, 1)), IEEE)
+            qk = tl.sum(raw * ks[:, None, :] + qsum[:, :, None] * kb[:, None, :], 0)  # [G_PAD, BLOCK_N]
         qk = tl.where(valid[None, :], qk, float("-inf"))
-        if EXPORT:
-            tl.store(Logits + b * stride_lb + heads[:, None] * stride_lh + offs_n[None, :], qk,
-                     mask=gmask[:, None] & valid[None, :])
         m_new = tl.maximum(m, tl.max(qk, 1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(qk - m_new[:, None])
+        if EXPORT:
+            tl.store(E + b * stride_eb + heads[:, None] * stride_eh + offs_n[None, :], p.to(E.dtype.element_ty),
+                     mask=gmask[:, None] & valid[None, :])
+            tl.store(MBlk + b * stride_xb + heads * stride_xh + j0 // BLOCK_N, m_new, mask=gmask)
         l = l * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        a3 = alpha[None, :, None]
+        if BITS == 16:
+            v = tl.load(V + kv_ptr, mask=valid[:, None], other=0.0)
+            acc2 = acc2 * alpha[:, None] + _dot(p, v, IEEE)
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16))
+            vs = tl.load(VS + srow, mask=valid[None, :], other=0.0).to(tl.float32)
+            vb = tl.load(VB + srow, mask=valid[None, :], other=0.0).to(tl.float32)
+            vc = tl.load(V + row + offs_ng[:, None, None] * W + offs_w[None, None, :], mask=cmask, other=0)
+            ps = p[None, :, :] * vs[:, None, :]  # [NG, G_PAD, BLOCK_N]
+            pb = tl.sum(p[None, :, :] * vb[:, None, :], 2)[:, :, None]  # [NG, G_PAD, 1]
+            if BITS == 8:
+                acc0 = acc0 * a3 + _dot(ps, vc, IEEE) + pb
+            else:
+                acc0 = acc0 * a3 + _dot(ps, vc & 0xF, IEEE) + pb
+                acc1 = acc1 * a3 + _dot(ps, vc >> 4, IEEE) + pb
         m = m_new
-    o_ptr = PartO + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + offs_d[None, :]
-    tl.store(o_ptr, acc, mask=gmask[:, None])
+    if BITS == 16:
+        tl.store(PartO + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + offs_d[None, :], acc2,
+                 mask=gmask[:, None])
+    o_ptr = PartO + b * stride_ob + heads[None, :, None] * stride_oh + s * stride_os + elem
+    if BITS != 16:
+        tl.store(o_ptr, acc0, mask=gmask[None, :, None])
+    if BITS == 4:
+        tl.store(o_ptr + 1, acc1, mask=gmask[None, :, None])
     tl.store(PartM + b * stride_mb + heads * stride_mh + s, m, mask=gmask)
     tl.store(PartL + b * stride_mb + heads * stride_mh + s, l, mask=gmask)
 
 
 @triton.jit
-def _dequant(P, S, B, slot, h, valid, stride_ps, stride_ph, stride_ss, stride_sh, D: tl.constexpr,
-             DP: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Packed codes of BLOCK_N tokens -> float32 [BLOCK_N, D]: code * scale[group] + bias[group]."""
-    offs_p = tl.arange(0, DP)
-    packed = tl.load(P + slot[:, None] * stride_ps + h * stride_ph + offs_p[None, :], mask=valid[:, None], other=0)
-    if BITS == 8:
-        codes = packed.to(tl.float32)
-    else:
-        lo = (packed & 0xF).to(tl.float32)
-        hi = (packed >> 4).to(tl.float32)
-        codes = tl.reshape(tl.join(lo, hi), [BLOCK_N, D])
-    NG: tl.constexpr = D // GS
-    offs_g = tl.arange(0, NG)
-    sp = slot[:, None] * stride_ss + h * stride_sh + offs_g[None, :]
-    sc = tl.load(S + sp, mask=valid[:, None], other=0.0).to(tl.float32)
-    bi = tl.load(B + sp, mask=valid[:, None], other=0.0).to(tl.float32)
-    x = tl.reshape(codes, [BLOCK_N, NG, GS]) * sc[:, :, None] + bi[:, :, None]
-    return tl.reshape(x, [BLOCK_N, D])
+def _dot(a, b, IEEE: tl.constexpr):
+    """Batched a @ b with fp32 accumulation: exact fp32 products when IEEE, else bf16 tensor-core inputs
+    (packed codes are integers below 256, exact in bf16)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
 
 
 @triton.jit
@@ -139,45 +175,111 @@ def _merge_kernel(PartO, PartM, PartL, Out, CtxLen, stride_ob, stride_oh, stride
 
 
 @triton.jit
-def _score_kernel(Logits, PartM, PartL, Score, CtxLen, stride_mb, stride_mh, stride_lb, stride_lh,
-                  stride_sb, stride_sj, ema_decay, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                  MODE: tl.constexpr):
-    """Fold this step's exact probabilities, summed over each KV head's query group, into the scores."""
+def _fold_kernel(E, MBlk, PartM, PartL, Score, Rows, Pos, Positions, CtxLen, CandKey, CandPos, CandJ,
+                 stride_eb, stride_eh, stride_xb, stride_xh, stride_mb, stride_mh, stride_sr, stride_sj,
+                 stride_pr, stride_pj, ema_decay, chunk, prefix, recent,
+                 G: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                 BLOCK_N: tl.constexpr, MODE: tl.constexpr, ROWS: tl.constexpr, VICTIM: tl.constexpr,
+                 BY_SCORE: tl.constexpr):
+    """Keys [chunk * pid1, ...) of sequence b, every KV head at once ([HKV_PAD, BLOCK] tiles, so the score
+    row of a key is read and written whole): fold this step's probabilities into the scores (MODE != 0);
+    with VICTIM, also each head's victim candidate in the chunk, the unprotected key of lowest rank
+    (score, or position), the oldest among ties, as `policies.lowest` does. Protected: positions below
+    `prefix`, and the `recent` newest (the newest is this step's token)."""
     b = tl.program_id(0)
-    h = tl.program_id(1)
-    j0 = tl.program_id(2) * BLOCK
     n = tl.load(CtxLen + b)
-    if j0 >= n:
-        return
-    offs_g = tl.arange(0, G_PAD)
-    gmask = offs_g < G
-    heads = h * G + offs_g
-    big_m = tl.load(PartM + b * stride_mb + heads * stride_mh, mask=gmask, other=0.0)
-    big_l = tl.load(PartL + b * stride_mb + heads * stride_mh, mask=gmask, other=1.0)
-    offs_n = j0 + tl.arange(0, BLOCK)
-    valid = offs_n < n
-    lg = tl.load(Logits + b * stride_lb + heads[:, None] * stride_lh + offs_n[None, :],
-                 mask=gmask[:, None] & valid[None, :], other=float("-inf"))
-    p = tl.exp(lg - big_m[:, None]) / big_l[:, None]
-    p = tl.sum(tl.where(gmask[:, None] & valid[None, :], p, 0.0), 0)
-    sp = Score + b * stride_sb + offs_n * stride_sj + h
-    old = tl.load(sp, mask=valid, other=0.0)
-    if MODE == 1:
-        new = old + p
-    elif MODE == 2:
-        new = old + p * n.to(tl.float32)
-    else:
-        new = old * ema_decay + p * (1.0 - ema_decay)
-    tl.store(sp, new, mask=valid)
+    row = b
+    if ROWS:
+        row = tl.load(Rows + b)
+    start = tl.program_id(1) * chunk
+    end = tl.minimum(start + chunk, n)
+    offs_h = tl.arange(0, HKV_PAD)
+    hmask = offs_h < HKV
+    if VICTIM:
+        newest = tl.load(Positions + b).to(tl.int32)
+        best_key = tl.full([HKV_PAD], float("inf"), tl.float32)
+        best_pos = tl.full([HKV_PAD], 2147483647, tl.int32)
+        best_j = tl.zeros([HKV_PAD], tl.int32)
+    for j0 in range(start, end, BLOCK):
+        offs_n = j0 + tl.arange(0, BLOCK)
+        valid = offs_n < end
+        mask = hmask[:, None] & valid[None, :]
+        sp = Score + row * stride_sr + offs_n[None, :] * stride_sj + offs_h[:, None]
+        if MODE != 0:
+            p = tl.zeros([HKV_PAD, BLOCK], tl.float32)
+            for g in tl.static_range(G):
+                hq = offs_h * G + g
+                big_m = tl.load(PartM + b * stride_mb + hq * stride_mh, mask=hmask, other=0.0)
+                big_l = tl.load(PartL + b * stride_mb + hq * stride_mh, mask=hmask, other=1.0)
+                m_blk = tl.load(MBlk + b * stride_xb + hq[:, None] * stride_xh + offs_n[None, :] // BLOCK_N, mask=mask,
+                                other=0.0)
+                e = tl.load(E + b * stride_eb + hq[:, None] * stride_eh + offs_n[None, :], mask=mask, other=0.0)
+                p += e.to(tl.float32) * (tl.exp(m_blk - big_m[:, None]) / big_l[:, None])
+            old = tl.load(sp, mask=mask, other=0.0)
+            if MODE == 1:
+                new = old + p
+            elif MODE == 2:
+                new = old + p * n.to(tl.float32)
+            else:
+                new = old * ema_decay + p * (1.0 - ema_decay)
+            tl.store(sp, new, mask=mask)
+        if VICTIM:
+            pos = tl.load(Pos + row * stride_pr + offs_n[None, :] * stride_pj + offs_h[:, None], mask=mask, other=-1)
+            if BY_SCORE:
+                key = new
+            else:
+                key = pos.to(tl.float32)
+            protected = (pos < prefix) | (pos > newest - recent)
+            key = tl.where(protected, float("inf"), key)
+            key = tl.where(mask, key, float("nan"))  # never a minimum, never tied
+            k_min = tl.min(tl.where(mask, key, float("inf")), 1)
+            tied = key == k_min[:, None]
+            p_min = tl.min(tl.where(tied, pos, 2147483647), 1)
+            j_min = tl.min(tl.where(tied & (pos == p_min[:, None]), offs_n[None, :], 2147483647), 1)
+            better = (k_min < best_key) | ((k_min == best_key) & (p_min < best_pos))
+            best_key = tl.where(better, k_min, best_key)
+            best_pos = tl.where(better, p_min, best_pos)
+            best_j = tl.where(better, j_min, best_j)
+    if VICTIM:  # this chunk's candidate per head; `_victim_kernel` picks among the chunks
+        c = (b * tl.num_programs(1) + tl.program_id(1)) * HKV_PAD + offs_h
+        tl.store(CandKey + c, best_key)
+        tl.store(CandPos + c, best_pos)
+        tl.store(CandJ + c, best_j)
+
+
+@triton.jit
+def _victim_kernel(CandKey, CandPos, CandJ, Rows, Pos, Spare, chunks, stride_pr, stride_pj, stride_spr,
+                   HKV: tl.constexpr, HKV_PAD: tl.constexpr, NC_PAD: tl.constexpr):
+    """Sequence b: each head's victim among its chunks' candidates (lowest key, then oldest position): its
+    position is marked free and its slot becomes the head's spare slot."""
+    b = tl.program_id(0)
+    row = tl.load(Rows + b)
+    offs_c = tl.arange(0, NC_PAD)
+    offs_h = tl.arange(0, HKV_PAD)
+    cm = offs_c[:, None] < chunks
+    c = (b * chunks + offs_c[:, None]) * HKV_PAD + offs_h[None, :]
+    key = tl.load(CandKey + c, mask=cm, other=float("nan"))
+    pos = tl.load(CandPos + c, mask=cm, other=2147483647)
+    j = tl.load(CandJ + c, mask=cm, other=0)
+    k_min = tl.min(tl.where(cm, key, float("inf")), 0)
+    tied = key == k_min[None, :]
+    p_min = tl.min(tl.where(tied, pos, 2147483647), 0)
+    j_min = tl.min(tl.where(tied & (pos == p_min[None, :]), j, 2147483647), 0)
+    hmask = offs_h < HKV
+    tl.store(Pos + row * stride_pr + j_min * stride_pj + offs_h, tl.full([HKV_PAD], -1, tl.int32), mask=hmask)
+    tl.store(Spare + row * stride_spr + offs_h, j_min.to(tl.int64), mask=hmask)
 
 
 def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=None, score_mode=None,
                      ema_decay=0.95, quant=None, split=None, block_n=None, out=None, programs_per_sm=None,
-                     num_warps=4):
+                     num_warps=4, rows=None, victim=None):
     """q: [B, Hq, D]; k_pool/v_pool: [slots, Hkv, D] (or packed codes [slots, Hkv, D*bits/8] with
     quant=dict(bits=, group=, k_scale=, k_bias=, v_scale=, v_bias=) of [slots, Hkv, D/group]);
-    slot_table: [B, max_len] int32; ctx_lens: [B] int32; score: [B, max_len, Hkv] float32, updated in
-    place with this step's probabilities when score_mode is "sum" | "normalized" | "ema".
+    slot_table: [B, max_len] int32; ctx_lens: [B] int32; score: [B, max_len, Hkv] float32 (or, with
+    rows [B], [R, >= max_len, Hkv] read at row rows[b]), updated in place with this step's probabilities
+    when score_mode is "sum" | "normalized" | "ema".
+    victim: dict(pos=[R, max_len, Hkv] int32, spare=[R, Hkv] int64, positions=[B], prefix=, recent=,
+    by_score=) also picks each head's eviction victim after the fold (see `_fold_kernel`); needs rows.
     Returns out [B, Hq, D] in q's dtype."""
     bsz, hq, d = q.shape
     hkv = k_pool.shape[1]
@@ -185,15 +287,15 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     max_len = slot_table.shape[1]
     scale = d ** -0.5 if scale is None else scale
     # defaults from `benchmarks/decode_attention.py --tune` on an H200 (benchmarks/tune_h200.log): 64-key
-    # blocks and 4 programs per SM; the packed kernels, which dequantize in registers, did better at
-    # head_dim 128 with 32-key blocks and 2 programs per SM (benchmarks/README.md)
-    wide_packed = quant is not None and d > 64
-    block_n = block_n or (32 if wide_packed else 64)
-    programs_per_sm = programs_per_sm or (2 if wide_packed else 4)
+    # blocks and 4 programs per SM
+    block_n = block_n or 64
+    programs_per_sm = programs_per_sm or 4
     if split is None:  # enough programs to fill the GPU, at least a few blocks each
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
         want = max(1, (programs_per_sm * sms) // max(1, bsz * hkv))
         split = max(block_n * 4, triton.cdiv(triton.cdiv(max_len, want), block_n) * block_n)
+    if split % block_n:
+        raise ValueError(f"split {split} must be a multiple of block_n {block_n}")
     num_splits = max(1, triton.cdiv(max_len, split))
     g_pad = max(16, triton.next_power_of_2(g))
     part_o = torch.empty(bsz, hq, num_splits, d, device=q.device, dtype=torch.float32)
@@ -201,7 +303,12 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     part_l = torch.empty_like(part_m)
     mode = SCORE_MODES[score_mode]
     export = mode != 0
-    logits = torch.empty(bsz, hq, max_len, device=q.device, dtype=torch.float32) if export else part_m
+    if export:  # probabilities relative to their block's running max: half precision for half inputs
+        e_dtype = torch.float32 if q.dtype == torch.float32 else torch.float16
+        e = torch.empty(bsz, hq, max_len, device=q.device, dtype=e_dtype)
+        m_blk = torch.empty(bsz, hq, triton.cdiv(max_len, block_n), device=q.device, dtype=torch.float32)
+    else:
+        e = m_blk = part_m
     if out is None:
         out = torch.empty_like(q)
     bits = 16 if quant is None else quant["bits"]
@@ -213,23 +320,80 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         ss = (ks.stride(0), ks.stride(1))
     ieee = q.dtype == torch.float32 or not q.is_cuda
     _split_kernel[(bsz, hkv, num_splits)](
-        q, k_pool, v_pool, ks, kb, vs, vb, slot_table, ctx_lens, part_o, part_m, part_l, logits,
+        q, k_pool, v_pool, ks, kb, vs, vb, slot_table, ctx_lens, part_o, part_m, part_l, e, m_blk,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), ss[0], ss[1], slot_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
-        logits.stride(0), logits.stride(1), scale, split,
-        G=g, G_PAD=g_pad, D=d, DP=d * bits // 8 if bits != 16 else d, BLOCK_N=block_n, BITS=bits,
-        GS=gs, EXPORT=export, IEEE=ieee, num_warps=num_warps)
+        e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), scale, split,
+        G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee, num_warps=num_warps)
     _merge_kernel[(bsz, hkv)](
         part_o, part_m, part_l, out, ctx_lens,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
         out.stride(0), out.stride(1), split, G=g, G_PAD=g_pad, D=d, MODE=mode)
-    if export:
-        block = 256
-        _score_kernel[(bsz, hkv, triton.cdiv(max_len, block))](
-            logits, part_m, part_l, score, ctx_lens, part_m.stride(0), part_m.stride(1),
-            logits.stride(0), logits.stride(1), score.stride(0), score.stride(1), float(ema_decay),
-            G=g, G_PAD=g_pad, BLOCK=block, MODE=mode)
+    if export or victim is not None:
+        block = 64
+        # key chunks of 4 blocks per program; the victim is then chosen among the chunks' candidates
+        chunk = block * 4 if victim is not None else block
+        chunks = triton.cdiv(max_len, chunk)
+        vt = victim or {}
+        pos, positions = vt.get("pos", part_m), vt.get("positions", ctx_lens)
+        sc = score if score is not None else part_m
+        hkv_pad = triton.next_power_of_2(hkv)
+        cand = [part_m] * 3
+        if victim is not None:
+            cand = [torch.empty(bsz, chunks, hkv_pad, device=q.device, dtype=dt)
+                    for dt in (torch.float32, torch.int32, torch.int32)]
+        _fold_kernel[(bsz, chunks)](
+            e, m_blk, part_m, part_l, sc, rows if rows is not None else ctx_lens, pos, positions, ctx_lens, *cand,
+            e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), part_m.stride(0), part_m.stride(1),
+            sc.stride(0) if score is not None else 0, sc.stride(1) if score is not None else 0,
+            pos.stride(0) if victim else 0, pos.stride(1) if victim else 0,
+            float(ema_decay), chunk, int(vt.get("prefix", 0)), int(vt.get("recent", 0)),
+            G=g, HKV=hkv, HKV_PAD=hkv_pad, BLOCK=block, BLOCK_N=block_n, MODE=mode,
+            ROWS=rows is not None, VICTIM=victim is not None, BY_SCORE=bool(vt.get("by_score", False)))
+        if victim is not None:
+            spare = vt["spare"]
+            _victim_kernel[(bsz,)](*cand, rows, pos, spare, chunks, pos.stride(0), pos.stride(1), spare.stride(0),
+                                   HKV=hkv, HKV_PAD=hkv_pad, NC_PAD=max(2, triton.next_power_of_2(chunks)))
     return out
+
+
+@triton.jit
+def _evict_store_kernel(KN, VN, KP, VP, Table, Rows, Spare, Pos, Score, Positions, stride_nt, stride_nh,
+                        stride_ps, stride_ph, stride_tb, stride_spr, stride_pr, stride_pj, stride_sr, stride_sj,
+                        D: tl.constexpr, DP: tl.constexpr, HAS_SCORE: tl.constexpr):
+    """Sequence b, KV head h: the new token goes into the head's spare slot (K, V, position, score 0)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.load(Rows + b)
+    j = tl.load(Spare + row * stride_spr + h)
+    slot = tl.load(Table + b * stride_tb + j).to(tl.int64)
+    offs = tl.arange(0, DP)
+    dm = offs < D
+    k = tl.load(KN + b * stride_nt + h * stride_nh + offs, mask=dm)
+    v = tl.load(VN + b * stride_nt + h * stride_nh + offs, mask=dm)
+    tl.store(KP + slot * stride_ps + h * stride_ph + offs, k.to(KP.dtype.element_ty), mask=dm)
+    tl.store(VP + slot * stride_ps + h * stride_ph + offs, v.to(VP.dtype.element_ty), mask=dm)
+    tl.store(Pos + row * stride_pr + j * stride_pj + h, tl.load(Positions + b).to(tl.int32))
+    if HAS_SCORE:
+        tl.store(Score + row * stride_sr + j * stride_sj + h, 0.0)
+
+
+def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spare, score, score_mode, ema_decay,
+                 prefix: int, recent: int):
+    """One layer of the engine's steady-state bounded decode, fused: each head's new token into its spare
+    slot, attention with score export over the `table` slots, and each head's next victim, which becomes
+    its spare slot. pos/score/spare are the layer's stacked metadata [R, cap, H] / [R, H], read at
+    rows[b]. Same result as the PyTorch branch of `runner.EvictAttention` for policies whose protected
+    tokens are a prefix of positions plus the `recent` newest."""
+    bsz, hkv, d = k.shape
+    sc = score if score is not None else pos
+    _evict_store_kernel[(bsz, hkv)](
+        k, v, k_pool, v_pool, table, rows, spare, pos, sc, positions, k.stride(0), k.stride(1),
+        k_pool.stride(0), k_pool.stride(1), table.stride(0), spare.stride(0), pos.stride(0), pos.stride(1),
+        sc.stride(0), sc.stride(1), D=d, DP=triton.next_power_of_2(d), HAS_SCORE=score is not None)
+    return decode_attention(q, k_pool, v_pool, table, lens, score=score, score_mode=score_mode, ema_decay=ema_decay,
+                            rows=rows, victim=dict(pos=pos, spare=spare, positions=positions, prefix=prefix,
+                                                   recent=recent, by_score=score is not None))
 
 
 @triton.jit

@@ -56,6 +56,15 @@ def batchable_policy(policy) -> bool:
             and (policy.score is None or policy.granularity == "kv-head"))
 
 
+def fused_victim(policy):
+    """(prefix, recent) when the policy's protected tokens are positions [0, prefix) plus the `recent`
+    newest, which the fused evict kernel handles; None for pinned spans past the protected prefix."""
+    prefix = protected_prefix(policy)
+    if any(b > prefix for _, b in getattr(policy, "pinned", ())):
+        return None
+    return prefix, getattr(policy, "recent", 0)
+
+
 def group_of(seq, t: int):
     cache = seq.cache
     if t != 1:
@@ -121,10 +130,16 @@ class EvictAttention:
     def __init__(self, pool, meta, rows, table):
         self.pool, self.meta, self.rows, self.table = pool, meta, rows, table
         self.lens = torch.full((table.shape[0],), table.shape[1], dtype=torch.int32, device=table.device)
+        self.fused = fused_victim(meta.policy)
 
     def attend(self, layer, q, k, v, positions):
         meta, rows, table, pol = self.meta, self.rows, self.table, self.meta.policy
         kp, vp = self.pool.k[layer], self.pool.v[layer]
+        if q.is_cuda and self.fused is not None:  # the same steps in five kernels (kernels.evict_decode)
+            from .kernels import evict_decode
+            return evict_decode(q, k, v, kp, vp, table, self.lens, rows, positions, meta.pos[:, layer],
+                                meta.spare[:, layer], None if meta.score is None else meta.score[:, layer],
+                                kernel_mode(pol), getattr(pol, "ema_decay", 0.95), *self.fused)
         heads = torch.arange(k.shape[1], device=k.device)[None, :]
         r = rows[:, None]
         spare = meta.spare[rows, layer]  # [B, H] local slot each head writes
