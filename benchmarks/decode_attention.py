@@ -199,7 +199,7 @@ def e2e(batches=(1, 16, 64), budget=2048, steps=32, rounds=5, profile=False):
             for _ in range(steps):  # warm: graphs replayed, every bounded cache evicting
                 eng.step(only_finished=True)
             engines[name] = eng
-        if profile and bsz == batches[0]:  # GPU time per kernel of a few steps each
+        if profile and bsz in (batches[0], batches[-1]):  # GPU time per kernel of a few steps each
             from torch.profiler import ProfilerActivity, profile as torch_profile
             for name, eng in engines.items():
                 with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -207,7 +207,7 @@ def e2e(batches=(1, 16, 64), budget=2048, steps=32, rounds=5, profile=False):
                         eng.step(only_finished=True)
                     torch.cuda.synchronize()
                 print(f"--- {name}, batch {bsz}, 4 steps")
-                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=60))
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=40))
         times = {name: [] for name in engines}
         for _ in range(rounds):
             for name, eng in engines.items():
@@ -259,6 +259,41 @@ def tune():
         torch.cuda.empty_cache()
 
 
+def tune_quant():
+    """Fused 8/4-bit kernel against the bf16 kernel on the same slot tables, block size and programs per SM
+    swept."""
+    print(f"{'shape':<8}{'B':>3}{'ctx':>6}{'bits':>5}{'blk':>4}{'pps':>4}{'ms':>8}{'vs bf16':>8}")
+    for name, bsz, ctx in [("8b", 64, 8192), ("8b", 16, 32768), ("8b", 1, 32768), ("smollm2", 64, 8192)]:
+        hq, hkv, d = SHAPES[name]
+        slots = bsz * ctx
+        sets = max(1, min(16, math.ceil(256e6 / (slots * hkv * d * 4))))
+        k = torch.randn(slots * sets, hkv, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        tables = [(torch.randperm(slots, device="cuda") + s * slots).reshape(bsz, ctx).to(torch.int32)
+                  for s in range(sets)]
+        lens = torch.full((bsz,), ctx, device="cuda", dtype=torch.int32)
+        qs = [torch.randn(bsz, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+        ref = timed(lambda i: decode_attention(qs[i], k, v, tables[i], lens), sets)
+        print(f"{name:<8}{bsz:>3}{ctx:>6}{'bf16':>5}{'':>4}{'':>4}{ref:>8.3f}", flush=True)
+        for bits in (8, 4):
+            kc, ks, kb = quantize(k, bits, 64)
+            vc, vs, vb = quantize(v, bits, 64)
+            quant = dict(bits=bits, group=64, k_scale=ks, k_bias=kb, v_scale=vs, v_bias=vb)
+            want = decode_attention(qs[0], dequantize(kc, ks, kb, bits, 64, torch.bfloat16),
+                                    dequantize(vc, vs, vb, bits, 64, torch.bfloat16), tables[0], lens)
+            for blk in (32, 64):
+                for pps in (2, 4):
+                    err = rel(decode_attention(qs[0], kc, vc, tables[0], lens, quant=quant, block_n=blk,
+                                               programs_per_sm=pps), want)
+                    ms = timed(lambda i: decode_attention(qs[i], kc, vc, tables[i], lens, quant=quant,
+                                                          block_n=blk, programs_per_sm=pps), sets)
+                    print(f"{name:<8}{bsz:>3}{ctx:>6}{bits:>5}{blk:>4}{pps:>4}{ms:>8.3f}{ms / ref:>8.2f}"
+                          f"  err {err:.1e}", flush=True)
+            del kc, vc, ks, kb, vs, vb
+        del k, v
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one small config per shape")
@@ -266,12 +301,15 @@ def main():
     ap.add_argument("--e2e-only", action="store_true")
     ap.add_argument("--profile", action="store_true", help="with --e2e: GPU time per kernel at batch 1")
     ap.add_argument("--tune", action="store_true", help="only sweep split factor / block / warps (bf16 kernel)")
+    ap.add_argument("--tune-quant", action="store_true", help="only sweep the fused 8/4-bit kernel variants")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     if args.tune:
         return tune()
+    if args.tune_quant:
+        return tune_quant()
     copy = copy_bandwidth()
     print(f"device-to-device copy: {copy:.0f} GB/s (read + write)", flush=True)
     rows = []

@@ -3,9 +3,11 @@
 One query token per sequence; each sequence reads its keys through its own slot table (local key j
 lives in pool slot `slot_table[b, j]`), GQA, split-K ("flash decoding") with a stable merge, fp32
 accumulation. K/V are bf16/fp16/fp32, or packed 8/4-bit codes with per-group fp16 scale and bias.
-Packed K/V are never dequantized element by element: with x = code * scale + bias per group,
-q.k = sum over groups of scale * (q . codes) + bias * sum(q), and p.V likewise with p scaled per group, so
-the tensor cores multiply the raw codes (exact in bf16) and the scales apply once per key and group.
+Packed keys are never dequantized: with k = code * scale + bias per group, q.k = sum over groups of
+scale * (q . codes) + bias * sum(q), so the tensor cores multiply the raw codes (exact in bf16) and the
+scales apply once per key and group. Packed values are dequantized in registers (code * scale + bias)
+before p @ V: the per-group alternatives (3-D batched dots, per-element scale gathers) measured slower
+(benchmarks/README.md).
 
 Score export: H2O needs, per cached key and KV head, the post-softmax probability summed over the
 query heads of its group. The exact probability needs the softmax normaliser over *all* splits, so the
@@ -45,54 +47,25 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
     start = s * split
     end = tl.minimum(start + split, n)
     offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D)
     gmask = offs_g < G
     heads = h * G + offs_g
+    q_row = b * stride_qb + tl.where(gmask, heads, 0)[:, None] * stride_qh  # padded heads read head 0, unused
+    if BITS == 16:
+        q = tl.load(Q + q_row + offs_d[None, :]).to(tl.float32) * scale
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
-    # packed layout, as [groups, rows, codes per group]: 8-bit codes are bytes; a 4-bit byte holds elements
-    # 2i (low nibble) and 2i+1 (high nibble), so q and the output split into even and odd elements
-    NG: tl.constexpr = D // GS
-    W: tl.constexpr = GS if BITS != 4 else GS // 2
-    STEP: tl.constexpr = 1 if BITS != 4 else 2
-    offs_ng = tl.arange(0, NG)
-    offs_w = tl.arange(0, W)
-    elem = offs_ng[:, None, None] * GS + offs_w[None, None, :] * STEP  # [NG, 1, W] element index
-    q_ptr = Q + b * stride_qb + heads[None, :, None] * stride_qh + elem
-    if BITS != 16:
-        q0 = tl.load(q_ptr, mask=gmask[None, :, None], other=0.0).to(tl.float32) * scale  # [NG, G_PAD, W]
-    acc0 = tl.zeros([NG, G_PAD, W], tl.float32)
-    offs_d = tl.arange(0, D)
-    if BITS == 16:  # plain 2-D tiles: [G_PAD, D] queries against [BLOCK_N, D] keys
-        q2 = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None],
-                     other=0.0).to(tl.float32) * scale
-        acc2 = tl.zeros([G_PAD, D], tl.float32)
-    if BITS == 4:
-        q1 = tl.load(q_ptr + 1, mask=gmask[None, :, None], other=0.0).to(tl.float32) * scale
-        acc1 = tl.zeros([NG, G_PAD, W], tl.float32)
-    if BITS != 16:
-        qsum = tl.sum(q0, 2)
-        if BITS == 4:
-            qsum += tl.sum(q1, 2)
+    acc = tl.zeros([G_PAD, D], tl.float32)
     for j0 in range(start, end, BLOCK_N):
         offs_n = j0 + tl.arange(0, BLOCK_N)
         valid = offs_n < end
         slot = tl.load(SlotTable + b * stride_tb + offs_n, mask=valid, other=0).to(tl.int64)
+        kv_ptr = slot[:, None] * stride_ks + h * stride_kh + offs_d[None, :]
         if BITS == 16:
-            kv_ptr = slot[:, None] * stride_ks + h * stride_kh + offs_d[None, :]
-            k = tl.load(K + kv_ptr, mask=valid[:, None], other=0.0)
-            qk = _dot(q2, tl.trans(k), IEEE)
+            qk = _dot(q, tl.trans(tl.load(K + kv_ptr, mask=valid[:, None], other=0.0)), IEEE)
         else:
-            srow = slot[None, :] * stride_ss + h * stride_sh + offs_ng[:, None]  # [NG, BLOCK_N]
-            ks = tl.load(KS + srow, mask=valid[None, :], other=0.0).to(tl.float32)
-            kb = tl.load(KB + srow, mask=valid[None, :], other=0.0).to(tl.float32)
-            row = slot[None, :, None] * stride_ks + h * stride_kh  # [1, BLOCK_N, 1]
-            cmask = valid[None, :, None]
-            kc = tl.load(K + row + offs_ng[:, None, None] * W + offs_w[None, None, :], mask=cmask, other=0)
-            if BITS == 8:
-                raw = _dot(q0, tl.permute(kc, (0, 2, 1)), IEEE)
-            else:
-                raw = _dot(q0, tl.permute(kc & 0xF, (0, 2, 1)), IEEE) + _dot(q1, tl.permute(kc >> 4, (0, 2, 1)), IEEE)
-            qk = tl.sum(raw * ks[:, None, :] + qsum[:, :, None] * kb[:, None, :], 0)  # [G_PAD, BLOCK_N]
+            qk = _packed_qk(Q, K, KS, KB, slot, h, valid, q_row, stride_ks, stride_kh, stride_ss, stride_sh, scale,
+                            G_PAD, BLOCK_N, D, BITS, GS, IEEE)
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
         alpha = tl.exp(m - m_new)
@@ -102,32 +75,66 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                      mask=gmask[:, None] & valid[None, :])
             tl.store(MBlk + b * stride_xb + heads * stride_xh + j0 // BLOCK_N, m_new, mask=gmask)
         l = l * alpha + tl.sum(p, 1)
-        a3 = alpha[None, :, None]
         if BITS == 16:
             v = tl.load(V + kv_ptr, mask=valid[:, None], other=0.0)
-            acc2 = acc2 * alpha[:, None] + _dot(p, v, IEEE)
         else:
-            vs = tl.load(VS + srow, mask=valid[None, :], other=0.0).to(tl.float32)
-            vb = tl.load(VB + srow, mask=valid[None, :], other=0.0).to(tl.float32)
-            vc = tl.load(V + row + offs_ng[:, None, None] * W + offs_w[None, None, :], mask=cmask, other=0)
-            ps = p[None, :, :] * vs[:, None, :]  # [NG, G_PAD, BLOCK_N]
-            pb = tl.sum(p[None, :, :] * vb[:, None, :], 2)[:, :, None]  # [NG, G_PAD, 1]
-            if BITS == 8:
-                acc0 = acc0 * a3 + _dot(ps, vc, IEEE) + pb
-            else:
-                acc0 = acc0 * a3 + _dot(ps, vc & 0xF, IEEE) + pb
-                acc1 = acc1 * a3 + _dot(ps, vc >> 4, IEEE) + pb
+            v = _dequant(V, VS, VB, slot, h, valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS)
+        acc = acc * alpha[:, None] + _dot(p, v, IEEE)
         m = m_new
-    if BITS == 16:
-        tl.store(PartO + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + offs_d[None, :], acc2,
-                 mask=gmask[:, None])
-    o_ptr = PartO + b * stride_ob + heads[None, :, None] * stride_oh + s * stride_os + elem
-    if BITS != 16:
-        tl.store(o_ptr, acc0, mask=gmask[None, :, None])
-    if BITS == 4:
-        tl.store(o_ptr + 1, acc1, mask=gmask[None, :, None])
+    tl.store(PartO + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + offs_d[None, :], acc,
+             mask=gmask[:, None])
     tl.store(PartM + b * stride_mb + heads * stride_mh + s, m, mask=gmask)
     tl.store(PartL + b * stride_mb + heads * stride_mh + s, l, mask=gmask)
+
+
+@triton.jit
+def _dequant(P, S, B, slot, h, valid, stride_ps, stride_ph, stride_ss, stride_sh, D: tl.constexpr,
+             BITS: tl.constexpr, GS: tl.constexpr):
+    """Packed codes of len(slot) tokens -> float32 [len(slot), D]: code * scale[group] + bias[group]."""
+    N: tl.constexpr = slot.shape[0]
+    DP: tl.constexpr = D if BITS == 8 else D // 2
+    offs_p = tl.arange(0, DP)
+    packed = tl.load(P + slot[:, None] * stride_ps + h * stride_ph + offs_p[None, :], mask=valid[:, None], other=0)
+    if BITS == 8:
+        codes = packed.to(tl.float32)
+    else:
+        codes = tl.reshape(tl.join((packed & 0xF).to(tl.float32), (packed >> 4).to(tl.float32)), [N, D])
+    NG: tl.constexpr = D // GS
+    offs_g = tl.arange(0, NG)
+    sp = slot[:, None] * stride_ss + h * stride_sh + offs_g[None, :]
+    sc = tl.load(S + sp, mask=valid[:, None], other=0.0).to(tl.float32)
+    bi = tl.load(B + sp, mask=valid[:, None], other=0.0).to(tl.float32)
+    x = tl.reshape(codes, [N, NG, GS]) * sc[:, :, None] + bi[:, :, None]
+    return tl.reshape(x, [N, D])
+
+
+@triton.jit
+def _packed_qk(Q, K, KS, KB, slot, h, valid, q_row, stride_ks, stride_kh, stride_ss, stride_sh, scale,
+               G_PAD: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
+               IEEE: tl.constexpr):
+    """q.k of packed keys without dequantizing them: per group, scale * (q . codes) + bias * sum(q), with
+    2-D dots of q against the raw codes."""
+    W: tl.constexpr = GS if BITS == 8 else GS // 2
+    STEP: tl.constexpr = 1 if BITS == 8 else 2
+    offs_w = tl.arange(0, W)
+    qk = tl.zeros([G_PAD, N], tl.float32)
+    for gi in tl.static_range(D // GS):
+        qp = Q + q_row + gi * GS + offs_w[None, :] * STEP
+        qg = tl.load(qp).to(tl.float32) * scale
+        codes = tl.load(K + slot[:, None] * stride_ks + h * stride_kh + gi * W + offs_w[None, :], mask=valid[:, None],
+                        other=0)
+        if BITS == 8:
+            raw = _dot(qg, tl.trans(codes), IEEE)
+            qsum = tl.sum(qg, 1)
+        else:
+            qo = tl.load(qp + 1).to(tl.float32) * scale
+            raw = _dot(qg, tl.trans(codes & 0xF), IEEE) + _dot(qo, tl.trans(codes >> 4), IEEE)
+            qsum = tl.sum(qg, 1) + tl.sum(qo, 1)
+        sp = slot * stride_ss + h * stride_sh + gi
+        ks = tl.load(KS + sp, mask=valid, other=0.0).to(tl.float32)
+        kb = tl.load(KB + sp, mask=valid, other=0.0).to(tl.float32)
+        qk += raw * ks[None, :] + qsum[:, None] * kb[None, :]
+    return qk
 
 
 @triton.jit
@@ -331,8 +338,9 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         out.stride(0), out.stride(1), split, G=g, G_PAD=g_pad, D=d, MODE=mode)
     if export or victim is not None:
         block = 64
-        # key chunks of 4 blocks per program; the victim is then chosen among the chunks' candidates
-        chunk = block * 4 if victim is not None else block
+        # one block of keys per program (a chain of dependent loads is slow); with a victim, each block
+        # proposes a candidate per head and `_victim_kernel` chooses among them
+        chunk = block
         chunks = triton.cdiv(max_len, chunk)
         vt = victim or {}
         pos, positions = vt.get("pos", part_m), vt.get("positions", ctx_lens)
