@@ -24,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvbound.kernels import decode_attention, store_kv
+from kvbound.kernels import decode_attention
 from kvbound.quant import dequantize, quantize
 
 SHAPES = {"smollm2": (9, 3, 64), "8b": (32, 8, 128)}
@@ -234,6 +234,20 @@ def e2e(batches=(1, 16, 64), budget=2048, steps=32, rounds=5, profile=False):
     return res
 
 
+def tune_inputs(name, bsz, ctx):
+    """Random bf16 K/V pools of enough input sets to exceed L2, shuffled slot tables, queries."""
+    hq, hkv, d = SHAPES[name]
+    slots = bsz * ctx
+    sets = max(1, min(16, math.ceil(256e6 / (slots * hkv * d * 4))))
+    k = torch.randn(slots * sets, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    tables = [(torch.randperm(slots, device="cuda") + s * slots).reshape(bsz, ctx).to(torch.int32)
+              for s in range(sets)]
+    lens = torch.full((bsz,), ctx, device="cuda", dtype=torch.int32)
+    qs = [torch.randn(bsz, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+    return sets, k, v, tables, lens, qs
+
+
 def tune():
     """bf16 kernel time for split factors (programs per SM), block sizes and warps on a few configurations."""
     print(f"{'shape':<8}{'B':>3}{'ctx':>6}{'pps':>4}{'blk':>4}{'warps':>6}{'ms':>8}{'GB/s':>7}")
@@ -241,13 +255,7 @@ def tune():
                            ("smollm2", 64, 8192)]:
         hq, hkv, d = SHAPES[name]
         slots = bsz * ctx
-        sets = max(1, min(16, math.ceil(256e6 / (slots * hkv * d * 4))))
-        k = torch.randn(slots * sets, hkv, d, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        tables = [(torch.randperm(slots, device="cuda") + s * slots).reshape(bsz, ctx).to(torch.int32)
-                  for s in range(sets)]
-        lens = torch.full((bsz,), ctx, device="cuda", dtype=torch.int32)
-        qs = [torch.randn(bsz, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+        sets, k, v, tables, lens, qs = tune_inputs(name, bsz, ctx)
         for pps in (2, 4, 8, 16):
             for blk in (32, 64):
                 for warps in (4, 8):
@@ -264,15 +272,7 @@ def tune_quant():
     swept."""
     print(f"{'shape':<8}{'B':>3}{'ctx':>6}{'bits':>5}{'blk':>4}{'pps':>4}{'ms':>8}{'vs bf16':>8}")
     for name, bsz, ctx in [("8b", 64, 8192), ("8b", 16, 32768), ("8b", 1, 32768), ("smollm2", 64, 8192)]:
-        hq, hkv, d = SHAPES[name]
-        slots = bsz * ctx
-        sets = max(1, min(16, math.ceil(256e6 / (slots * hkv * d * 4))))
-        k = torch.randn(slots * sets, hkv, d, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        tables = [(torch.randperm(slots, device="cuda") + s * slots).reshape(bsz, ctx).to(torch.int32)
-                  for s in range(sets)]
-        lens = torch.full((bsz,), ctx, device="cuda", dtype=torch.int32)
-        qs = [torch.randn(bsz, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+        sets, k, v, tables, lens, qs = tune_inputs(name, bsz, ctx)
         ref = timed(lambda i: decode_attention(qs[i], k, v, tables[i], lens), sets)
         print(f"{name:<8}{bsz:>3}{ctx:>6}{'bf16':>5}{'':>4}{'':>4}{ref:>8.3f}", flush=True)
         for bits in (8, 4):
