@@ -303,6 +303,9 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         split = max(block_n * 4, triton.cdiv(triton.cdiv(max_len, want), block_n) * block_n)
     if split % block_n:
         raise ValueError(f"split {split} must be a multiple of block_n {block_n}")
+    for name, t in (("score", score), ("victim pos", (victim or {}).get("pos"))):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have its KV heads contiguous (last stride 1), got strides {t.stride()}")
     num_splits = max(1, triton.cdiv(max_len, split))
     g_pad = max(16, triton.next_power_of_2(g))
     part_o = torch.empty(bsz, hq, num_splits, d, device=q.device, dtype=torch.float32)
