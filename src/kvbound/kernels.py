@@ -182,96 +182,86 @@ def _merge_kernel(PartO, PartM, PartL, Out, CtxLen, stride_ob, stride_oh, stride
 
 
 @triton.jit
+def _lowest(key, pos, idx, valid, AXIS: tl.constexpr):
+    """Along AXIS, among valid entries: the lowest key, the oldest position among ties, and its index, as
+    `policies.lowest` chooses."""
+    k_min = tl.min(tl.where(valid, key, float("inf")), AXIS)
+    tied = valid & (key == tl.expand_dims(k_min, AXIS))
+    p_min = tl.min(tl.where(tied, pos, 2147483647), AXIS)
+    i_min = tl.min(tl.where(tied & (pos == tl.expand_dims(p_min, AXIS)), idx, 2147483647), AXIS)
+    return k_min, p_min, i_min
+
+
+@triton.jit
 def _fold_kernel(E, MBlk, PartM, PartL, Score, Rows, Pos, Positions, CtxLen, CandKey, CandPos, CandJ,
                  stride_eb, stride_eh, stride_xb, stride_xh, stride_mb, stride_mh, stride_sr, stride_sj,
-                 stride_pr, stride_pj, ema_decay, chunk, prefix, recent,
+                 stride_pr, stride_pj, ema_decay, prefix, recent,
                  G: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr, BLOCK: tl.constexpr,
                  BLOCK_N: tl.constexpr, MODE: tl.constexpr, ROWS: tl.constexpr, VICTIM: tl.constexpr,
                  BY_SCORE: tl.constexpr):
-    """Keys [chunk * pid1, ...) of sequence b, every KV head at once ([HKV_PAD, BLOCK] tiles, so the score
-    row of a key is read and written whole): fold this step's probabilities into the scores (MODE != 0);
-    with VICTIM, also each head's victim candidate in the chunk, the unprotected key of lowest rank
-    (score, or position), the oldest among ties, as `policies.lowest` does. Protected: positions below
-    `prefix`, and the `recent` newest (the newest is this step's token)."""
+    """Key block pid1 (BLOCK keys) of sequence b, every KV head at once ([HKV_PAD, BLOCK] tiles, so the
+    score row of a key is read and written whole): fold this step's probabilities into the scores
+    (MODE != 0); with VICTIM, also each head's victim candidate in the block, the unprotected key of
+    lowest rank (score, or position), the oldest among ties. Protected: positions below `prefix`, and the
+    `recent` newest (the newest is this step's token)."""
     b = tl.program_id(0)
     n = tl.load(CtxLen + b)
     row = b
     if ROWS:
         row = tl.load(Rows + b)
-    start = tl.program_id(1) * chunk
-    end = tl.minimum(start + chunk, n)
     offs_h = tl.arange(0, HKV_PAD)
     hmask = offs_h < HKV
-    if VICTIM:
-        newest = tl.load(Positions + b).to(tl.int32)
-        best_key = tl.full([HKV_PAD], float("inf"), tl.float32)
-        best_pos = tl.full([HKV_PAD], 2147483647, tl.int32)
-        best_j = tl.zeros([HKV_PAD], tl.int32)
-    for j0 in range(start, end, BLOCK):
-        offs_n = j0 + tl.arange(0, BLOCK)
-        valid = offs_n < end
-        mask = hmask[:, None] & valid[None, :]
+    offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = hmask[:, None] & (offs_n < n)[None, :]
+    if MODE != 0:
+        p = tl.zeros([HKV_PAD, BLOCK], tl.float32)
+        for g in tl.static_range(G):
+            hq = offs_h * G + g
+            big_m = tl.load(PartM + b * stride_mb + hq * stride_mh, mask=hmask, other=0.0)
+            big_l = tl.load(PartL + b * stride_mb + hq * stride_mh, mask=hmask, other=1.0)
+            m_blk = tl.load(MBlk + b * stride_xb + hq[:, None] * stride_xh + offs_n[None, :] // BLOCK_N, mask=mask,
+                            other=0.0)
+            e = tl.load(E + b * stride_eb + hq[:, None] * stride_eh + offs_n[None, :], mask=mask, other=0.0)
+            p += e.to(tl.float32) * (tl.exp(m_blk - big_m[:, None]) / big_l[:, None])
         sp = Score + row * stride_sr + offs_n[None, :] * stride_sj + offs_h[:, None]
-        if MODE != 0:
-            p = tl.zeros([HKV_PAD, BLOCK], tl.float32)
-            for g in tl.static_range(G):
-                hq = offs_h * G + g
-                big_m = tl.load(PartM + b * stride_mb + hq * stride_mh, mask=hmask, other=0.0)
-                big_l = tl.load(PartL + b * stride_mb + hq * stride_mh, mask=hmask, other=1.0)
-                m_blk = tl.load(MBlk + b * stride_xb + hq[:, None] * stride_xh + offs_n[None, :] // BLOCK_N, mask=mask,
-                                other=0.0)
-                e = tl.load(E + b * stride_eb + hq[:, None] * stride_eh + offs_n[None, :], mask=mask, other=0.0)
-                p += e.to(tl.float32) * (tl.exp(m_blk - big_m[:, None]) / big_l[:, None])
-            old = tl.load(sp, mask=mask, other=0.0)
-            if MODE == 1:
-                new = old + p
-            elif MODE == 2:
-                new = old + p * n.to(tl.float32)
-            else:
-                new = old * ema_decay + p * (1.0 - ema_decay)
-            tl.store(sp, new, mask=mask)
-        if VICTIM:
-            pos = tl.load(Pos + row * stride_pr + offs_n[None, :] * stride_pj + offs_h[:, None], mask=mask, other=-1)
-            if BY_SCORE:
-                key = new
-            else:
-                key = pos.to(tl.float32)
-            protected = (pos < prefix) | (pos > newest - recent)
-            key = tl.where(protected, float("inf"), key)
-            key = tl.where(mask, key, float("nan"))  # never a minimum, never tied
-            k_min = tl.min(tl.where(mask, key, float("inf")), 1)
-            tied = key == k_min[:, None]
-            p_min = tl.min(tl.where(tied, pos, 2147483647), 1)
-            j_min = tl.min(tl.where(tied & (pos == p_min[:, None]), offs_n[None, :], 2147483647), 1)
-            better = (k_min < best_key) | ((k_min == best_key) & (p_min < best_pos))
-            best_key = tl.where(better, k_min, best_key)
-            best_pos = tl.where(better, p_min, best_pos)
-            best_j = tl.where(better, j_min, best_j)
-    if VICTIM:  # this chunk's candidate per head; `_victim_kernel` picks among the chunks
+        old = tl.load(sp, mask=mask, other=0.0)
+        if MODE == 1:
+            new = old + p
+        elif MODE == 2:
+            new = old + p * n.to(tl.float32)
+        else:
+            new = old * ema_decay + p * (1.0 - ema_decay)
+        tl.store(sp, new, mask=mask)
+    if VICTIM:  # this block's candidate per head; `_victim_kernel` picks among the blocks
+        pos = tl.load(Pos + row * stride_pr + offs_n[None, :] * stride_pj + offs_h[:, None], mask=mask, other=-1)
+        if BY_SCORE:
+            key = new
+        else:
+            key = pos.to(tl.float32)
+        newest = tl.load(Positions + b).to(tl.int32)
+        key = tl.where((pos < prefix) | (pos > newest - recent), float("inf"), key)
+        k_min, p_min, j_min = _lowest(key, pos, offs_n[None, :], mask, 1)
         c = (b * tl.num_programs(1) + tl.program_id(1)) * HKV_PAD + offs_h
-        tl.store(CandKey + c, best_key)
-        tl.store(CandPos + c, best_pos)
-        tl.store(CandJ + c, best_j)
+        tl.store(CandKey + c, k_min)
+        tl.store(CandPos + c, p_min)
+        tl.store(CandJ + c, j_min)
 
 
 @triton.jit
-def _victim_kernel(CandKey, CandPos, CandJ, Rows, Pos, Spare, chunks, stride_pr, stride_pj, stride_spr,
+def _victim_kernel(CandKey, CandPos, CandJ, Rows, Pos, Spare, blocks, stride_pr, stride_pj, stride_spr,
                    HKV: tl.constexpr, HKV_PAD: tl.constexpr, NC_PAD: tl.constexpr):
-    """Sequence b: each head's victim among its chunks' candidates (lowest key, then oldest position): its
+    """Sequence b: each head's victim among its blocks' candidates (lowest key, then oldest position): its
     position is marked free and its slot becomes the head's spare slot."""
     b = tl.program_id(0)
     row = tl.load(Rows + b)
     offs_c = tl.arange(0, NC_PAD)
     offs_h = tl.arange(0, HKV_PAD)
-    cm = offs_c[:, None] < chunks
-    c = (b * chunks + offs_c[:, None]) * HKV_PAD + offs_h[None, :]
-    key = tl.load(CandKey + c, mask=cm, other=float("nan"))
+    cm = (offs_c[:, None] < blocks) & (offs_h[None, :] < HKV)
+    c = (b * blocks + offs_c[:, None]) * HKV_PAD + offs_h[None, :]
+    key = tl.load(CandKey + c, mask=cm, other=float("inf"))
     pos = tl.load(CandPos + c, mask=cm, other=2147483647)
     j = tl.load(CandJ + c, mask=cm, other=0)
-    k_min = tl.min(tl.where(cm, key, float("inf")), 0)
-    tied = key == k_min[None, :]
-    p_min = tl.min(tl.where(tied, pos, 2147483647), 0)
-    j_min = tl.min(tl.where(tied & (pos == p_min[None, :]), j, 2147483647), 0)
+    _, _, j_min = _lowest(key, pos, j, cm, 0)
     hmask = offs_h < HKV
     tl.store(Pos + row * stride_pr + j_min * stride_pj + offs_h, tl.full([HKV_PAD], -1, tl.int32), mask=hmask)
     tl.store(Spare + row * stride_spr + offs_h, j_min.to(tl.int64), mask=hmask)
@@ -340,31 +330,30 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
         out.stride(0), out.stride(1), split, G=g, G_PAD=g_pad, D=d, MODE=mode)
     if export or victim is not None:
-        block = 64
         # one block of keys per program (a chain of dependent loads is slow); with a victim, each block
         # proposes a candidate per head and `_victim_kernel` chooses among them
-        chunk = block
-        chunks = triton.cdiv(max_len, chunk)
+        block = 64
+        blocks = triton.cdiv(max_len, block)
         vt = victim or {}
         pos, positions = vt.get("pos", part_m), vt.get("positions", ctx_lens)
         sc = score if score is not None else part_m
         hkv_pad = triton.next_power_of_2(hkv)
         cand = [part_m] * 3
         if victim is not None:
-            cand = [torch.empty(bsz, chunks, hkv_pad, device=q.device, dtype=dt)
+            cand = [torch.empty(bsz, blocks, hkv_pad, device=q.device, dtype=dt)
                     for dt in (torch.float32, torch.int32, torch.int32)]
-        _fold_kernel[(bsz, chunks)](
+        _fold_kernel[(bsz, blocks)](
             e, m_blk, part_m, part_l, sc, rows if rows is not None else ctx_lens, pos, positions, ctx_lens, *cand,
             e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), part_m.stride(0), part_m.stride(1),
             sc.stride(0) if score is not None else 0, sc.stride(1) if score is not None else 0,
             pos.stride(0) if victim else 0, pos.stride(1) if victim else 0,
-            float(ema_decay), chunk, int(vt.get("prefix", 0)), int(vt.get("recent", 0)),
+            float(ema_decay), int(vt.get("prefix", 0)), int(vt.get("recent", 0)),
             G=g, HKV=hkv, HKV_PAD=hkv_pad, BLOCK=block, BLOCK_N=block_n, MODE=mode,
             ROWS=rows is not None, VICTIM=victim is not None, BY_SCORE=bool(vt.get("by_score", False)))
         if victim is not None:
             spare = vt["spare"]
-            _victim_kernel[(bsz,)](*cand, rows, pos, spare, chunks, pos.stride(0), pos.stride(1), spare.stride(0),
-                                   HKV=hkv, HKV_PAD=hkv_pad, NC_PAD=max(2, triton.next_power_of_2(chunks)))
+            _victim_kernel[(bsz,)](*cand, rows, pos, spare, blocks, pos.stride(0), pos.stride(1), spare.stride(0),
+                                   HKV=hkv, HKV_PAD=hkv_pad, NC_PAD=max(2, triton.next_power_of_2(blocks)))
     return out
 
 
