@@ -176,6 +176,63 @@ def warm(model, vocab):
     run_engine(model, prompts(4, 32, vocab, 99), 4)
 
 
+def matmul_floor(model, reqs_n, in_len, out_len, mnbt=8192):
+    """A lower bound on the offline run's time from work no engine can skip: every linear layer's matmul
+    (cuBLAS, the model's own weights, replayed in a CUDA graph) for the prefill in mnbt-token chunks and
+    for each decode step of reqs_n sequences, plus reading each decode step's KV cache (average length) at
+    the device-to-device copy bandwidth measured here. Attention compute, norms, RoPE, sampling and host
+    work are left out, so the real floor is higher."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head]
+    cfg = model.config
+
+    def gemm_ms(tokens, head_tokens):
+        x = torch.randn(tokens, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        xs = {m.in_features: torch.randn(tokens, m.in_features, device="cuda", dtype=torch.bfloat16)
+              for m in linears}
+        xh = x[:head_tokens]
+
+        def step():
+            for m in linears:
+                torch.nn.functional.linear(xs[m.in_features], m.weight)
+            torch.nn.functional.linear(xh, model.lm_head.weight)
+        step()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        times = []
+        for _ in range(5):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        del g, xs
+        return sorted(times)[2]
+
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    copy_gbs = 2 * 10 * (1 << 30) / (time.perf_counter() - t0) / 1e9
+    del x, y
+    prompt_tokens = reqs_n * in_len
+    chunks = [min(mnbt, prompt_tokens - i) for i in range(0, prompt_tokens, mnbt)]
+    prefill_ms = sum(gemm_ms(c, min(c, reqs_n)) for c in chunks)
+    decode_gemm_ms = gemm_ms(reqs_n, reqs_n)
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    avg_ctx = in_len + out_len / 2
+    kv_ms = reqs_n * avg_ctx * kv_per_token / copy_gbs / 1e6
+    total_s = (prefill_ms + (out_len - 1) * (decode_gemm_ms + kv_ms)) / 1e3
+    return dict(prefill_gemm_ms=prefill_ms, decode_gemm_ms=decode_gemm_ms, decode_kv_ms=kv_ms, copy_gbs=copy_gbs,
+                seconds=total_s, tok_s=reqs_n * out_len / total_s)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=list(SHAPES), default="smollm2")
@@ -189,6 +246,7 @@ def main():
     ap.add_argument("--skip-hf-batch", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--check", action="store_true", help="first compare batched engine outputs with single runs")
+    ap.add_argument("--floor", action="store_true", help="with --offline: also the matmul + KV-read floor")
     args = ap.parse_args()
     dtype = torch.bfloat16
     checked = check(args.shape) if args.check else None
@@ -210,6 +268,10 @@ def main():
         sec, toks = run_hf_generate(hf, reqs, args.output_len)
         res["hf_generate"] = dict(seconds=sec, tokens=toks, tok_s=toks / sec)
         rows.append(("transformers generate()", args.offline, toks / sec, float("nan"), args.offline))
+        if args.floor:
+            fl = matmul_floor(ours, args.offline, args.input_len, args.output_len)
+            res["floor"] = fl
+            rows.append(("floor: matmuls + KV reads only", args.offline, fl["tok_s"], float("nan"), args.offline))
         if not args.skip_hf_batch:
             try:
                 run_hf_batch(hf, reqs[:4], 4)
@@ -243,6 +305,12 @@ def main():
         print(f"{name:<36} {n:>6} {tps:>10.0f} {dec:>13.0f} {peak:>13}")
     if "hf_generate" in res:
         print(f"kvbound / generate(): {res['kvbound']['tok_s'] / res['hf_generate']['tok_s']:.2f}x")
+    if "floor" in res:
+        fl = res["floor"]
+        print(f"floor: prefill matmuls {fl['prefill_gemm_ms']:.0f} ms, decode step matmuls {fl['decode_gemm_ms']:.2f} ms "
+              f"+ KV read {fl['decode_kv_ms']:.2f} ms (copy {fl['copy_gbs']:.0f} GB/s); at most "
+              f"{fl['tok_s'] / res['hf_generate']['tok_s']:.2f}x generate() for any engine; kvbound reaches "
+              f"{res['kvbound']['tok_s'] / fl['tok_s']:.0%} of the floor's rate")
 
 
 if __name__ == "__main__":

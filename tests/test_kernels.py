@@ -74,13 +74,23 @@ def test_decode_attention_quantized_matches_dequantize_then_attend(bits, d, grou
     kd, vd = dequantize(kc, kscale, kbias, bits, group), dequantize(vc, vscale, vbias, bits, group)
     score = torch.zeros(2, 129, 2, device=DEV)
     dev = [t.to(DEV) for t in (q, kc, vc, table, n, kscale, kbias, vscale, vbias)]
-    out = decode_attention(*dev[:5], score=score, score_mode="sum", split=64, block_n=16,
+    out = decode_attention(*dev[:5], score=score, score_mode="sum", split=64, block_n=32,
                            quant=dict(bits=bits, group=group, k_scale=dev[5], k_bias=dev[6], v_scale=dev[7],
                                       v_bias=dev[8])).cpu()
     score = score.cpu()
     want, want_score = _reference(q, kd, vd, table, n, "sum", torch.zeros(2, 129, 2), 0)
     torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(score.double(), want_score, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="a GPU-only limit")
+def test_packed_4bit_refuses_16_key_blocks_on_the_gpu():
+    q, k, v, table, n = _case(3, 2, 6, 2, 128, [45, 129])
+    kc, ks, kb = quantize(k, 4, 64)
+    vc, vs, vb = quantize(v, 4, 64)
+    quant = dict(bits=4, group=64, k_scale=ks.cuda(), k_bias=kb.cuda(), v_scale=vs.cuda(), v_bias=vb.cuda())
+    with pytest.raises(ValueError, match="block_n 16"):
+        decode_attention(q.cuda(), kc.cuda(), vc.cuda(), table.cuda(), n.cuda(), quant=quant, block_n=16, split=64)
 
 
 @pytest.mark.parametrize("bits", [16, 8, 4])

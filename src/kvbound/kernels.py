@@ -4,10 +4,11 @@ One query token per sequence; each sequence reads its keys through its own slot 
 lives in pool slot `slot_table[b, j]`), GQA, split-K ("flash decoding") with a stable merge, fp32
 accumulation. K/V are bf16/fp16/fp32, or packed 8/4-bit codes with per-group fp16 scale and bias.
 Packed keys are never dequantized: with k = code * scale + bias per group, q.k = sum over groups of
-scale * (q . codes) + bias * sum(q), so the tensor cores multiply the raw codes (exact in bf16) and the
-scales apply once per key and group. Packed values are dequantized in registers (code * scale + bias)
-before p @ V: the per-group alternatives (3-D batched dots, per-element scale gathers) measured slower
-(benchmarks/README.md).
+scale * (q . codes) + bias * sum(q), so the tensor cores multiply the raw codes and the scales apply once
+per key and group. Packed values are dequantized in fp16 registers (code * scale + bias) before p @ V.
+Codes become fp16 by a bit trick (`_codes`), not int->float conversions, which bound the kernel; the
+tensor-core inputs of the packed path are then fp16 (q, p, codes, values; exact for codes below 256).
+Other variants measured slower (benchmarks/README.md).
 
 Score export: H2O needs, per cached key and KV head, the post-softmax probability summed over the
 query heads of its group. The exact probability needs the softmax normaliser over *all* splits, so the
@@ -31,6 +32,8 @@ import triton
 import triton.language as tl
 
 SCORE_MODES = {None: 0, "sum": 1, "normalized": 2, "ema": 3}
+# (bits, head_dim) -> (keys per block, warps, pipeline stages) of the packed kernel on the GPU
+PACKED_TILES = {(8, 128): (64, 2, 2), (4, 128): (64, 2, 2), (8, 64): (128, 4, 2), (4, 64): (256, 4, 2)}
 
 
 @triton.jit
@@ -78,7 +81,7 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
         if BITS == 16:
             v = tl.load(V + kv_ptr, mask=valid[:, None], other=0.0)
         else:
-            v = _dequant(V, VS, VB, slot, h, valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS)
+            v = _dequant(V, VS, VB, slot, h, valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, IEEE)
         acc = acc * alpha[:, None] + _dot(p, v, IEEE)
         m = m_new
     tl.store(PartO + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + offs_d[None, :], acc,
@@ -88,22 +91,32 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
 
 
 @triton.jit
+def _codes(c):
+    """Integer codes (< 256) -> exact fp16 without int->float conversions, which bound the packed kernel
+    on the GPU: 0x6400 | c is the fp16 bit pattern of 1024 + c, so one OR and one subtract."""
+    return (c.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
 def _dequant(P, S, B, slot, h, valid, stride_ps, stride_ph, stride_ss, stride_sh, D: tl.constexpr,
-             BITS: tl.constexpr, GS: tl.constexpr):
-    """Packed codes of len(slot) tokens -> float32 [len(slot), D]: code * scale[group] + bias[group]."""
+             BITS: tl.constexpr, GS: tl.constexpr, IEEE: tl.constexpr):
+    """Packed codes of len(slot) tokens -> [len(slot), D]: code * scale[group] + bias[group], in fp16
+    registers on the GPU (fp32 when IEEE)."""
     N: tl.constexpr = slot.shape[0]
     DP: tl.constexpr = D if BITS == 8 else D // 2
     offs_p = tl.arange(0, DP)
     packed = tl.load(P + slot[:, None] * stride_ps + h * stride_ph + offs_p[None, :], mask=valid[:, None], other=0)
     if BITS == 8:
-        codes = packed.to(tl.float32)
+        codes = _codes(packed)
     else:
-        codes = tl.reshape(tl.join((packed & 0xF).to(tl.float32), (packed >> 4).to(tl.float32)), [N, D])
+        codes = tl.reshape(tl.join(_codes(packed & 0xF), _codes(packed >> 4)), [N, D])
+    if IEEE:
+        codes = codes.to(tl.float32)
     NG: tl.constexpr = D // GS
     offs_g = tl.arange(0, NG)
     sp = slot[:, None] * stride_ss + h * stride_sh + offs_g[None, :]
-    sc = tl.load(S + sp, mask=valid[:, None], other=0.0).to(tl.float32)
-    bi = tl.load(B + sp, mask=valid[:, None], other=0.0).to(tl.float32)
+    sc = tl.load(S + sp, mask=valid[:, None], other=0.0).to(codes.dtype)
+    bi = tl.load(B + sp, mask=valid[:, None], other=0.0).to(codes.dtype)
     x = tl.reshape(codes, [N, NG, GS]) * sc[:, :, None] + bi[:, :, None]
     return tl.reshape(x, [N, D])
 
@@ -124,11 +137,12 @@ def _packed_qk(Q, K, KS, KB, slot, h, valid, q_row, stride_ks, stride_kh, stride
         codes = tl.load(K + slot[:, None] * stride_ks + h * stride_kh + gi * W + offs_w[None, :], mask=valid[:, None],
                         other=0)
         if BITS == 8:
-            raw = _dot(qg, tl.trans(codes), IEEE)
+            raw = _dot(qg, tl.trans(_codes(codes)), IEEE)
             qsum = tl.sum(qg, 1)
         else:
             qo = tl.load(qp + 1).to(tl.float32) * scale
-            raw = _dot(qg, tl.trans(codes & 0xF), IEEE) + _dot(qo, tl.trans(codes >> 4), IEEE)
+            raw = (_dot(qg, tl.trans(_codes(codes & 0xF)), IEEE)
+                   + _dot(qo, tl.trans(_codes(codes >> 4)), IEEE))
             qsum = tl.sum(qg, 1) + tl.sum(qo, 1)
         sp = slot * stride_ss + h * stride_sh + gi
         ks = tl.load(KS + sp, mask=valid, other=0.0).to(tl.float32)
@@ -139,10 +153,12 @@ def _packed_qk(Q, K, KS, KB, slot, h, valid, q_row, stride_ks, stride_kh, stride
 
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
-    """Batched a @ b with fp32 accumulation: exact fp32 products when IEEE, else bf16 tensor-core inputs
-    (packed codes are integers below 256, exact in bf16)."""
+    """a @ b with fp32 accumulation: exact fp32 products when IEEE, else half-precision tensor-core inputs,
+    fp16 when b is fp16 (dequantized values, codes: integers below 256 are exact in either), else bf16."""
     if IEEE:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    if b.dtype == tl.float16:
+        return tl.dot(a.to(tl.float16), b)
     return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
 
 
@@ -269,7 +285,7 @@ def _victim_kernel(CandKey, CandPos, CandJ, Rows, Pos, Spare, blocks, stride_pr,
 
 def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=None, score_mode=None,
                      ema_decay=0.95, quant=None, split=None, block_n=None, out=None, programs_per_sm=None,
-                     num_warps=4, rows=None, victim=None):
+                     num_warps=None, rows=None, victim=None, num_stages=None):
     """q: [B, Hq, D]; k_pool/v_pool: [slots, Hkv, D] (or packed codes [slots, Hkv, D*bits/8] with
     quant=dict(bits=, group=, k_scale=, k_bias=, v_scale=, v_bias=) of [slots, Hkv, D/group]);
     slot_table: [B, max_len] int32; ctx_lens: [B] int32; score: [B, max_len, Hkv] float32 (or, with
@@ -284,9 +300,17 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     max_len = slot_table.shape[1]
     scale = d ** -0.5 if scale is None else scale
     # defaults from `benchmarks/decode_attention.py --tune` on an H200 (benchmarks/tune_h200.log): 64-key
-    # blocks and 4 programs per SM
-    block_n = block_n or 64
+    # blocks, 4 warps and 4 programs per SM; packed tiles from `--tune-quant` on an H100
+    # (benchmarks/tune_quant_h100_v4.log), where other tiles spill registers (up to 9x slower)
+    bits = 16 if quant is None else quant["bits"]
+    tile = PACKED_TILES.get((bits, d), (64, 2, 2)) if bits != 16 and q.is_cuda else (64, 4, None)
+    block_n = block_n or tile[0]
+    num_warps = num_warps or tile[1]
+    num_stages = num_stages or tile[2]
     programs_per_sm = programs_per_sm or 4
+    if bits == 4 and q.is_cuda and block_n < 32:
+        raise ValueError(f"block_n {block_n}: the 4-bit kernel needs blocks of at least 32 keys on the GPU "
+                         "(16 gave wrong results with Triton 3.6)")
     if split is None:  # enough programs to fill the GPU, at least a few blocks each
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
         want = max(1, (programs_per_sm * sms) // max(1, bsz * hkv))
@@ -311,7 +335,6 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         e = m_blk = part_m
     if out is None:
         out = torch.empty_like(q)
-    bits = 16 if quant is None else quant["bits"]
     gs = d if quant is None else quant["group"]
     ks = kb = vs = vb = k_pool
     ss = (0, 0)
@@ -324,7 +347,8 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), ss[0], ss[1], slot_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
         e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), scale, split,
-        G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee, num_warps=num_warps)
+        G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee,
+        num_warps=num_warps, **({} if num_stages is None else dict(num_stages=num_stages)))
     _merge_kernel[(bsz, hkv)](
         part_o, part_m, part_l, out, ctx_lens,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
