@@ -51,14 +51,13 @@ def _reference(q, k, v, table, lens, mode, score0, decay):
 
 @pytest.mark.parametrize("shape", [(3, 9, 3, 64, [37, 1, 130]), (2, 8, 2, 32, [65, 200]), (1, 4, 4, 16, [77])])
 @pytest.mark.parametrize("mode", [None, "sum", "normalized", "ema"])
-@pytest.mark.parametrize("split", [64, 256])  # several splits, or one split finishing in the split kernel
-def test_decode_attention_dense_matches_reference(shape, mode, split):
+def test_decode_attention_dense_matches_reference(shape, mode):
     bsz, hq, hkv, d, lens = shape
     q, k, v, table, n = _case(shape[0] * 10 + len(str(mode)), bsz, hq, hkv, d, lens)
     score0 = torch.rand(bsz, max(lens), hkv)
     score = score0.clone().to(DEV)
     out = decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), table.to(DEV), n.to(DEV), score=score,
-                           score_mode=mode, ema_decay=0.9, split=split, block_n=16)
+                           score_mode=mode, ema_decay=0.9, split=64, block_n=16)
     want, want_score = _reference(q, k, v, table, n, mode, score0, 0.9)
     torch.testing.assert_close(out.cpu().double(), want, atol=1e-4, rtol=1e-4)
     if mode is not None:
@@ -190,8 +189,7 @@ def _evict_state(policy, seed, rows=4, batch=(2, 0, 3), layers=2, heads=2, d=32)
 @pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=5,recent=3", "h2o:sink=2,heavy=5,recent=3,score=ema",
                                   "h2o:sink=1,heavy=6,recent=2,score=normalized", "window:budget=9,sink=2",
                                   "h2o:sink=0,heavy=10,recent=0", "h2o:sink=2,heavy=500,recent=100"])
-@pytest.mark.parametrize("one_split", [True, False])
-def test_evict_decode_matches_torch_path(spec, one_split):
+def test_evict_decode_matches_torch_path(spec):
     """The fused evict step (store, attention with export, victim) against runner.EvictAttention's PyTorch
     steps on the same state: output, pool, positions, scores and each head's next spare slot. The last
     case spans several key chunks, so the victim is chosen across chunks."""
@@ -211,8 +209,7 @@ def test_evict_decode_matches_torch_path(spec, one_split):
     score = None if meta.score is None else dev(meta.score[:, layer])
     got = evict_decode(dev(step["q"]), dev(step["k"]), dev(step["v"]), kp, vp, dev(table), dev(lens), dev(rows),
                        dev(step["positions"]), pos, spare, score, {"cumulative": "sum"}.get(pol.score, pol.score),
-                       getattr(pol, "ema_decay", 0.95), *fused_victim(pol), one_split=one_split,
-                       split=1024 if one_split else None)
+                       getattr(pol, "ema_decay", 0.95), *fused_victim(pol))
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
     assert torch.equal(kp.cpu(), ref_pool.k[layer]) and torch.equal(vp.cpu(), ref_pool.v[layer])
     assert torch.equal(pos.cpu(), ref_meta.pos[:, layer])

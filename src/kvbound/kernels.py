@@ -20,9 +20,7 @@ number of attended keys). Turned off (EXPORT=False), that code is compiled out.
 
 The fold kernel can also pick each head's eviction victim in the same pass (`decode_attention(...,
 victim=...)`): the engine's steady-state bounded decode (`evict_decode`) is then five launches per layer
-(store, split, merge, fold, victim) with no PyTorch ops between them. When one split covers each
-sequence (large batches: batch x KV heads fills the GPU), the split kernel finishes the job itself,
-reading back its own probabilities from L2: two launches (store, split).
+(store, split, merge, fold, victim) with no PyTorch ops between them.
 
 `attention.py` holds the PyTorch reference these kernels are tested against (TRITON_INTERPRET=1 on CPU);
 the evict path's reference is the PyTorch branch of `runner.EvictAttention`.
@@ -40,18 +38,11 @@ PACKED_TILES = {(8, 128): (64, 2, 2), (4, 128): (64, 2, 2), (8, 64): (128, 4, 2)
 
 @triton.jit
 def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, PartL, E, MBlk,
-                  Score, Rows, Pos, Positions, Spare,
                   stride_qb, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb,
                   stride_ob, stride_oh, stride_os, stride_mb, stride_mh, stride_eb, stride_eh, stride_xb, stride_xh,
-                  stride_sr, stride_sj, stride_pr, stride_pj, stride_spr, scale, split, ema_decay, prefix, recent,
+                  scale, split,
                   G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BITS: tl.constexpr, GS: tl.constexpr, EXPORT: tl.constexpr, IEEE: tl.constexpr,
-                  ONE: tl.constexpr, MODE: tl.constexpr, ROWS: tl.constexpr, VICTIM: tl.constexpr,
-                  BY_SCORE: tl.constexpr):
-    """Split s of sequence b's keys for KV head h: the partial output, max and normaliser of its G query
-    heads. ONE (a single split covers every sequence): the final output goes to PartO (= Out) instead, and
-    the score fold and victim choice of the fold/victim kernels run here too (`_finish_one_split`), so the
-    merge, fold and victim launches are skipped."""
+                  BITS: tl.constexpr, GS: tl.constexpr, EXPORT: tl.constexpr, IEEE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -93,70 +84,10 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
             v = _dequant(V, VS, VB, slot, h, valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, IEEE)
         acc = acc * alpha[:, None] + _dot(p, v, IEEE)
         m = m_new
-    if ONE:
-        l = tl.where(l > 0, l, 1.0)
-        tl.store(PartO + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 (acc / l[:, None]).to(PartO.dtype.element_ty), mask=gmask[:, None])
-        if MODE != 0 or VICTIM:
-            row = b
-            if ROWS:
-                row = tl.load(Rows + b)
-            _finish_one_split(E, MBlk, Score, Pos, Positions, Spare, b, h, row, n, m, l, heads, gmask, stride_eb,
-                              stride_eh, stride_xb, stride_xh, stride_sr, stride_sj, stride_pr, stride_pj, stride_spr,
-                              ema_decay, prefix, recent, BLOCK_N, MODE, VICTIM, BY_SCORE)
-    else:
-        tl.store(PartO + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + offs_d[None, :], acc,
-                 mask=gmask[:, None])
-        tl.store(PartM + b * stride_mb + heads * stride_mh + s, m, mask=gmask)
-        tl.store(PartL + b * stride_mb + heads * stride_mh + s, l, mask=gmask)
-
-
-@triton.jit
-def _finish_one_split(E, MBlk, Score, Pos, Positions, Spare, b, h, row, n, m, l, heads, gmask, stride_eb, stride_eh,
-                      stride_xb, stride_xh, stride_sr, stride_sj, stride_pr, stride_pj, stride_spr, ema_decay, prefix,
-                      recent, BLOCK_N: tl.constexpr, MODE: tl.constexpr, VICTIM: tl.constexpr,
-                      BY_SCORE: tl.constexpr):
-    """`_fold_kernel` and `_victim_kernel` for KV head h of sequence b when this program saw all its keys
-    (m, l are final): the probabilities it just wrote to E are read back (L2-resident) and folded into
-    the scores, and the head's victim (lowest key, oldest position, lowest index) is freed as its spare."""
-    tl.debug_barrier()  # E written by other threads of this program
-    best_k = float("inf")
-    best_p = 2147483647
-    best_j = 0
-    newest = tl.load(Positions + b).to(tl.int32)
-    for j0 in range(0, n, BLOCK_N):
-        offs_n = j0 + tl.arange(0, BLOCK_N)
-        valid = offs_n < n
-        if MODE != 0:
-            e = tl.load(E + b * stride_eb + heads[:, None] * stride_eh + offs_n[None, :],
-                        mask=gmask[:, None] & valid[None, :], other=0.0)
-            m_blk = tl.load(MBlk + b * stride_xb + heads * stride_xh + j0 // BLOCK_N, mask=gmask, other=0.0)
-            w = tl.where(gmask, tl.exp(m_blk - m) / l, 0.0)
-            p = tl.sum(e.to(tl.float32) * w[:, None], 0)
-            sp = Score + row * stride_sr + offs_n * stride_sj + h
-            old = tl.load(sp, mask=valid, other=0.0)
-            if MODE == 1:
-                new = old + p
-            elif MODE == 2:
-                new = old + p * n.to(tl.float32)
-            else:
-                new = old * ema_decay + p * (1.0 - ema_decay)
-            tl.store(sp, new, mask=valid)
-        if VICTIM:
-            pos = tl.load(Pos + row * stride_pr + offs_n * stride_pj + h, mask=valid, other=-1)
-            if BY_SCORE:
-                key = new
-            else:
-                key = pos.to(tl.float32)
-            key = tl.where((pos < prefix) | (pos > newest - recent), float("inf"), key)
-            k_min, p_min, j_min = _lowest(key, pos, offs_n, valid, 0)
-            better = (k_min < best_k) | ((k_min == best_k) & ((p_min < best_p) | ((p_min == best_p) & (j_min < best_j))))
-            best_k = tl.where(better, k_min, best_k)
-            best_p = tl.where(better, p_min, best_p)
-            best_j = tl.where(better, j_min, best_j)
-    if VICTIM:
-        tl.store(Pos + row * stride_pr + best_j * stride_pj + h, -1)
-        tl.store(Spare + row * stride_spr + h, best_j.to(tl.int64))
+    tl.store(PartO + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + offs_d[None, :], acc,
+             mask=gmask[:, None])
+    tl.store(PartM + b * stride_mb + heads * stride_mh + s, m, mask=gmask)
+    tl.store(PartL + b * stride_mb + heads * stride_mh + s, l, mask=gmask)
 
 
 @triton.jit
@@ -354,7 +285,7 @@ def _victim_kernel(CandKey, CandPos, CandJ, Rows, Pos, Spare, blocks, stride_pr,
 
 def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=None, score_mode=None,
                      ema_decay=0.95, quant=None, split=None, block_n=None, out=None, programs_per_sm=None,
-                     num_warps=None, rows=None, victim=None, num_stages=None, one_split=True):
+                     num_warps=None, rows=None, victim=None, num_stages=None):
     """q: [B, Hq, D]; k_pool/v_pool: [slots, Hkv, D] (or packed codes [slots, Hkv, D*bits/8] with
     quant=dict(bits=, group=, k_scale=, k_bias=, v_scale=, v_bias=) of [slots, Hkv, D/group]);
     slot_table: [B, max_len] int32; ctx_lens: [B] int32; score: [B, max_len, Hkv] float32 (or, with
@@ -362,8 +293,6 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     when score_mode is "sum" | "normalized" | "ema".
     victim: dict(pos=[R, max_len, Hkv] int32, spare=[R, Hkv] int64, positions=[B], prefix=, recent=,
     by_score=) also picks each head's eviction victim after the fold (see `_fold_kernel`); needs rows.
-    one_split: when a single split covers every sequence, finish in the split kernel (no merge, fold or
-    victim launch); False forces the general path (tests compare the two).
     Returns out [B, Hq, D] in q's dtype."""
     bsz, hq, d = q.shape
     hkv = k_pool.shape[1]
@@ -392,17 +321,10 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name} must have its KV heads contiguous (last stride 1), got strides {t.stride()}")
     num_splits = max(1, triton.cdiv(max_len, split))
-    one = num_splits == 1 and one_split
     g_pad = max(16, triton.next_power_of_2(g))
-    if out is None:
-        out = torch.empty_like(q)
-    if one:  # no partials: the split kernel writes the output (and folds, picks the victim) itself
-        part_o = out
-        part_m = part_l = torch.empty(1, 1, device=q.device, dtype=torch.float32)
-    else:
-        part_o = torch.empty(bsz, hq, num_splits, d, device=q.device, dtype=torch.float32)
-        part_m = torch.empty(bsz, hq, num_splits, device=q.device, dtype=torch.float32)
-        part_l = torch.empty_like(part_m)
+    part_o = torch.empty(bsz, hq, num_splits, d, device=q.device, dtype=torch.float32)
+    part_m = torch.empty(bsz, hq, num_splits, device=q.device, dtype=torch.float32)
+    part_l = torch.empty_like(part_m)
     mode = SCORE_MODES[score_mode]
     export = mode != 0
     if export:  # probabilities relative to their block's running max: half precision for half inputs
@@ -411,6 +333,8 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         m_blk = torch.empty(bsz, hq, triton.cdiv(max_len, block_n), device=q.device, dtype=torch.float32)
     else:
         e = m_blk = part_m
+    if out is None:
+        out = torch.empty_like(q)
     gs = d if quant is None else quant["group"]
     ks = kb = vs = vb = k_pool
     ss = (0, 0)
@@ -418,25 +342,13 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         ks, kb, vs, vb = quant["k_scale"], quant["k_bias"], quant["v_scale"], quant["v_bias"]
         ss = (ks.stride(0), ks.stride(1))
     ieee = q.dtype == torch.float32 or not q.is_cuda
-    vt = victim or {}
-    pos, positions, spare = vt.get("pos", part_m), vt.get("positions", ctx_lens), vt.get("spare", part_m)
-    sc = score if score is not None else part_m
-    rows_t = rows if rows is not None else ctx_lens
-    meta_strides = (sc.stride(0) if score is not None else 0, sc.stride(1) if score is not None else 0,
-                    pos.stride(0) if victim else 0, pos.stride(1) if victim else 0)
-    flags = dict(MODE=mode, ROWS=rows is not None, VICTIM=victim is not None, BY_SCORE=bool(vt.get("by_score", False)))
-    prefix, recent = int(vt.get("prefix", 0)), int(vt.get("recent", 0))
     _split_kernel[(bsz, hkv, num_splits)](
         q, k_pool, v_pool, ks, kb, vs, vb, slot_table, ctx_lens, part_o, part_m, part_l, e, m_blk,
-        sc, rows_t, pos, positions, spare,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), ss[0], ss[1], slot_table.stride(0),
-        part_o.stride(0), part_o.stride(1), 0 if one else part_o.stride(2), part_m.stride(0), part_m.stride(1),
-        e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), *meta_strides,
-        spare.stride(0) if victim else 0, scale, split, float(ema_decay), prefix, recent,
-        G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee, ONE=one, **flags,
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
+        e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), scale, split,
+        G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee,
         num_warps=num_warps, **({} if num_stages is None else dict(num_stages=num_stages)))
-    if one:
-        return out
     _merge_kernel[(bsz, hkv)](
         part_o, part_m, part_l, out, ctx_lens,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
@@ -446,17 +358,24 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         # proposes a candidate per head and `_victim_kernel` chooses among them
         block = 64
         blocks = triton.cdiv(max_len, block)
+        vt = victim or {}
+        pos, positions = vt.get("pos", part_m), vt.get("positions", ctx_lens)
+        sc = score if score is not None else part_m
         hkv_pad = triton.next_power_of_2(hkv)
         cand = [part_m] * 3
         if victim is not None:
             cand = [torch.empty(bsz, blocks, hkv_pad, device=q.device, dtype=dt)
                     for dt in (torch.float32, torch.int32, torch.int32)]
         _fold_kernel[(bsz, blocks)](
-            e, m_blk, part_m, part_l, sc, rows_t, pos, positions, ctx_lens, *cand,
+            e, m_blk, part_m, part_l, sc, rows if rows is not None else ctx_lens, pos, positions, ctx_lens, *cand,
             e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), part_m.stride(0), part_m.stride(1),
-            *meta_strides, float(ema_decay), prefix, recent,
-            G=g, HKV=hkv, HKV_PAD=hkv_pad, BLOCK=block, BLOCK_N=block_n, **flags)
+            sc.stride(0) if score is not None else 0, sc.stride(1) if score is not None else 0,
+            pos.stride(0) if victim else 0, pos.stride(1) if victim else 0,
+            float(ema_decay), int(vt.get("prefix", 0)), int(vt.get("recent", 0)),
+            G=g, HKV=hkv, HKV_PAD=hkv_pad, BLOCK=block, BLOCK_N=block_n, MODE=mode,
+            ROWS=rows is not None, VICTIM=victim is not None, BY_SCORE=bool(vt.get("by_score", False)))
         if victim is not None:
+            spare = vt["spare"]
             _victim_kernel[(bsz,)](*cand, rows, pos, spare, blocks, pos.stride(0), pos.stride(1), spare.stride(0),
                                    HKV=hkv, HKV_PAD=hkv_pad, NC_PAD=max(2, triton.next_power_of_2(blocks)))
     return out
@@ -484,7 +403,7 @@ def _evict_store_kernel(KN, VN, KP, VP, Table, Rows, Spare, Pos, Score, Position
 
 
 def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spare, score, score_mode, ema_decay,
-                 prefix: int, recent: int, **kw):
+                 prefix: int, recent: int):
     """One layer of the engine's steady-state bounded decode, fused: each head's new token into its spare
     slot, attention with score export over the `table` slots, and each head's next victim, which becomes
     its spare slot. pos/score/spare are the layer's stacked metadata [R, cap, H] / [R, H], read at
@@ -498,7 +417,7 @@ def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spa
         sc.stride(0), sc.stride(1), D=d, DP=triton.next_power_of_2(d), HAS_SCORE=score is not None)
     return decode_attention(q, k_pool, v_pool, table, lens, score=score, score_mode=score_mode, ema_decay=ema_decay,
                             rows=rows, victim=dict(pos=pos, spare=spare, positions=positions, prefix=prefix,
-                                                   recent=recent, by_score=score is not None), **kw)
+                                                   recent=recent, by_score=score is not None))
 
 
 @triton.jit
