@@ -1,3 +1,9 @@
+"""The packed kernels on the GPU against dequantize-then-attend for every head size, group, bit width,
+block size and dtype; prints BAD for a wrong result and "refused" where decode_attention refuses the block
+size (4-bit with 16-key blocks, which gave wrong results with Triton 3.6).
+
+    PYTHONPATH=src python3 benchmarks/packed_block_check.py
+"""
 import torch
 from kvbound.kernels import decode_attention
 from kvbound.quant import quantize, dequantize
