@@ -7,7 +7,8 @@ Packed keys are never dequantized: with k = code * scale + bias per group, q.k =
 scale * (q . codes) + bias * sum(q), so the tensor cores multiply the raw codes and the scales apply once
 per key and group. Packed values are dequantized in fp16 registers (code * scale + bias) before p @ V.
 Codes become fp16 by a bit trick (`_codes`), not int->float conversions, which bound the kernel; the
-tensor-core inputs of the packed path are then fp16 (q, p, codes, values; exact for codes below 256).
+tensor-core inputs of the packed path are then fp16 (q, p, codes, values; exact for codes below 256;
+q * d^-0.5 and values must stay under fp16's 65504, which the fp16 scales already assume).
 Other variants measured slower (benchmarks/README.md).
 
 Score export: H2O needs, per cached key and KV head, the post-softmax probability summed over the
