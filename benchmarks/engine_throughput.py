@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from decode_attention import copy_bandwidth  # benchmarks/ is on the path as the script's folder
 from kvbound.config import ModelConfig
 from kvbound.engine import LLMEngine
 from kvbound.generate import SamplingParams
@@ -186,10 +187,9 @@ def matmul_floor(model, reqs_n, in_len, out_len, mnbt=8192):
     cfg = model.config
 
     def gemm_ms(tokens, head_tokens):
-        x = torch.randn(tokens, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
         xs = {m.in_features: torch.randn(tokens, m.in_features, device="cuda", dtype=torch.bfloat16)
               for m in linears}
-        xh = x[:head_tokens]
+        xh = xs[cfg.hidden_size][:head_tokens]
 
         def step():
             for m in linears:
@@ -211,16 +211,7 @@ def matmul_floor(model, reqs_n, in_len, out_len, mnbt=8192):
         del g, xs
         return sorted(times)[2]
 
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    y.copy_(x)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    copy_gbs = 2 * 10 * (1 << 30) / (time.perf_counter() - t0) / 1e9
-    del x, y
+    copy_gbs = copy_bandwidth()
     prompt_tokens = reqs_n * in_len
     chunks = [min(mnbt, prompt_tokens - i) for i in range(0, prompt_tokens, mnbt)]
     prefill_ms = sum(gemm_ms(c, min(c, reqs_n)) for c in chunks)
