@@ -305,6 +305,48 @@ def tune_quant():
         torch.cuda.empty_cache()
 
 
+def tune_split():
+    """Split factor (programs per SM) of the bf16 and packed kernels at their default tiles: packed programs
+    have 2 warps, so more of them fit on an SM than the 4 per SM the bf16 kernel was tuned with."""
+    print(f"{'shape':<8}{'B':>3}{'ctx':>6}{'bits':>5}{'pps':>4}{'ms':>8}{'vs bf16':>8}")
+    for name, bsz, ctx in [("8b", 16, 32768), ("8b", 64, 8192), ("8b", 1, 32768), ("8b", 16, 8192),
+                           ("smollm2", 64, 8192), ("smollm2", 16, 32768)]:
+        sets, k, v, tables, lens, qs = tune_inputs(name, bsz, ctx, block=16)
+        ref = timed(lambda i: decode_attention(qs[i], k, v, tables[i], lens), sets)
+        for bits in (16, 8, 4):
+            quant, kc, vc = None, k, v
+            if bits != 16:
+                kc, ks, kb = quantize(k, bits, 64)
+                vc, vs, vb = quantize(v, bits, 64)
+                quant = dict(bits=bits, group=64, k_scale=ks, k_bias=kb, v_scale=vs, v_bias=vb)
+            for pps in (2, 4, 8, 16, 32):
+                ms = timed(lambda i: decode_attention(qs[i], kc, vc, tables[i], lens, quant=quant,
+                                                      programs_per_sm=pps), sets)
+                print(f"{name:<8}{bsz:>3}{ctx:>6}{bits:>5}{pps:>4}{ms:>8.3f}{ms / ref:>8.2f}", flush=True)
+            del kc, vc
+        del k, v
+        torch.cuda.empty_cache()
+
+
+def tune_export():
+    """Export on against off (the default tile) for key-block sizes, warps and programs per SM of the kernel
+    with export, at the shapes of the end-to-end run (8B, 2k keys) and of the table."""
+    print(f"{'shape':<8}{'B':>3}{'ctx':>6}{'blk':>4}{'w':>3}{'pps':>4}{'off ms':>8}{'on ms':>8}{'on/off':>8}")
+    for name, bsz, ctx in [("8b", 64, 2048), ("8b", 16, 2048), ("8b", 16, 8192), ("8b", 64, 8192),
+                           ("smollm2", 64, 8192), ("smollm2", 16, 32768)]:
+        sets, k, v, tables, lens, qs = tune_inputs(name, bsz, ctx, block=16)
+        score = torch.zeros(bsz, ctx, SHAPES[name][1], device="cuda")
+        off = timed(lambda i: decode_attention(qs[i], k, v, tables[i], lens), sets)
+        for blk, w in [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]:
+            for pps in (4, 8):
+                kw = dict(block_n=blk, num_warps=w, programs_per_sm=pps, score=score, score_mode="sum")
+                on = timed(lambda i: decode_attention(qs[i], k, v, tables[i], lens, **kw), sets)
+                print(f"{name:<8}{bsz:>3}{ctx:>6}{blk:>4}{w:>3}{pps:>4}{off:>8.3f}{on:>8.3f}{on / off:>8.3f}",
+                      flush=True)
+        del k, v
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one small config per shape")
@@ -314,6 +356,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="with --e2e: GPU time per kernel at batch 1")
     ap.add_argument("--tune", action="store_true", help="only sweep split factor / block / warps (bf16 kernel)")
     ap.add_argument("--tune-quant", action="store_true", help="only sweep the fused 8/4-bit kernel variants")
+    ap.add_argument("--tune-split", action="store_true", help="only sweep programs per SM, bf16 and packed")
+    ap.add_argument("--tune-export", action="store_true", help="only sweep the tile of the kernel with export")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -322,6 +366,10 @@ def main():
         return tune()
     if args.tune_quant:
         return tune_quant()
+    if args.tune_split:
+        return tune_split()
+    if args.tune_export:
+        return tune_export()
     copy = copy_bandwidth()
     print(f"device-to-device copy: {copy:.0f} GB/s (read + write)", flush=True)
     rows = []
