@@ -268,7 +268,7 @@ def tune():
         torch.cuda.empty_cache()
 
 
-def tune_quant():
+def tune_quant(bits_list=(16, 8, 4)):
     """Fused 8/4-bit kernels against the bf16 kernel on the same slot tables (16-token blocks): key block
     size, warps and pipeline stages swept for each (the packed kernels convert codes with the fp16 bit
     trick; --tune-quant runs of earlier commits compared it with int->float conversions)."""
@@ -279,7 +279,7 @@ def tune_quant():
                            ("smollm2", 16, 32768)]:
         sets, k, v, tables, lens, qs = tune_inputs(name, bsz, ctx, block=16)
         ref = timed(lambda i: decode_attention(qs[i], k, v, tables[i], lens), sets)
-        for bits in (16, 8, 4):
+        for bits in bits_list:
             quant, want = None, None
             kc, vc = k, v
             if bits != 16:
@@ -356,6 +356,7 @@ def main():
     ap.add_argument("--profile", action="store_true", help="with --e2e: GPU time per kernel at batch 1")
     ap.add_argument("--tune", action="store_true", help="only sweep split factor / block / warps (bf16 kernel)")
     ap.add_argument("--tune-quant", action="store_true", help="only sweep the fused 8/4-bit kernel variants")
+    ap.add_argument("--quant-bits", default="16,8,4", help="with --tune-quant: which widths to sweep")
     ap.add_argument("--tune-split", action="store_true", help="only sweep programs per SM, bf16 and packed")
     ap.add_argument("--tune-export", action="store_true", help="only sweep the tile of the kernel with export")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -365,7 +366,7 @@ def main():
     if args.tune:
         return tune()
     if args.tune_quant:
-        return tune_quant()
+        return tune_quant([int(b) for b in args.quant_bits.split(",")])
     if args.tune_split:
         return tune_split()
     if args.tune_export:

@@ -66,21 +66,35 @@ def test_decode_attention_dense_matches_reference(shape, mode):
             torch.testing.assert_close(got[b, :ln].double(), want_score[b, :ln], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("bits, d, group", [(8, 64, 32), (4, 64, 32), (8, 128, 64), (4, 128, 128), (8, 64, 64)])
-def test_decode_attention_quantized_matches_dequantize_then_attend(bits, d, group):
+@pytest.mark.parametrize("bits, d, group, value_dot", [
+    (8, 64, 32, None), (8, 64, 32, True), (4, 64, 32, None), (8, 128, 64, None), (8, 128, 64, False),
+    (4, 128, 128, None), (8, 64, 64, None), (8, 64, 64, True), (8, 128, 128, True)])
+def test_decode_attention_quantized_matches_dequantize_then_attend(bits, d, group, value_dot):
+    """Both routes of 8-bit values (codes-dot and dequantize), one and two groups per head."""
     q, k, v, table, n = _case(7 + d + group, 2, 6, 2, d, [45, 129])
     kc, kscale, kbias = quantize(k, bits, group)
     vc, vscale, vbias = quantize(v, bits, group)
     kd, vd = dequantize(kc, kscale, kbias, bits, group), dequantize(vc, vscale, vbias, bits, group)
     score = torch.zeros(2, 129, 2, device=DEV)
     dev = [t.to(DEV) for t in (q, kc, vc, table, n, kscale, kbias, vscale, vbias)]
-    out = decode_attention(*dev[:5], score=score, score_mode="sum", split=64, block_n=32,
+    out = decode_attention(*dev[:5], score=score, score_mode="sum", split=64, block_n=32, value_dot=value_dot,
                            quant=dict(bits=bits, group=group, k_scale=dev[5], k_bias=dev[6], v_scale=dev[7],
                                       v_bias=dev[8])).cpu()
     score = score.cpu()
     want, want_score = _reference(q, kd, vd, table, n, "sum", torch.zeros(2, 129, 2), 0)
     torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(score.double(), want_score, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bits, d, group", [(4, 128, 64), (8, 128, 32)])
+def test_value_dot_refuses_what_it_cannot_do(bits, d, group):
+    q, k, v, table, n = _case(5, 1, 4, 2, d, [40])
+    kc, ks, kb = quantize(k, bits, group)
+    vc, vs, vb = quantize(v, bits, group)
+    quant = dict(bits=bits, group=group, k_scale=ks.to(DEV), k_bias=kb.to(DEV), v_scale=vs.to(DEV),
+                 v_bias=vb.to(DEV))
+    with pytest.raises(ValueError, match="value_dot"):
+        decode_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), table.to(DEV), n.to(DEV), quant=quant, value_dot=True)
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="a GPU-only limit")

@@ -5,7 +5,10 @@ lives in pool slot `slot_table[b, j]`), GQA, split-K ("flash decoding") with a s
 accumulation. K/V are bf16/fp16/fp32, or packed 8/4-bit codes with per-group fp16 scale and bias.
 Packed keys are never dequantized: with k = code * scale + bias per group, q.k = sum over groups of
 scale * (q . codes) + bias * sum(q), so the tensor cores multiply the raw codes and the scales apply once
-per key and group. Packed values are dequantized in fp16 registers (code * scale + bias) before p @ V.
+per key and group. 8-bit values at d=128 take the same route: p @ (code * scale + bias) per group is
+(p * scale) @ code + p @ bias (`_value_codes_dot`), so their codes go from shared memory to the tensor
+cores with only the fp16 conversion on the way; other packed values are dequantized in fp16 registers
+(code * scale + bias) and pass through shared memory as fp16 before p @ V (faster at d=64).
 Codes become fp16 by a bit trick (`_codes`), not int->float conversions, which bound the kernel; the
 tensor-core inputs of the packed path are then fp16 (q, p, codes, values; exact for codes below 256;
 q * d^-0.5 and values must stay under fp16's 65504, which the fp16 scales already assume).
@@ -34,7 +37,7 @@ import triton.language as tl
 
 SCORE_MODES = {None: 0, "sum": 1, "normalized": 2, "ema": 3}
 # (bits, head_dim) -> (keys per block, warps, pipeline stages) of the packed kernel on the GPU
-PACKED_TILES = {(8, 128): (64, 2, 2), (4, 128): (64, 2, 2), (8, 64): (128, 4, 2), (4, 64): (256, 4, 2)}
+PACKED_TILES = {(8, 128): (64, 4, 2), (4, 128): (64, 2, 2), (8, 64): (128, 4, 2), (4, 64): (256, 4, 2)}
 
 
 @triton.jit
@@ -43,7 +46,8 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                   stride_ob, stride_oh, stride_os, stride_mb, stride_mh, stride_eb, stride_eh, stride_xb, stride_xh,
                   scale, split,
                   G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BITS: tl.constexpr, GS: tl.constexpr, EXPORT: tl.constexpr, IEEE: tl.constexpr):
+                  BITS: tl.constexpr, GS: tl.constexpr, EXPORT: tl.constexpr, IEEE: tl.constexpr,
+                  VDOT: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -59,7 +63,11 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
         q = tl.load(Q + q_row + offs_d[None, :]).to(tl.float32) * scale
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D], tl.float32)
+    if VDOT:  # 8-bit values, one or two groups per head, go to the tensor cores as raw codes, like the keys
+        acc = tl.zeros([G_PAD, GS], tl.float32)  # value columns [0, GS)
+        acc_hi = tl.zeros([G_PAD, GS], tl.float32)  # [GS, 2 GS) when there are two groups
+    else:
+        acc = tl.zeros([G_PAD, D], tl.float32)
     for j0 in range(start, end, BLOCK_N):
         offs_n = j0 + tl.arange(0, BLOCK_N)
         valid = offs_n < end
@@ -79,16 +87,44 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                      mask=gmask[:, None] & valid[None, :])
             tl.store(MBlk + b * stride_xb + heads * stride_xh + j0 // BLOCK_N, m_new, mask=gmask)
         l = l * alpha + tl.sum(p, 1)
-        if BITS == 16:
-            v = tl.load(V + kv_ptr, mask=valid[:, None], other=0.0)
+        if VDOT:
+            sp = slot * stride_ss + h * stride_sh
+            vp = V + slot[:, None] * stride_ks + h * stride_kh + tl.arange(0, GS)[None, :]
+            acc = _value_codes_dot(acc, alpha, p, vp, VS + sp, VB + sp, valid, IEEE)
+            if D // GS == 2:
+                acc_hi = _value_codes_dot(acc_hi, alpha, p, vp + GS, VS + sp + 1, VB + sp + 1, valid, IEEE)
         else:
-            v = _dequant(V, VS, VB, slot, h, valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, IEEE)
-        acc = acc * alpha[:, None] + _dot(p, v, IEEE)
+            if BITS == 16:
+                v = tl.load(V + kv_ptr, mask=valid[:, None], other=0.0)
+            else:
+                v = _dequant(V, VS, VB, slot, h, valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS,
+                             IEEE)
+            acc = acc * alpha[:, None] + _dot(p, v, IEEE)
         m = m_new
-    tl.store(PartO + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + offs_d[None, :], acc,
-             mask=gmask[:, None])
+    o_ptr = PartO + b * stride_ob + heads[:, None] * stride_oh + s * stride_os
+    if VDOT:
+        offs_c = tl.arange(0, GS)[None, :]
+        tl.store(o_ptr + offs_c, acc / PV_SCALE, mask=gmask[:, None])
+        if D // GS == 2:
+            tl.store(o_ptr + GS + offs_c, acc_hi / PV_SCALE, mask=gmask[:, None])
+    else:
+        tl.store(o_ptr + offs_d[None, :], acc, mask=gmask[:, None])
     tl.store(PartM + b * stride_mb + heads * stride_mh + s, m, mask=gmask)
     tl.store(PartL + b * stride_mb + heads * stride_mh + s, l, mask=gmask)
+
+
+PV_SCALE: tl.constexpr = tl.constexpr(64.0)  # keeps p * v_scale clear of fp16 subnormals; exact (a power of 2)
+
+
+@triton.jit
+def _value_codes_dot(acc, alpha, p, code_ptr, scale_ptr, bias_ptr, valid, IEEE: tl.constexpr):
+    """acc * alpha + p @ (code * scale + bias) for one group of value columns, as (p * scale) @ code +
+    p @ bias: the codes reach the tensor cores as they are (no per-element dequantize and no fp16 copy of
+    the values in shared memory). acc is in units of 1 / PV_SCALE."""
+    vs = tl.load(scale_ptr, mask=valid, other=0.0).to(tl.float32) * PV_SCALE
+    vb = tl.load(bias_ptr, mask=valid, other=0.0).to(tl.float32) * PV_SCALE
+    codes = _codes(tl.load(code_ptr, mask=valid[:, None], other=0))
+    return acc * alpha[:, None] + _dot(p * vs[None, :], codes, IEEE) + tl.sum(p * vb[None, :], 1)[:, None]
 
 
 @triton.jit
@@ -286,7 +322,7 @@ def _victim_kernel(CandKey, CandPos, CandJ, Rows, Pos, Spare, blocks, stride_pr,
 
 def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=None, score_mode=None,
                      ema_decay=0.95, quant=None, split=None, block_n=None, out=None, programs_per_sm=None,
-                     num_warps=None, rows=None, victim=None, num_stages=None):
+                     num_warps=None, rows=None, victim=None, num_stages=None, value_dot=None):
     """q: [B, Hq, D]; k_pool/v_pool: [slots, Hkv, D] (or packed codes [slots, Hkv, D*bits/8] with
     quant=dict(bits=, group=, k_scale=, k_bias=, v_scale=, v_bias=) of [slots, Hkv, D/group]);
     slot_table: [B, max_len] int32; ctx_lens: [B] int32; score: [B, max_len, Hkv] float32 (or, with
@@ -294,6 +330,8 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     when score_mode is "sum" | "normalized" | "ema".
     victim: dict(pos=[R, max_len, Hkv] int32, spare=[R, Hkv] int64, positions=[B], prefix=, recent=,
     by_score=) also picks each head's eviction victim after the fold (see `_fold_kernel`); needs rows.
+    value_dot: 8-bit values as (p * scale) @ codes per group (one or two groups per head) instead of
+    dequantized; None picks what measured faster on the H100: on at d=128 with two groups, off at d=64.
     Returns out [B, Hq, D] in q's dtype."""
     bsz, hq, d = q.shape
     hkv = k_pool.shape[1]
@@ -337,6 +375,11 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     if out is None:
         out = torch.empty_like(q)
     gs = d if quant is None else quant["group"]
+    if value_dot is None:  # benchmarks/tune_quant_h100_v6_valuedot.log
+        value_dot = bits == 8 and d == 128 and d // gs == 2
+    if value_dot and not (bits == 8 and d // gs <= 2):
+        raise ValueError(f"value_dot needs 8-bit values of one or two groups per head, got {bits} bits, "
+                         f"head_dim {d}, group {gs}")
     ks = kb = vs = vb = k_pool
     ss = (0, 0)
     if quant is not None:
@@ -348,7 +391,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), ss[0], ss[1], slot_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
         e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), scale, split,
-        G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee,
+        G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee, VDOT=value_dot,
         num_warps=num_warps, **({} if num_stages is None else dict(num_stages=num_stages)))
     _merge_kernel[(bsz, hkv)](
         part_o, part_m, part_l, out, ctx_lens,
