@@ -68,9 +68,10 @@ def test_decode_attention_dense_matches_reference(shape, mode):
 
 @pytest.mark.parametrize("bits, d, group, value_dot", [
     (8, 64, 32, None), (8, 64, 32, True), (4, 64, 32, None), (8, 128, 64, None), (8, 128, 64, False),
-    (4, 128, 128, None), (8, 64, 64, None), (8, 64, 64, True), (8, 128, 128, True)])
+    (4, 128, 128, None), (8, 64, 64, None), (8, 64, 64, True), (8, 128, 128, True), (4, 128, 64, None),
+    (4, 128, 64, False), (4, 64, 64, True), (4, 128, 128, True)])
 def test_decode_attention_quantized_matches_dequantize_then_attend(bits, d, group, value_dot):
-    """Both routes of 8-bit values (codes-dot and dequantize), one and two groups per head."""
+    """Both routes of packed values (codes-dot and dequantize), one and two groups per head."""
     q, k, v, table, n = _case(7 + d + group, 2, 6, 2, d, [45, 129])
     kc, kscale, kbias = quantize(k, bits, group)
     vc, vscale, vbias = quantize(v, bits, group)
@@ -86,7 +87,7 @@ def test_decode_attention_quantized_matches_dequantize_then_attend(bits, d, grou
     torch.testing.assert_close(score.double(), want_score, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("bits, d, group", [(4, 128, 64), (8, 128, 32)])
+@pytest.mark.parametrize("bits, d, group", [(4, 64, 16), (8, 128, 32)])
 def test_value_dot_refuses_what_it_cannot_do(bits, d, group):
     q, k, v, table, n = _case(5, 1, 4, 2, d, [40])
     kc, ks, kb = quantize(k, bits, group)

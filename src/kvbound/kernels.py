@@ -5,10 +5,10 @@ lives in pool slot `slot_table[b, j]`), GQA, split-K ("flash decoding") with a s
 accumulation. K/V are bf16/fp16/fp32, or packed 8/4-bit codes with per-group fp16 scale and bias.
 Packed keys are never dequantized: with k = code * scale + bias per group, q.k = sum over groups of
 scale * (q . codes) + bias * sum(q), so the tensor cores multiply the raw codes and the scales apply once
-per key and group. 8-bit values at d=128 take the same route: p @ (code * scale + bias) per group is
+per key and group. Packed values at d=128 take the same route: p @ (code * scale + bias) per group is
 (p * scale) @ code + p @ bias (`_value_codes_dot`), so their codes go from shared memory to the tensor
-cores with only the fp16 conversion on the way; other packed values are dequantized in fp16 registers
-(code * scale + bias) and pass through shared memory as fp16 before p @ V (faster at d=64).
+cores with only the fp16 conversion on the way; at d=64 they are dequantized in fp16 registers
+(code * scale + bias) and pass through shared memory as fp16 before p @ V (faster there).
 Codes become fp16 by a bit trick (`_codes`), not int->float conversions, which bound the kernel; the
 tensor-core inputs of the packed path are then fp16 (q, p, codes, values; exact for codes below 256;
 q * d^-0.5 and values must stay under fp16's 65504, which the fp16 scales already assume).
@@ -37,7 +37,7 @@ import triton.language as tl
 
 SCORE_MODES = {None: 0, "sum": 1, "normalized": 2, "ema": 3}
 # (bits, head_dim) -> (keys per block, warps, pipeline stages) of the packed kernel on the GPU
-PACKED_TILES = {(8, 128): (64, 4, 2), (4, 128): (64, 2, 2), (8, 64): (128, 4, 2), (4, 64): (256, 4, 2)}
+PACKED_TILES = {(8, 128): (64, 4, 2), (4, 128): (128, 2, 2), (8, 64): (128, 4, 2), (4, 64): (256, 4, 2)}
 
 
 @triton.jit
@@ -63,9 +63,12 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
         q = tl.load(Q + q_row + offs_d[None, :]).to(tl.float32) * scale
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
-    if VDOT:  # 8-bit values, one or two groups per head, go to the tensor cores as raw codes, like the keys
-        acc = tl.zeros([G_PAD, GS], tl.float32)  # value columns [0, GS)
-        acc_hi = tl.zeros([G_PAD, GS], tl.float32)  # [GS, 2 GS) when there are two groups
+    W: tl.constexpr = GS if BITS == 8 else GS // 2  # code bytes per group of a token's values
+    if VDOT:  # packed values, one or two groups per head, go to the tensor cores as raw codes, like the keys
+        acc = tl.zeros([G_PAD, W], tl.float32)  # group 0 (4-bit: its even columns, from the low nibbles)
+        acc_odd = tl.zeros([G_PAD, W], tl.float32)  # 4-bit: group 0's odd columns (high nibbles)
+        acc_hi = tl.zeros([G_PAD, W], tl.float32)  # group 1, when there are two
+        acc_hi_odd = tl.zeros([G_PAD, W], tl.float32)
     else:
         acc = tl.zeros([G_PAD, D], tl.float32)
     for j0 in range(start, end, BLOCK_N):
@@ -89,10 +92,11 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
         l = l * alpha + tl.sum(p, 1)
         if VDOT:
             sp = slot * stride_ss + h * stride_sh
-            vp = V + slot[:, None] * stride_ks + h * stride_kh + tl.arange(0, GS)[None, :]
-            acc = _value_codes_dot(acc, alpha, p, vp, VS + sp, VB + sp, valid, IEEE)
+            vp = V + slot[:, None] * stride_ks + h * stride_kh + tl.arange(0, W)[None, :]
+            acc, acc_odd = _value_codes_dot(acc, acc_odd, alpha, p, vp, VS + sp, VB + sp, valid, BITS, IEEE)
             if D // GS == 2:
-                acc_hi = _value_codes_dot(acc_hi, alpha, p, vp + GS, VS + sp + 1, VB + sp + 1, valid, IEEE)
+                acc_hi, acc_hi_odd = _value_codes_dot(acc_hi, acc_hi_odd, alpha, p, vp + W, VS + sp + 1,
+                                                      VB + sp + 1, valid, BITS, IEEE)
         else:
             if BITS == 16:
                 v = tl.load(V + kv_ptr, mask=valid[:, None], other=0.0)
@@ -103,10 +107,14 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
         m = m_new
     o_ptr = PartO + b * stride_ob + heads[:, None] * stride_oh + s * stride_os
     if VDOT:
-        offs_c = tl.arange(0, GS)[None, :]
+        offs_c = tl.arange(0, W)[None, :] * (8 // BITS)
         tl.store(o_ptr + offs_c, acc / PV_SCALE, mask=gmask[:, None])
+        if BITS == 4:
+            tl.store(o_ptr + offs_c + 1, acc_odd / PV_SCALE, mask=gmask[:, None])
         if D // GS == 2:
             tl.store(o_ptr + GS + offs_c, acc_hi / PV_SCALE, mask=gmask[:, None])
+            if BITS == 4:
+                tl.store(o_ptr + GS + offs_c + 1, acc_hi_odd / PV_SCALE, mask=gmask[:, None])
     else:
         tl.store(o_ptr + offs_d[None, :], acc, mask=gmask[:, None])
     tl.store(PartM + b * stride_mb + heads * stride_mh + s, m, mask=gmask)
@@ -117,14 +125,21 @@ PV_SCALE: tl.constexpr = tl.constexpr(64.0)  # keeps p * v_scale clear of fp16 s
 
 
 @triton.jit
-def _value_codes_dot(acc, alpha, p, code_ptr, scale_ptr, bias_ptr, valid, IEEE: tl.constexpr):
+def _value_codes_dot(acc, acc_odd, alpha, p, code_ptr, scale_ptr, bias_ptr, valid, BITS: tl.constexpr,
+                     IEEE: tl.constexpr):
     """acc * alpha + p @ (code * scale + bias) for one group of value columns, as (p * scale) @ code +
     p @ bias: the codes reach the tensor cores as they are (no per-element dequantize and no fp16 copy of
-    the values in shared memory). acc is in units of 1 / PV_SCALE."""
+    the values in shared memory). 4-bit: acc takes the low nibbles (even columns), acc_odd the high ones;
+    8-bit leaves acc_odd alone. Both are in units of 1 / PV_SCALE."""
     vs = tl.load(scale_ptr, mask=valid, other=0.0).to(tl.float32) * PV_SCALE
     vb = tl.load(bias_ptr, mask=valid, other=0.0).to(tl.float32) * PV_SCALE
-    codes = _codes(tl.load(code_ptr, mask=valid[:, None], other=0))
-    return acc * alpha[:, None] + _dot(p * vs[None, :], codes, IEEE) + tl.sum(p * vb[None, :], 1)[:, None]
+    ps = p * vs[None, :]
+    pb = tl.sum(p * vb[None, :], 1)[:, None]
+    codes = tl.load(code_ptr, mask=valid[:, None], other=0)
+    if BITS == 8:
+        return acc * alpha[:, None] + _dot(ps, _codes(codes), IEEE) + pb, acc_odd
+    return (acc * alpha[:, None] + _dot(ps, _codes(codes & 0xF), IEEE) + pb,
+            acc_odd * alpha[:, None] + _dot(ps, _codes(codes >> 4), IEEE) + pb)
 
 
 @triton.jit
@@ -330,7 +345,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     when score_mode is "sum" | "normalized" | "ema".
     victim: dict(pos=[R, max_len, Hkv] int32, spare=[R, Hkv] int64, positions=[B], prefix=, recent=,
     by_score=) also picks each head's eviction victim after the fold (see `_fold_kernel`); needs rows.
-    value_dot: 8-bit values as (p * scale) @ codes per group (one or two groups per head) instead of
+    value_dot: packed values as (p * scale) @ codes per group (one or two groups per head) instead of
     dequantized; None picks what measured faster on the H100: on at d=128 with two groups, off at d=64.
     Returns out [B, Hq, D] in q's dtype."""
     bsz, hq, d = q.shape
@@ -340,7 +355,8 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     scale = d ** -0.5 if scale is None else scale
     # defaults from `benchmarks/decode_attention.py --tune` on an H200 (benchmarks/tune_h200.log): 64-key
     # blocks, 4 warps and 4 programs per SM; packed tiles from `--tune-quant` on an H100
-    # (benchmarks/tune_quant_h100_v4.log), where other tiles spill registers (up to 9x slower)
+    # (benchmarks/tune_quant_h100_v4.log at d=64; _v6_valuedot.log and _v7_valuedot4.log at d=128), where other
+    # tiles spill registers (up to 9x slower)
     bits = 16 if quant is None else quant["bits"]
     tile = PACKED_TILES.get((bits, d), (64, 2, 2)) if bits != 16 and q.is_cuda else (64, 4, None)
     block_n = block_n or tile[0]
@@ -375,11 +391,11 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     if out is None:
         out = torch.empty_like(q)
     gs = d if quant is None else quant["group"]
-    if value_dot is None:  # benchmarks/tune_quant_h100_v6_valuedot.log
-        value_dot = bits == 8 and d == 128 and d // gs == 2
-    if value_dot and not (bits == 8 and d // gs <= 2):
-        raise ValueError(f"value_dot needs 8-bit values of one or two groups per head, got {bits} bits, "
-                         f"head_dim {d}, group {gs}")
+    if value_dot is None:  # benchmarks/tune_quant_h100_v6_valuedot.log, _v7_valuedot4.log
+        value_dot = bits in (8, 4) and d == 128 and d // gs == 2
+    if value_dot and not (bits in (8, 4) and d // gs <= 2 and gs * bits // 8 >= 16):
+        raise ValueError(f"value_dot needs packed values of one or two groups per head of at least 16 code "
+                         f"bytes, got {bits} bits, head_dim {d}, group {gs}")
     ks = kb = vs = vb = k_pool
     ss = (0, 0)
     if quant is not None:
