@@ -6,7 +6,7 @@ accumulation. K/V are bf16/fp16/fp32, or packed 8/4-bit codes with per-group fp1
 Packed keys are never dequantized: with k = code * scale + bias per group, q.k = sum over groups of
 scale * (q . codes) + bias * sum(q), so the tensor cores multiply the raw codes and the scales apply once
 per key and group. Packed values at d=128 take the same route: p @ (code * scale + bias) per group is
-(p * scale) @ code + p @ bias (`_value_codes_dot`), so their codes go from shared memory to the tensor
+(p * scale) @ code + p @ bias (`_value_group`), so their codes go from shared memory to the tensor
 cores with only the fp16 conversion on the way; at d=64 they are dequantized in fp16 registers
 (code * scale + bias) and pass through shared memory as fp16 before p @ V (faster there).
 Codes become fp16 by a bit trick (`_codes`), not int->float conversions, which bound the kernel; the
@@ -66,9 +66,12 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
     W: tl.constexpr = GS if BITS == 8 else GS // 2  # code bytes per group of a token's values
     if VDOT:  # packed values, one or two groups per head, go to the tensor cores as raw codes, like the keys
         acc = tl.zeros([G_PAD, W], tl.float32)  # group 0 (4-bit: its even columns, from the low nibbles)
-        acc_odd = tl.zeros([G_PAD, W], tl.float32)  # 4-bit: group 0's odd columns (high nibbles)
-        acc_hi = tl.zeros([G_PAD, W], tl.float32)  # group 1, when there are two
-        acc_hi_odd = tl.zeros([G_PAD, W], tl.float32)
+        if D // GS == 2:
+            acc_hi = tl.zeros([G_PAD, W], tl.float32)  # group 1
+        if BITS == 4:  # the odd columns (high nibbles); only declared where used, or the loop carries them
+            acc_odd = tl.zeros([G_PAD, W], tl.float32)
+            if D // GS == 2:
+                acc_hi_odd = tl.zeros([G_PAD, W], tl.float32)
     else:
         acc = tl.zeros([G_PAD, D], tl.float32)
     for j0 in range(start, end, BLOCK_N):
@@ -93,10 +96,19 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
         if VDOT:
             sp = slot * stride_ss + h * stride_sh
             vp = V + slot[:, None] * stride_ks + h * stride_kh + tl.arange(0, W)[None, :]
-            acc, acc_odd = _value_codes_dot(acc, acc_odd, alpha, p, vp, VS + sp, VB + sp, valid, BITS, IEEE)
+            ps, pb, codes = _value_group(p, vp, VS + sp, VB + sp, valid)
+            if BITS == 8:
+                acc = _codes_dot(acc, alpha, ps, pb, codes, IEEE)
+            else:
+                acc = _codes_dot(acc, alpha, ps, pb, codes & 0xF, IEEE)
+                acc_odd = _codes_dot(acc_odd, alpha, ps, pb, codes >> 4, IEEE)
             if D // GS == 2:
-                acc_hi, acc_hi_odd = _value_codes_dot(acc_hi, acc_hi_odd, alpha, p, vp + W, VS + sp + 1,
-                                                      VB + sp + 1, valid, BITS, IEEE)
+                ps, pb, codes = _value_group(p, vp + W, VS + sp + 1, VB + sp + 1, valid)
+                if BITS == 8:
+                    acc_hi = _codes_dot(acc_hi, alpha, ps, pb, codes, IEEE)
+                else:
+                    acc_hi = _codes_dot(acc_hi, alpha, ps, pb, codes & 0xF, IEEE)
+                    acc_hi_odd = _codes_dot(acc_hi_odd, alpha, ps, pb, codes >> 4, IEEE)
         else:
             if BITS == 16:
                 v = tl.load(V + kv_ptr, mask=valid[:, None], other=0.0)
@@ -125,21 +137,20 @@ PV_SCALE: tl.constexpr = tl.constexpr(64.0)  # keeps p * v_scale clear of fp16 s
 
 
 @triton.jit
-def _value_codes_dot(acc, acc_odd, alpha, p, code_ptr, scale_ptr, bias_ptr, valid, BITS: tl.constexpr,
-                     IEEE: tl.constexpr):
-    """acc * alpha + p @ (code * scale + bias) for one group of value columns, as (p * scale) @ code +
-    p @ bias: the codes reach the tensor cores as they are (no per-element dequantize and no fp16 copy of
-    the values in shared memory). 4-bit: acc takes the low nibbles (even columns), acc_odd the high ones;
-    8-bit leaves acc_odd alone. Both are in units of 1 / PV_SCALE."""
+def _value_group(p, code_ptr, scale_ptr, bias_ptr, valid):
+    """One group of packed value columns for p @ (code * scale + bias) = (p * scale) @ code + p @ bias:
+    p * scale, p @ bias (both times PV_SCALE) and the raw codes, which then reach the tensor cores as
+    they are (`_codes_dot`): no per-element dequantize and no fp16 copy of the values in shared memory."""
     vs = tl.load(scale_ptr, mask=valid, other=0.0).to(tl.float32) * PV_SCALE
     vb = tl.load(bias_ptr, mask=valid, other=0.0).to(tl.float32) * PV_SCALE
-    ps = p * vs[None, :]
-    pb = tl.sum(p * vb[None, :], 1)[:, None]
     codes = tl.load(code_ptr, mask=valid[:, None], other=0)
-    if BITS == 8:
-        return acc * alpha[:, None] + _dot(ps, _codes(codes), IEEE) + pb, acc_odd
-    return (acc * alpha[:, None] + _dot(ps, _codes(codes & 0xF), IEEE) + pb,
-            acc_odd * alpha[:, None] + _dot(ps, _codes(codes >> 4), IEEE) + pb)
+    return p * vs[None, :], tl.sum(p * vb[None, :], 1)[:, None], codes
+
+
+@triton.jit
+def _codes_dot(acc, alpha, ps, pb, codes, IEEE: tl.constexpr):
+    """acc * alpha + (p * scale) @ codes + p @ bias, in units of 1 / PV_SCALE."""
+    return acc * alpha[:, None] + _dot(ps, _codes(codes), IEEE) + pb
 
 
 @triton.jit
