@@ -160,18 +160,16 @@ def one_config(name, bsz, ctx, group=64):
     return row
 
 
-def e2e(batches=(1, 16, 64), budget=2048, steps=32, rounds=5, profile=False, fold_inline=False):
+def e2e(batches=(1, 16, 64), budget=2048, steps=32, rounds=5, profile=False):
     """Decode tokens/s through the engine (CUDA graphs), random 8B-shaped weights: h2o (budget 2048,
     evicting every step: prompts longer than the budget) against the full cache holding about as many
     tokens (2048-token prompts). Both engines are built first, then timed in alternating rounds of
-    `steps` steps; the median round counts. fold_inline adds a third engine, h2o with each layer's score
-    fold and victim choice on the main stream (the engine runs them on a second stream)."""
+    `steps` steps; the median round counts."""
     from kvbound.config import ModelConfig
     from kvbound.engine import LLMEngine
     from kvbound.generate import SamplingParams
     from kvbound.model import CausalLM
     from kvbound.policies import FullPolicy, H2OPolicy
-    from kvbound.runner import EvictAttention
     cfg = ModelConfig(arch="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
                       num_kv_heads=8, head_dim=128, intermediate_size=14336, rope_theta=500000.0)
     torch.set_default_dtype(torch.bfloat16)
@@ -187,12 +185,8 @@ def e2e(batches=(1, 16, 64), budget=2048, steps=32, rounds=5, profile=False, fol
     for bsz in batches:
         engines = {}
         full_len = budget - steps * (rounds + 2) // 2  # timed rounds hold budget tokens on average
-        kinds = [("full", FullPolicy(), full_len),
-                 ("h2o", H2OPolicy(sink=4, heavy=budget // 2, recent=budget // 2 - 4), budget + 64)]
-        if fold_inline:
-            kinds.append(("h2o_inline", H2OPolicy(sink=4, heavy=budget // 2, recent=budget // 2 - 4), budget + 64))
-        for name, pol, plen in kinds:
-            EvictAttention.fold_on_side_stream = name != "h2o_inline"  # read when its graphs are captured
+        for name, pol, plen in [("full", FullPolicy(), full_len),
+                                ("h2o", H2OPolicy(sink=4, heavy=budget // 2, recent=budget // 2 - 4), budget + 64)]:
             blocks = bsz * (-(-(plen + total) // 16)) + 8
             eng = LLMEngine(model, None, policy=pol, num_blocks=blocks, max_num_seqs=bsz, max_num_batched_tokens=8192,
                             prefill_chunk=512, graph_max_len=plen + total + 16)
@@ -205,7 +199,6 @@ def e2e(batches=(1, 16, 64), budget=2048, steps=32, rounds=5, profile=False, fol
             for _ in range(steps):  # warm: graphs replayed, every bounded cache evicting
                 eng.step(only_finished=True)
             engines[name] = eng
-        EvictAttention.fold_on_side_stream = True
         if profile and bsz in (batches[0], batches[-1]):  # GPU time per kernel of a few steps each
             from torch.profiler import ProfilerActivity, profile as torch_profile
             for name, eng in engines.items():
@@ -232,8 +225,6 @@ def e2e(batches=(1, 16, 64), budget=2048, steps=32, rounds=5, profile=False, fol
             row[name] = {"ms_step": ms, "tok_s": bsz / ms * 1e3, "cache_tokens": len(caches[0]),
                          "graphs": eng.graphs is not None, "running": len(caches)}
         row["h2o_vs_full"] = row["h2o"]["tok_s"] / row["full"]["tok_s"]
-        if fold_inline:
-            row["h2o_inline_vs_full"] = row["h2o_inline"]["tok_s"] / row["full"]["tok_s"]
         res[f"b{bsz}"] = row
         print(json.dumps({f"e2e b{bsz}": row}), flush=True)
         del engines
@@ -362,7 +353,6 @@ def main():
     ap.add_argument("--e2e", action="store_true")
     ap.add_argument("--e2e-only", action="store_true")
     ap.add_argument("--e2e-batches", default="1,16,64", help="batch sizes of the e2e comparison")
-    ap.add_argument("--e2e-fold-inline", action="store_true", help="with --e2e: also h2o with the fold inline")
     ap.add_argument("--profile", action="store_true", help="with --e2e: GPU time per kernel at batch 1")
     ap.add_argument("--tune", action="store_true", help="only sweep split factor / block / warps (bf16 kernel)")
     ap.add_argument("--tune-quant", action="store_true", help="only sweep the fused 8/4-bit kernel variants")
@@ -396,8 +386,7 @@ def main():
     result = {"copy_gbs": copy, "rows": rows}
     if args.e2e or args.e2e_only:
         args.e2e = True
-        result["e2e"] = e2e(batches=[int(b) for b in args.e2e_batches.split(",")], profile=args.profile,
-                            fold_inline=args.e2e_fold_inline)
+        result["e2e"] = e2e(batches=[int(b) for b in args.e2e_batches.split(",")], profile=args.profile)
         print(json.dumps(result["e2e"]), flush=True)
     with open(os.path.join(args.out, "decode_attention.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -415,9 +404,7 @@ def main():
         for b, e in result["e2e"].items():
             print(f"  {b:>4}: full {e['full']['ms_step']:.2f} ms ({e['full']['cache_tokens']} tokens), "
                   f"h2o {e['h2o']['ms_step']:.2f} ms ({e['h2o']['cache_tokens']} tokens), "
-                  f"ratio {e['h2o_vs_full']:.3f}"
-                  + (f"; fold inline {e['h2o_inline']['ms_step']:.2f} ms, ratio {e['h2o_inline_vs_full']:.3f}"
-                     if "h2o_inline" in e else ""))
+                  f"ratio {e['h2o_vs_full']:.3f}")
 
 
 if __name__ == "__main__":

@@ -204,13 +204,10 @@ def _evict_state(policy, seed, rows=4, batch=(2, 0, 3), layers=2, heads=2, d=32)
 @pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=5,recent=3", "h2o:sink=2,heavy=5,recent=3,score=ema",
                                   "h2o:sink=1,heavy=6,recent=2,score=normalized", "window:budget=9,sink=2",
                                   "h2o:sink=0,heavy=10,recent=0", "h2o:sink=2,heavy=500,recent=100"])
-@pytest.mark.parametrize("side", [False, pytest.param(True, marks=pytest.mark.skipif(DEV != "cuda",
-                                                                                   reason="CUDA streams"))])
-def test_evict_decode_matches_torch_path(spec, side):
+def test_evict_decode_matches_torch_path(spec):
     """The fused evict step (store, attention with export, victim) against runner.EvictAttention's PyTorch
     steps on the same state: output, pool, positions, scores and each head's next spare slot. The last
-    case spans several key chunks, so the victim is chosen across chunks. side: the fold and victim run
-    on a second stream, as the engine runs them."""
+    case spans several key chunks, so the victim is chosen across chunks."""
     import copy
     from kvbound.kernels import evict_decode
     from kvbound.policies import parse_policy
@@ -227,10 +224,7 @@ def test_evict_decode_matches_torch_path(spec, side):
     score = None if meta.score is None else dev(meta.score[:, layer])
     got = evict_decode(dev(step["q"]), dev(step["k"]), dev(step["v"]), kp, vp, dev(table), dev(lens), dev(rows),
                        dev(step["positions"]), pos, spare, score, {"cumulative": "sum"}.get(pol.score, pol.score),
-                       getattr(pol, "ema_decay", 0.95), *fused_victim(pol),
-                       fold_stream=torch.cuda.Stream() if side else None)
-    if side:
-        torch.cuda.synchronize()
+                       getattr(pol, "ema_decay", 0.95), *fused_victim(pol))
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
     assert torch.equal(kp.cpu(), ref_pool.k[layer]) and torch.equal(vp.cpu(), ref_pool.v[layer])
     assert torch.equal(pos.cpu(), ref_meta.pos[:, layer])

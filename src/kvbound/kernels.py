@@ -31,8 +31,6 @@ the evict path's reference is the PyTorch branch of `runner.EvictAttention`.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
@@ -350,7 +348,7 @@ def _victim_kernel(CandKey, CandPos, CandJ, Rows, Pos, Spare, blocks, stride_pr,
 
 def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=None, score_mode=None,
                      ema_decay=0.95, quant=None, split=None, block_n=None, out=None, programs_per_sm=None,
-                     num_warps=None, rows=None, victim=None, num_stages=None, value_dot=None, fold_stream=None):
+                     num_warps=None, rows=None, victim=None, num_stages=None, value_dot=None):
     """q: [B, Hq, D]; k_pool/v_pool: [slots, Hkv, D] (or packed codes [slots, Hkv, D*bits/8] with
     quant=dict(bits=, group=, k_scale=, k_bias=, v_scale=, v_bias=) of [slots, Hkv, D/group]);
     slot_table: [B, max_len] int32; ctx_lens: [B] int32; score: [B, max_len, Hkv] float32 (or, with
@@ -360,8 +358,6 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     by_score=) also picks each head's eviction victim after the fold (see `_fold_kernel`); needs rows.
     value_dot: packed values as (p * scale) @ codes per group (one or two groups per head) instead of
     dequantized; None picks what measured faster on the H100: on at d=128 with two groups, off at d=64.
-    fold_stream: a CUDA stream to run the score fold and victim choice on, after the attention (the caller
-    makes its stream wait for it before anything reads the scores, victims or spare slots).
     Returns out [B, Hq, D] in q's dtype."""
     bsz, hq, d = q.shape
     hkv = k_pool.shape[1]
@@ -428,19 +424,6 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         part_o, part_m, part_l, out, ctx_lens,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
         out.stride(0), out.stride(1), split, G=g, G_PAD=g_pad, D=d, MODE=mode)
-    if (export or victim is not None) and fold_stream is not None:
-        fold_stream.wait_stream(torch.cuda.current_stream())
-        for t in (e, m_blk, part_m, part_l):  # freed on return: not to be reused before the fold has run
-            t.record_stream(fold_stream)
-    with torch.cuda.stream(fold_stream) if fold_stream is not None else contextlib.nullcontext():
-        _fold_and_victim(e, m_blk, part_m, part_l, score, rows, victim, ctx_lens, bsz, hkv, g, max_len, block_n,
-                         mode, ema_decay, export)
-    return out
-
-
-def _fold_and_victim(e, m_blk, part_m, part_l, score, rows, victim, ctx_lens, bsz, hkv, g, max_len, block_n, mode,
-                     ema_decay, export):
-    """Launch the score fold (and the victim choice) after the split and merge kernels."""
     if export or victim is not None:
         # one block of keys per program (a chain of dependent loads is slow); with a victim, each block
         # proposes a candidate per head and `_victim_kernel` chooses among them
@@ -452,7 +435,7 @@ def _fold_and_victim(e, m_blk, part_m, part_l, score, rows, victim, ctx_lens, bs
         hkv_pad = triton.next_power_of_2(hkv)
         cand = [part_m] * 3
         if victim is not None:
-            cand = [torch.empty(bsz, blocks, hkv_pad, device=e.device, dtype=dt)
+            cand = [torch.empty(bsz, blocks, hkv_pad, device=q.device, dtype=dt)
                     for dt in (torch.float32, torch.int32, torch.int32)]
         _fold_kernel[(bsz, blocks)](
             e, m_blk, part_m, part_l, sc, rows if rows is not None else ctx_lens, pos, positions, ctx_lens, *cand,
@@ -466,6 +449,7 @@ def _fold_and_victim(e, m_blk, part_m, part_l, score, rows, victim, ctx_lens, bs
             spare = vt["spare"]
             _victim_kernel[(bsz,)](*cand, rows, pos, spare, blocks, pos.stride(0), pos.stride(1), spare.stride(0),
                                    HKV=hkv, HKV_PAD=hkv_pad, NC_PAD=max(2, triton.next_power_of_2(blocks)))
+    return out
 
 
 @triton.jit
@@ -490,7 +474,7 @@ def _evict_store_kernel(KN, VN, KP, VP, Table, Rows, Spare, Pos, Score, Position
 
 
 def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spare, score, score_mode, ema_decay,
-                 prefix: int, recent: int, fold_stream=None):
+                 prefix: int, recent: int):
     """One layer of the engine's steady-state bounded decode, fused: each head's new token into its spare
     slot, attention with score export over the `table` slots, and each head's next victim, which becomes
     its spare slot. pos/score/spare are the layer's stacked metadata [R, cap, H] / [R, H], read at
@@ -504,8 +488,7 @@ def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spa
         sc.stride(0), sc.stride(1), D=d, DP=triton.next_power_of_2(d), HAS_SCORE=score is not None)
     return decode_attention(q, k_pool, v_pool, table, lens, score=score, score_mode=score_mode, ema_decay=ema_decay,
                             rows=rows, victim=dict(pos=pos, spare=spare, positions=positions, prefix=prefix,
-                                                   recent=recent, by_score=score is not None),
-                            fold_stream=fold_stream)
+                                                   recent=recent, by_score=score is not None))
 
 
 @triton.jit

@@ -127,26 +127,19 @@ class EvictAttention:
     head's new token goes into its spare slot, attention exports this step's scores into the stacked
     scores, and one batched victim choice frees each head's next spare slot. Nothing else moves."""
 
-    fold_on_side_stream = True  # overlap each layer's score fold and victim choice with the next layer
-
     def __init__(self, pool, meta, rows, table):
         self.pool, self.meta, self.rows, self.table = pool, meta, rows, table
         self.lens = torch.full((table.shape[0],), table.shape[1], dtype=torch.int32, device=table.device)
         self.fused = fused_victim(meta.policy)
-        self.side = torch.cuda.Stream(table.device) if table.is_cuda and self.fold_on_side_stream else None
 
     def attend(self, layer, q, k, v, positions):
         meta, rows, table, pol = self.meta, self.rows, self.table, self.meta.policy
         kp, vp = self.pool.k[layer], self.pool.v[layer]
         if q.is_cuda and self.fused is not None:  # the same steps in five kernels (kernels.evict_decode)
             from .kernels import evict_decode
-            side = self.side
-            if side is not None:  # the previous layer's fold ran there: join it; the last layer's runs here
-                torch.cuda.current_stream().wait_stream(side)
-                side = None if layer == self.pool.k.shape[0] - 1 else side
             return evict_decode(q, k, v, kp, vp, table, self.lens, rows, positions, meta.pos[:, layer],
                                 meta.spare[:, layer], None if meta.score is None else meta.score[:, layer],
-                                kernel_mode(pol), getattr(pol, "ema_decay", 0.95), *self.fused, fold_stream=side)
+                                kernel_mode(pol), getattr(pol, "ema_decay", 0.95), *self.fused)
         heads = torch.arange(k.shape[1], device=k.device)[None, :]
         r = rows[:, None]
         spare = meta.spare[rows, layer]  # [B, H] local slot each head writes
