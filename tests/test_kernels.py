@@ -238,3 +238,32 @@ def test_fused_victim_refuses_pinned_spans_past_the_prefix():
     from kvbound.runner import fused_victim
     assert fused_victim(parse_policy("h2o:sink=4,heavy=8,recent=4", pinned=((2, 9),))) == (9, 4)
     assert fused_victim(parse_policy("h2o:sink=4,heavy=8,recent=4", pinned=((20, 22),))) is None
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="a cache takes the kernel path on CUDA only")
+@pytest.mark.parametrize("kv_bits", [None, 8, 4])
+def test_cache_decode_on_cuda_takes_the_kernel_and_matches_the_fallback(kv_bits, monkeypatch):
+    """A bounded cache on CUDA, dense or packed: its decode steps go through the kernel and give what the
+    dequantize-then-attend fallback gives (outputs, then the same kept tokens)."""
+    import kvbound.kernels
+    from kvbound.cache import KVCache
+    from kvbound.config import ModelConfig
+    from kvbound.policies import H2OPolicy
+    cfg = ModelConfig(arch="LlamaForCausalLM", vocab_size=10, hidden_size=8 * 128, num_layers=1, num_heads=8,
+                      num_kv_heads=2, head_dim=128, intermediate_size=8)
+    pol = H2OPolicy(sink=2, heavy=20, recent=10)
+    fast, slow = (KVCache(cfg, pol, device="cuda", dtype=torch.float32, kv_bits=kv_bits) for _ in range(2))
+    slow.store.kernel_args = lambda layer: None
+    calls = []
+    kernel = kvbound.kernels.decode_attention
+    monkeypatch.setattr(kvbound.kernels, "decode_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for t in [40] + [1] * 30:
+        q, k, v = (torch.randn(t, h, 128, device="cuda", generator=gen) for h in (8, 2, 2))
+        pos = fast.next_positions(t)
+        outs = [c.attend(0, q, k, v, pos) for c in (fast, slow)]
+        for c in (fast, slow):
+            c.advance(t)
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+    assert len(calls) == 30
+    assert [fast.kept_positions(0, h) for h in range(2)] == [slow.kept_positions(0, h) for h in range(2)]

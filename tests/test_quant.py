@@ -126,3 +126,29 @@ def test_bad_quant_config_is_rejected():
         KVCache(cfg(d=48), None, kv_bits=8, kv_group_size=32)
     with pytest.raises(KvboundError, match="needs an h2o policy"):
         KVCache(cfg(), WindowPolicy(budget=8, sink=1), kv_bits={"heavy": 8, "recent": 4})
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_packed_store_gives_the_decode_kernel_its_codes(bits):
+    """What the fused kernel is handed (kernel_args, slot_table) read through the dispatch point's CPU
+    reference equals attention over the store's dequantized contents: the wiring of the CUDA path."""
+    from kvbound.attention import decode_attention
+    c = KVCache(cfg(), H2OPolicy(sink=2, heavy=4, recent=4), kv_bits=bits, kv_group_size=32)
+    c.attend(0, torch.randn(9, 4, D), torch.randn(9, 2, D), torch.randn(9, 2, D), c.next_positions(9))
+    c.advance(9)
+    for _ in range(5):  # evicting decode steps: the live slots are no longer in stream order
+        c.attend(0, torch.randn(1, 4, D), torch.randn(1, 2, D), torch.randn(1, 2, D), c.next_positions(1))
+        c.advance(1)
+    n = c._slots_used(0)
+    k_pool, v_pool, quant = c.store.kernel_args(0)
+    assert quant["bits"] == bits and k_pool.dtype == torch.uint8
+    q = torch.randn(1, 4, D)
+    got = decode_attention(q, k_pool, v_pool, c.store.slot_table(n)[None], torch.tensor([n], dtype=torch.int32),
+                           quant=quant)
+    want, _ = attend(q, *c.store.read(0, n))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_width_store_offers_no_kernel_args():
+    c = KVCache(cfg(), H2OPolicy(sink=2, heavy=4, recent=4), kv_bits=parse_kv_bits("heavy=8,recent=4"))
+    assert c.store.kernel_args(0) is None

@@ -84,18 +84,25 @@ def _causal_mask(t: int, n: int, device) -> torch.Tensor:
 
 
 def paged_decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=None, score_mode=None,
-                           ema_decay=0.95):
+                           ema_decay=0.95, quant=None):
     """The reference of kernels.decode_attention (same arguments): one query per sequence over the keys at
     slot_table[b, :ctx_lens[b]] of the pools, GQA; `score` [B, max_len, Hkv] gets this step's probabilities
     (summed over each KV head's query group) added ("sum"), weighted by the number of keys ("normalized"),
-    or folded in as an EMA ("ema"), for the valid keys only. Returns out [B, Hq, D] in q's dtype."""
+    or folded in as an EMA ("ema"), for the valid keys only. Packed pools (quant=dict(bits=, group=,
+    k_scale=, k_bias=, v_scale=, v_bias=)) are dequantized first. Returns out [B, Hq, D] in q's dtype."""
     b, hq, d = q.shape
     hkv = k_pool.shape[1]
     g = hq // hkv
     scale = d ** -0.5 if scale is None else scale
     idx = slot_table.long()
     acc = torch.promote_types(q.dtype, torch.float32)  # fp32 accumulation, as the kernel's
-    k, v = k_pool[idx].to(acc), v_pool[idx].to(acc)  # [B, M, Hkv, D]
+    if quant is None:
+        k, v = k_pool[idx].to(acc), v_pool[idx].to(acc)  # [B, M, Hkv, D]
+    else:
+        from .quant import dequantize
+        bits, group = quant["bits"], quant["group"]
+        k = dequantize(k_pool[idx], quant["k_scale"][idx], quant["k_bias"][idx], bits, group, acc)
+        v = dequantize(v_pool[idx], quant["v_scale"][idx], quant["v_bias"][idx], bits, group, acc)
     valid = torch.arange(idx.shape[1], device=q.device)[None, :] < ctx_lens.to(q.device)[:, None]  # [B, M]
     logits = torch.einsum("bhgd,bmhd->bhgm", q.to(acc).view(b, hkv, g, d), k) * scale
     probs = logits.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)

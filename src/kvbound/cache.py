@@ -206,10 +206,12 @@ class KVCache:
         if q.shape[0] == 1 and q.is_cuda and (self.score is None or self.policy.granularity == "kv-head"):
             kernel_args = self.store.kernel_args(layer)
             if kernel_args is not None:
+                k_pool, v_pool, quant = kernel_args
                 table = self.store.slot_table(total)[None]
                 lens = torch.tensor([total], device=q.device, dtype=torch.int32)
                 score = None if self.score is None else self.score[layer][None]
-                return decode_attention(q, *kernel_args, table, lens, score=score, score_mode=kernel_mode(self.policy),
+                return decode_attention(q, k_pool, v_pool, table, lens, score=score, quant=quant,
+                                        score_mode=kernel_mode(self.policy),
                                         ema_decay=getattr(self.policy, "ema_decay", 0.95))
         kc, vc = self.store.read(layer, total)
         out, key_scores = attend(q, kc, vc, attend_mode(self.policy))

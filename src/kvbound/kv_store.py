@@ -42,8 +42,9 @@ class DenseStore:
         self.v[layer, dst, heads] = self.v[layer, src, heads]
 
     def kernel_args(self, layer):
-        """(k_pool, v_pool) for the Triton decode kernel, keyword `quant` for packed stores."""
-        return self.k[layer], self.v[layer]
+        """(k_pool, v_pool, quant) for `attention.decode_attention`: quant is None here, the codes' scales
+        and biases for packed stores; None instead of the tuple where no kernel can read the store."""
+        return self.k[layer], self.v[layer], None
 
     def slot_table(self, n):
         """Where the kernel finds local slots [0, n) in `kernel_args`' pools."""
@@ -119,7 +120,7 @@ class PagedStore:
         self.pool.v[layer, m[dst], heads] = self.pool.v[layer, m[src], heads]
 
     def kernel_args(self, layer):
-        return self.pool.k[layer], self.pool.v[layer]
+        return self.pool.k[layer], self.pool.v[layer], None
 
     def slot_table(self, n):
         return self.slotmap()[:n].to(torch.int32)

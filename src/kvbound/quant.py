@@ -185,7 +185,19 @@ class QuantizedStore:
         self.width[layer, dst, heads] = self.width[layer, src, heads]
 
     def kernel_args(self, layer):
-        return None  # the fused quantized kernel is wired through `decode_attention(quant=...)` directly
+        """The packed pools for the fused kernel; None with mixed widths (one call reads one width)."""
+        if self._is_dense(layer):
+            return self.dense.kernel_args(layer)
+        if self.mixed:
+            return None
+        b = self.recent_bits
+        k, v = self.k[b], self.v[b]
+        quant = dict(bits=b, group=self.group, k_scale=k.scale[layer], k_bias=k.bias[layer],
+                     v_scale=v.scale[layer], v_bias=v.bias[layer])
+        return k.codes[layer], v.codes[layer], quant
+
+    def slot_table(self, n):
+        return torch.arange(n, device=self.width.device, dtype=torch.int32)
 
     @property
     def capacity(self):
