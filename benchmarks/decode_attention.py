@@ -268,15 +268,16 @@ def tune():
         torch.cuda.empty_cache()
 
 
-def tune_quant(bits_list=(16, 8, 4)):
+def tune_quant(bits_list=(16, 8, 4), configs=None):
     """Fused 8/4-bit kernels against the bf16 kernel on the same slot tables (16-token blocks): key block
     size, warps and pipeline stages swept for each (the packed kernels convert codes with the fp16 bit
     trick; --tune-quant runs of earlier commits compared it with int->float conversions)."""
     print(f"{'shape':<8}{'B':>3}{'ctx':>6}{'bits':>5}{'blk':>4}{'w':>3}{'st':>3}{'ms':>8}{'vs bf16':>8}")
     tiles = {"8b": [(32, 4), (64, 1), (64, 2), (64, 4), (128, 2), (128, 4), (256, 4)],
              "smollm2": [(64, 4), (128, 2), (128, 4), (256, 4), (256, 8), (512, 4), (512, 8)]}
-    for name, bsz, ctx in [("8b", 16, 32768), ("8b", 64, 8192), ("8b", 1, 32768), ("smollm2", 64, 8192),
-                           ("smollm2", 16, 32768)]:
+    configs = configs or [("8b", 16, 32768), ("8b", 64, 8192), ("8b", 1, 32768), ("smollm2", 64, 8192),
+                          ("smollm2", 16, 32768)]
+    for name, bsz, ctx in configs:
         sets, k, v, tables, lens, qs = tune_inputs(name, bsz, ctx, block=16)
         ref = timed(lambda i: decode_attention(qs[i], k, v, tables[i], lens), sets)
         for bits in bits_list:
@@ -357,6 +358,7 @@ def main():
     ap.add_argument("--tune", action="store_true", help="only sweep split factor / block / warps (bf16 kernel)")
     ap.add_argument("--tune-quant", action="store_true", help="only sweep the fused 8/4-bit kernel variants")
     ap.add_argument("--quant-bits", default="16,8,4", help="with --tune-quant: which widths to sweep")
+    ap.add_argument("--tune-configs", help="with --tune-quant: shape:batch:ctx,... instead of the default five")
     ap.add_argument("--tune-split", action="store_true", help="only sweep programs per SM, bf16 and packed")
     ap.add_argument("--tune-export", action="store_true", help="only sweep the tile of the kernel with export")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -366,7 +368,9 @@ def main():
     if args.tune:
         return tune()
     if args.tune_quant:
-        return tune_quant([int(b) for b in args.quant_bits.split(",")])
+        configs = [(c.split(":")[0], *map(int, c.split(":")[1:])) for c in args.tune_configs.split(",")] \
+            if args.tune_configs else None
+        return tune_quant([int(b) for b in args.quant_bits.split(",")], configs)
     if args.tune_split:
         return tune_split()
     if args.tune_export:

@@ -38,6 +38,8 @@ import triton.language as tl
 SCORE_MODES = {None: 0, "sum": 1, "normalized": 2, "ema": 3}
 # (bits, head_dim) -> (keys per block, warps, pipeline stages) of the packed kernel on the GPU
 PACKED_TILES = {(8, 128): (64, 4, 2), (4, 128): (128, 2, 2), (8, 64): (128, 4, 2), (4, 64): (256, 4, 2)}
+# ... and where a call has fewer than SHORT_KEYS keys in all (batch x context), which few large tiles serve badly
+PACKED_TILES_SHORT, SHORT_KEYS = {(4, 128): (32, 4, 3)}, 32768
 
 
 @triton.jit
@@ -366,10 +368,12 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     scale = d ** -0.5 if scale is None else scale
     # defaults from `benchmarks/decode_attention.py --tune` on an H200 (benchmarks/tune_h200.log): 64-key
     # blocks, 4 warps and 4 programs per SM; packed tiles from `--tune-quant` on an H100
-    # (benchmarks/tune_quant_h100_v4.log at d=64; _v6_valuedot.log and _v7_valuedot4.log at d=128), where other
-    # tiles spill registers (up to 9x slower)
+    # (benchmarks/tune_quant_h100_v4.log at d=64; _v6_valuedot.log, _v7_valuedot4.log and _v8_short.log at
+    # d=128), where other tiles spill registers (up to 9x slower)
     bits = 16 if quant is None else quant["bits"]
     tile = PACKED_TILES.get((bits, d), (64, 2, 2)) if bits != 16 and q.is_cuda else (64, 4, None)
+    if bits != 16 and q.is_cuda and bsz * max_len < SHORT_KEYS:
+        tile = PACKED_TILES_SHORT.get((bits, d), tile)
     block_n = block_n or tile[0]
     num_warps = num_warps or tile[1]
     num_stages = num_stages or tile[2]
