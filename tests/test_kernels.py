@@ -98,6 +98,12 @@ def test_value_dot_refuses_what_it_cannot_do(bits, d, group):
         decode_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), table.to(DEV), n.to(DEV), quant=quant, value_dot=True)
 
 
+def test_decode_attention_refuses_head_dims_that_are_not_powers_of_two():
+    q, k, v, table, n = _case(6, 1, 4, 2, 96, [20])
+    with pytest.raises(ValueError, match="head_dim 96"):
+        decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), table.to(DEV), n.to(DEV))
+
+
 @pytest.mark.skipif(DEV != "cuda", reason="a GPU-only limit")
 def test_packed_4bit_refuses_16_key_blocks_on_the_gpu():
     q, k, v, table, n = _case(3, 2, 6, 2, 128, [45, 129])

@@ -203,7 +203,8 @@ class KVCache:
         With several new tokens they must be the last slots (causal mask)."""
         if self.score is not None:
             self.score[layer, new_slots, new_heads] = 0
-        if q.shape[0] == 1 and q.is_cuda and (self.score is None or self.policy.granularity == "kv-head"):
+        pow2 = q.shape[-1] & (q.shape[-1] - 1) == 0  # the kernel's tiles; other head sizes take the fallback
+        if q.shape[0] == 1 and q.is_cuda and pow2 and (self.score is None or self.policy.granularity == "kv-head"):
             kernel_args = self.store.kernel_args(layer)
             if kernel_args is not None:
                 k_pool, v_pool, quant = kernel_args

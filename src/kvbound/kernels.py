@@ -362,6 +362,8 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     dequantized; None picks what measured faster on the H100: on at d=128 with two groups, off at d=64.
     Returns out [B, Hq, D] in q's dtype."""
     bsz, hq, d = q.shape
+    if d & (d - 1):
+        raise ValueError(f"head_dim {d}: the decode kernel's tiles need a power of two")
     hkv = k_pool.shape[1]
     g = hq // hkv
     max_len = slot_table.shape[1]
