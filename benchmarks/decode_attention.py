@@ -268,6 +268,13 @@ def tune():
         torch.cuda.empty_cache()
 
 
+def packed(k, v, bits, group=64):
+    """K and V pools as packed codes, and the `quant` argument of decode_attention that describes them."""
+    kc, ks, kb = quantize(k, bits, group)
+    vc, vs, vb = quantize(v, bits, group)
+    return kc, vc, dict(bits=bits, group=group, k_scale=ks, k_bias=kb, v_scale=vs, v_bias=vb)
+
+
 def tune_quant(bits_list=(16, 8, 4), configs=None):
     """Fused 8/4-bit kernels against the bf16 kernel on the same slot tables (16-token blocks): key block
     size, warps and pipeline stages swept for each (the packed kernels convert codes with the fp16 bit
@@ -284,11 +291,11 @@ def tune_quant(bits_list=(16, 8, 4), configs=None):
             quant, want = None, None
             kc, vc = k, v
             if bits != 16:
-                kc, ks, kb = quantize(k, bits, 64)
-                vc, vs, vb = quantize(v, bits, 64)
-                quant = dict(bits=bits, group=64, k_scale=ks, k_bias=kb, v_scale=vs, v_bias=vb)
-                want = decode_attention(qs[0], dequantize(kc, ks, kb, bits, 64, torch.bfloat16),
-                                        dequantize(vc, vs, vb, bits, 64, torch.bfloat16), tables[0], lens)
+                kc, vc, quant = packed(k, v, bits)
+                kd = dequantize(kc, quant["k_scale"], quant["k_bias"], bits, 64, torch.bfloat16)
+                vd = dequantize(vc, quant["v_scale"], quant["v_bias"], bits, 64, torch.bfloat16)
+                want = decode_attention(qs[0], kd, vd, tables[0], lens)
+                del kd, vd
             for blk, w in tiles[name]:
                 for st in (2, 3):
                     kw = dict(quant=quant, block_n=blk, num_warps=w, num_stages=st)
@@ -315,11 +322,7 @@ def tune_split():
         sets, k, v, tables, lens, qs = tune_inputs(name, bsz, ctx, block=16)
         ref = timed(lambda i: decode_attention(qs[i], k, v, tables[i], lens), sets)
         for bits in (16, 8, 4):
-            quant, kc, vc = None, k, v
-            if bits != 16:
-                kc, ks, kb = quantize(k, bits, 64)
-                vc, vs, vb = quantize(v, bits, 64)
-                quant = dict(bits=bits, group=64, k_scale=ks, k_bias=kb, v_scale=vs, v_bias=vb)
+            kc, vc, quant = packed(k, v, bits) if bits != 16 else (k, v, None)
             for pps in (2, 4, 8, 16, 32):
                 ms = timed(lambda i: decode_attention(qs[i], kc, vc, tables[i], lens, quant=quant,
                                                       programs_per_sm=pps), sets)

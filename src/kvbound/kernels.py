@@ -373,9 +373,11 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     # (benchmarks/tune_quant_h100_v4.log at d=64; _v6_valuedot.log, _v7_valuedot4.log and _v8_short.log at
     # d=128), where other tiles spill registers (up to 9x slower)
     bits = 16 if quant is None else quant["bits"]
-    tile = PACKED_TILES.get((bits, d), (64, 2, 2)) if bits != 16 and q.is_cuda else (64, 4, None)
-    if bits != 16 and q.is_cuda and bsz * max_len < SHORT_KEYS:
-        tile = PACKED_TILES_SHORT.get((bits, d), tile)
+    tile = (64, 4, None)
+    if bits != 16 and q.is_cuda:
+        tile = PACKED_TILES.get((bits, d), (64, 2, 2))
+        if bsz * max_len < SHORT_KEYS:
+            tile = PACKED_TILES_SHORT.get((bits, d), tile)
     block_n = block_n or tile[0]
     num_warps = num_warps or tile[1]
     num_stages = num_stages or tile[2]
