@@ -23,8 +23,8 @@ def main():
     from transformers import AutoModelForCausalLM
 
     from kvbound.cache import KVCache
-    from kvbound.loader import default_model_path, load
-    from kvbound.policies import parse_policy
+    from kvbound.models import default_model_path, load
+    from kvbound.cache.policies import parse_policy
     model, tok = load()
     path = default_model_path()
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbound.kernels import decode_attention
-from kvbound.quant import dequantize, quantize
+from kvbound.kernels.packing import dequantize, quantize
 
 SHAPES = {"smollm2": (9, 3, 64), "8b": (32, 8, 128)}
 
@@ -110,7 +110,7 @@ def one_config(name, bsz, ctx, group=64):
     ref = F.scaled_dot_product_attention(*sdpa_in, enable_gqa=True)[:, :, 0]
     out = decode_attention(qs[0], k, v, tables[0], lens)
     row["err_bf16"] = rel(out, ref)
-    out = decode_attention(qs[0], k, v, tables[0], lens, score=score, score_mode="sum")
+    out = decode_attention(qs[0], k, v, tables[0], lens, score=score, score_mode="cumulative")
     row["err_bf16_export"] = rel(out, ref)
     if bsz == 1:  # exported scores vs fp32 probabilities
         logits = torch.einsum("hgd,jhd->hgj", qs[0][0].float().view(hkv, hq // hkv, d), kd[0].float()) * d ** -0.5
@@ -120,7 +120,7 @@ def one_config(name, bsz, ctx, group=64):
 
     bytes_dense = per_set_slots * bytes_per_slot
     t_off = timed(lambda i: decode_attention(qs[i], k, v, tables[i], lens), sets)
-    t_on = timed(lambda i: decode_attention(qs[i], k, v, tables[i], lens, score=score, score_mode="sum"), sets)
+    t_on = timed(lambda i: decode_attention(qs[i], k, v, tables[i], lens, score=score, score_mode="cumulative"), sets)
     row.update(ms_bf16=t_off, ms_bf16_export=t_on, gbs_bf16=bytes_dense / t_off / 1e6,
                export_overhead=t_on / t_off - 1)
 
@@ -165,11 +165,11 @@ def e2e(batches=(1, 16, 64), budget=2048, steps=32, rounds=5, profile=False):
     evicting every step: prompts longer than the budget) against the full cache holding about as many
     tokens (2048-token prompts). Both engines are built first, then timed in alternating rounds of
     `steps` steps; the median round counts."""
-    from kvbound.config import ModelConfig
+    from kvbound.models import ModelConfig
     from kvbound.engine import LLMEngine
-    from kvbound.generate import SamplingParams
-    from kvbound.model import CausalLM
-    from kvbound.policies import FullPolicy, H2OPolicy
+    from kvbound.engine import SamplingParams
+    from kvbound.models import CausalLM
+    from kvbound.cache.policies import FullPolicy, H2OPolicy
     cfg = ModelConfig(arch="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
                       num_kv_heads=8, head_dim=128, intermediate_size=14336, rope_theta=500000.0)
     torch.set_default_dtype(torch.bfloat16)
@@ -343,7 +343,7 @@ def tune_export():
         off = timed(lambda i: decode_attention(qs[i], k, v, tables[i], lens), sets)
         for blk, w in [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]:
             for pps in (4, 8):
-                kw = dict(block_n=blk, num_warps=w, programs_per_sm=pps, score=score, score_mode="sum")
+                kw = dict(block_n=blk, num_warps=w, programs_per_sm=pps, score=score, score_mode="cumulative")
                 on = timed(lambda i: decode_attention(qs[i], k, v, tables[i], lens, **kw), sets)
                 print(f"{name:<8}{bsz:>3}{ctx:>6}{blk:>4}{w:>3}{pps:>4}{off:>8.3f}{on:>8.3f}{on / off:>8.3f}",
                       flush=True)

@@ -23,11 +23,11 @@ import time
 import torch
 
 from decode_attention import copy_bandwidth  # benchmarks/ is on the path as the script's folder
-from kvbound.config import ModelConfig
+from kvbound.models import ModelConfig
 from kvbound.engine import LLMEngine
-from kvbound.generate import SamplingParams
-from kvbound.loader import build_model
-from kvbound.policies import FullPolicy, H2OPolicy
+from kvbound.engine import SamplingParams
+from kvbound.models import build_model
+from kvbound.cache.policies import FullPolicy, H2OPolicy
 
 SHAPES = {
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -143,8 +143,8 @@ def check(shape):
     """fp32, kernels and graphs on: every request's greedy tokens from the batched engine equal a
     single-sequence run on the same GPU (per-sequence path, no batching, no graphs)."""
     from kvbound.cache import KVCache
-    from kvbound.generate import generate_ids
-    from kvbound.policies import WindowPolicy
+    from kvbound.engine import generate_ids
+    from kvbound.cache.policies import WindowPolicy
     hf, ours = models(shape, torch.float32)
     del hf
     vocab = ours.config.vocab_size

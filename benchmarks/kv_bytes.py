@@ -9,8 +9,8 @@ import argparse
 import torch
 
 from kvbound.cache import KVCache
-from kvbound.config import ModelConfig
-from kvbound.evaluate import parse_strategies
+from kvbound.models import ModelConfig
+from kvbound.eval.strategies import CacheOptions, parse_strategies
 
 SMOLLM2 = ModelConfig(arch="LlamaForCausalLM", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
                       num_kv_heads=3, head_dim=64, intermediate_size=1536)
@@ -23,11 +23,10 @@ def main():
     args = ap.parse_args()
     names = ["baseline", "window", "h2o-heavy", "h2o-heavy+kv8", "h2o-heavy+kvmixed", "h2o-heavy+kvmixed48",
              "h2o-heavy+kv4", "window+kv8"]
-    ns = argparse.Namespace(kv_bits=None, score=None, ema_decay=None, granularity=None, evict_every=None)
     cfg = SMOLLM2
     torch.manual_seed(0)
     print(f"{'strategy':<22}{'KV held (KiB)':>15}{'full bf16 (KiB)':>17}{'compression':>13}")
-    for name, (pol, bits) in parse_strategies(names, args.budget, ns).items():
+    for name, (pol, bits) in parse_strategies(names, args.budget, CacheOptions()).items():
         cache = KVCache(cfg, pol, dtype=torch.bfloat16, kv_bits=bits)
         for _ in range(args.tokens):
             pos = cache.next_positions(1)

@@ -6,7 +6,7 @@ size (4-bit with 16-key blocks, which gave wrong results with Triton 3.6).
 """
 import torch
 from kvbound.kernels import decode_attention
-from kvbound.quant import quantize, dequantize
+from kvbound.kernels.packing import dequantize, quantize
 torch.manual_seed(0)
 for d in (64, 128):
     for group in (32, 64, 128):

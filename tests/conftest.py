@@ -12,7 +12,7 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 @pytest.fixture(scope="session")
 def smollm():
     """The real default checkpoint (SmolLM2-135M-Instruct), loaded once per test session."""
-    from kvbound.loader import load
+    from kvbound.models import load
     try:
         return load()
     except Exception as e:  # the default model package is part of the install; fail loudly if missing

@@ -2,13 +2,14 @@
 import pytest
 import torch
 
-from kvbound.block_manager import BlockPool, block_hash
+from kvbound.cache.block_pool import BlockPool, block_hash
 from kvbound.cache import KVCache
-from kvbound.config import KvboundError, ModelConfig
+from kvbound.errors import KvboundError
+from kvbound.models import ModelConfig
 from kvbound.engine import LLM, LLMEngine
-from kvbound.generate import SamplingParams, generate_ids
-from kvbound.model import CausalLM
-from kvbound.policies import H2OPolicy, parse_policy
+from kvbound.engine import SamplingParams, generate_ids
+from kvbound.models.llama import CausalLM
+from kvbound.cache.policies import H2OPolicy, parse_policy
 
 VOCAB = 96
 
@@ -187,9 +188,9 @@ def test_forked_completions_equal_separate_seeded_runs(model):
 
 
 def test_prefix_hash_collision_never_serves_the_wrong_blocks(model, monkeypatch):
-    import kvbound.block_manager as bm
+    import kvbound.cache.block_pool as bm
     monkeypatch.setattr(bm, "block_hash", lambda prev, tokens: 42)  # every block collides
-    import kvbound.scheduler as sch
+    import kvbound.engine.scheduler as sch
     monkeypatch.setattr(sch, "block_hash", bm.block_hash)
     pool = BlockPool(1, 1, 4, num_blocks=4, block_size=2)
     b = pool.allocate()
@@ -225,10 +226,10 @@ def test_stream_yields_the_same_tokens_as_generate(model):
     assert streamed == llm.generate(ids, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 
-@pytest.mark.parametrize("mode", [None, "sum", "normalized", "ema"])
+@pytest.mark.parametrize("mode", [None, "cumulative", "normalized", "ema"])
 def test_paged_decode_reference_matches_per_sequence_attend(mode):
     """The batched CPU path of paged decode attention against `attend` run on each sequence alone."""
-    from kvbound.attention import attend, paged_decode_attention
+    from kvbound.kernels import causal_attention as attend, paged_decode_attention
     gen = torch.Generator().manual_seed(len(str(mode)))
     lens, hq, hkv, d, slots = [9, 1, 30], 6, 2, 16, 64
     q = torch.randn(3, hq, d, generator=gen, dtype=torch.float64)
@@ -242,8 +243,7 @@ def test_paged_decode_reference_matches_per_sequence_attend(mode):
     out = paged_decode_attention(q, k, v, padded, torch.tensor(lens), score=score if mode else None,
                                  score_mode=mode, ema_decay=0.9)
     for b, t in enumerate(table):
-        ref, ks = attend(q[b:b + 1], k[t.long()], v[t.long()], None if mode is None else
-                         ("normalized" if mode == "normalized" else "sum"))
+        ref, ks = attend(q[b:b + 1], k[t.long()], v[t.long()], mode)
         torch.testing.assert_close(out[b], ref[0])
         n = lens[b]
         if mode == "ema":
@@ -256,10 +256,10 @@ def test_paged_decode_reference_matches_per_sequence_attend(mode):
 def test_batched_groups_carry_the_decode_steps(model, monkeypatch):
     """The append, evict and fresh groups (one call per layer for many sequences) really run, and give each
     sequence what it gets alone (test_batch_equals_each_sequence_alone checks the tokens)."""
-    from kvbound.runner import AppendAttention, EvictAttention, FreshAttention
+    from kvbound.engine.runner import AppendGroup, EvictGroup, FreshGroup
     calls = {"append": 0, "evict": 0, "fresh": 0}
-    for name, cls, meth in [("append", AppendAttention, "attend"), ("evict", EvictAttention, "attend"),
-                            ("fresh", FreshAttention, "attend")]:
+    for name, cls, meth in [("append", AppendGroup, "attend"), ("evict", EvictGroup, "attend"),
+                            ("fresh", FreshGroup, "attend")]:
         orig = getattr(cls, meth)
 
         def wrapped(self, layer, q, *a, _orig=orig, _name=name):
@@ -291,14 +291,14 @@ def test_forked_bounded_completions_equal_separate_seeded_runs(model):
 def test_bounded_prefill_pieces_evict_as_one_batch(model, monkeypatch, spec):
     """Later prefill pieces of full bounded caches with one policy keep-and-rewrite together ("chunk" group),
     with the same outputs as each sequence alone; a pinned prefix is honoured."""
-    from kvbound.runner import ChunkEvictAttention
+    from kvbound.engine.runner import ChunkGroup
     seen = []
-    orig = ChunkEvictAttention.attend
+    orig = ChunkGroup.attend
 
     def counted(self, layer, q, *a):
         seen.append(self.rows.shape[0])
         return orig(self, layer, q, *a)
-    monkeypatch.setattr(ChunkEvictAttention, "attend", counted)
+    monkeypatch.setattr(ChunkGroup, "attend", counted)
     pol = parse_policy(spec, pinned=((0, 5),))
     reqs = [prompt(20 + i, 80 + (i % 2)) for i in range(4)]
     llm = LLM(model, num_blocks=128, block_size=8, prefill_chunk=16, max_num_batched_tokens=64)

@@ -88,12 +88,11 @@ def test_needle_runs_with_pinned_variant(tiny, tmp_path):
 
 def test_batched_samples_match_one_at_a_time(tiny):
     """Several samples in one forward pass give each sample the perplexity it gets alone."""
-    from types import SimpleNamespace
-    from kvbound.evaluate import parse_strategies, perplexity
-    from kvbound.loader import load
+    from kvbound.eval.perplexity import perplexity
+    from kvbound.eval.strategies import CacheOptions, parse_strategies
+    from kvbound.models import load
     model, _ = load(tiny)
-    args = SimpleNamespace(kv_bits=None, score=None, ema_decay=None, granularity=None, evict_every=None,
-                           kv_group_size=32)
+    args = CacheOptions(kv_group_size=32)
     strategies = parse_strategies(["baseline", "window", "h2o-heavy", "h2o-heavy+kv8"], 16, args)
     gen = torch.Generator().manual_seed(3)
     samples = torch.randint(4, len(WORDS) + 4, (3, 40), generator=gen).tolist()

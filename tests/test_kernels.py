@@ -11,9 +11,9 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from kvbound.attention import attend  # noqa: E402
-from kvbound.kernels import decode_attention, store_kv  # noqa: E402
-from kvbound.quant import dequantize, quantize  # noqa: E402
+from kvbound.kernels import causal_attention as attend  # noqa: E402
+from kvbound.kernels.triton_decode import decode_attention, store_kv  # noqa: E402
+from kvbound.kernels.packing import dequantize, quantize  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="needs CUDA or TRITON_INTERPRET=1")
@@ -39,8 +39,7 @@ def _reference(q, k, v, table, lens, mode, score0, decay):
     outs, scores = [], score0.clone().double()
     for b, n in enumerate(lens.tolist()):
         idx = table[b, :n].long()
-        out, ks = attend(q[b:b + 1].double(), k[idx].double(), v[idx].double(), None if mode is None else
-                         ("normalized" if mode == "normalized" else "sum"))
+        out, ks = attend(q[b:b + 1].double(), k[idx].double(), v[idx].double(), mode)
         outs.append(out[0])
         if mode == "ema":
             scores[b, :n] = decay * scores[b, :n] + (1 - decay) * ks
@@ -50,7 +49,7 @@ def _reference(q, k, v, table, lens, mode, score0, decay):
 
 
 @pytest.mark.parametrize("shape", [(3, 9, 3, 64, [37, 1, 130]), (2, 8, 2, 32, [65, 200]), (1, 4, 4, 16, [77])])
-@pytest.mark.parametrize("mode", [None, "sum", "normalized", "ema"])
+@pytest.mark.parametrize("mode", [None, "cumulative", "normalized", "ema"])
 def test_decode_attention_dense_matches_reference(shape, mode):
     bsz, hq, hkv, d, lens = shape
     q, k, v, table, n = _case(shape[0] * 10 + len(str(mode)), bsz, hq, hkv, d, lens)
@@ -78,11 +77,11 @@ def test_decode_attention_quantized_matches_dequantize_then_attend(bits, d, grou
     kd, vd = dequantize(kc, kscale, kbias, bits, group), dequantize(vc, vscale, vbias, bits, group)
     score = torch.zeros(2, 129, 2, device=DEV)
     dev = [t.to(DEV) for t in (q, kc, vc, table, n, kscale, kbias, vscale, vbias)]
-    out = decode_attention(*dev[:5], score=score, score_mode="sum", split=64, block_n=32, value_dot=value_dot,
+    out = decode_attention(*dev[:5], score=score, score_mode="cumulative", split=64, block_n=32, value_dot=value_dot,
                            quant=dict(bits=bits, group=group, k_scale=dev[5], k_bias=dev[6], v_scale=dev[7],
                                       v_bias=dev[8])).cpu()
     score = score.cpu()
-    want, want_score = _reference(q, kd, vd, table, n, "sum", torch.zeros(2, 129, 2), 0)
+    want, want_score = _reference(q, kd, vd, table, n, "cumulative", torch.zeros(2, 129, 2), 0)
     torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(score.double(), want_score, atol=1e-5, rtol=1e-4)
 
@@ -146,8 +145,8 @@ def test_store_kv_matches_reference_quantizer(bits):
 
 @pytest.mark.parametrize("dtype, d", [(torch.float32, 64), (torch.bfloat16, 128), (torch.float32, 48)])
 def test_rope_inplace_matches_apply_rope(dtype, d):
-    from kvbound.kernels import rope_inplace
-    from kvbound.model import apply_rope
+    from kvbound.kernels.triton_decode import rope_inplace
+    from kvbound.models.llama import apply_rope
     gen = torch.Generator().manual_seed(d)
     t, hq, hkv = 7, 6, 2
     qkv = torch.randn(t, hq + 2 * hkv, d, generator=gen).to(dtype)
@@ -168,17 +167,17 @@ def test_half_precision_export_matches_reference():
     q, k, v, table, n = _case(11, 3, 8, 2, 64, [200, 33, 129], slots=400)
     q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
     score = torch.zeros(3, 200, 2, device=DEV)
-    out = decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), table.to(DEV), n.to(DEV), score=score, score_mode="sum",
+    out = decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), table.to(DEV), n.to(DEV), score=score, score_mode="cumulative",
                            split=64, block_n=16)
-    want, want_score = _reference(q.float(), k.float(), v.float(), table, n, "sum", torch.zeros(3, 200, 2), 0)
+    want, want_score = _reference(q.float(), k.float(), v.float(), table, n, "cumulative", torch.zeros(3, 200, 2), 0)
     torch.testing.assert_close(out.cpu().double(), want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(score.cpu().double(), want_score, atol=2e-4, rtol=2e-3)
 
 
 def _evict_state(policy, seed, rows=4, batch=(2, 0, 3), layers=2, heads=2, d=32):
     """A StackedMeta in steady state (every head holds budget tokens and one spare slot) and a pool."""
-    from types import SimpleNamespace
-    from kvbound.runner import StackedMeta
+    from kvbound.cache.stacked import StackedMeta
+    from kvbound.cache.store import DenseStore
     gen = torch.Generator().manual_seed(seed)
     meta = StackedMeta(policy, layers, heads, rows, "cpu")
     cap = meta.pos.shape[2]
@@ -198,8 +197,8 @@ def _evict_state(policy, seed, rows=4, batch=(2, 0, 3), layers=2, heads=2, d=32)
     if meta.score is not None:
         meta.score.copy_(torch.rand(meta.score.shape, generator=gen).round(decimals=1))  # ties happen
     hq = 2 * heads
-    pool = SimpleNamespace(k=torch.randn(layers, slots, heads, d, generator=gen),
-                           v=torch.randn(layers, slots, heads, d, generator=gen))
+    pool = DenseStore(layers, slots, heads, d, "cpu", torch.float32)
+    pool.k, pool.v = torch.randn(layers, slots, heads, d, generator=gen), torch.randn(layers, slots, heads, d, generator=gen)
     table = torch.randperm(slots, generator=gen)[:len(batch) * cap].view(len(batch), cap).to(torch.int32)
     step = dict(q=torch.randn(len(batch), hq, d, generator=gen), k=torch.randn(len(batch), heads, d, generator=gen),
                 v=torch.randn(len(batch), heads, d, generator=gen), positions=torch.tensor(now))
@@ -211,26 +210,26 @@ def _evict_state(policy, seed, rows=4, batch=(2, 0, 3), layers=2, heads=2, d=32)
                                   "h2o:sink=1,heavy=6,recent=2,score=normalized", "window:budget=9,sink=2",
                                   "h2o:sink=0,heavy=10,recent=0", "h2o:sink=2,heavy=500,recent=100"])
 def test_evict_decode_matches_torch_path(spec):
-    """The fused evict step (store, attention with export, victim) against runner.EvictAttention's PyTorch
+    """The fused evict step (store, attention with export, victim) against cache.steps.evict_decode's PyTorch
     steps on the same state: output, pool, positions, scores and each head's next spare slot. The last
     case spans several key chunks, so the victim is chosen across chunks."""
     import copy
-    from kvbound.kernels import evict_decode
-    from kvbound.policies import parse_policy
-    from kvbound.runner import EvictAttention, fused_victim
+    from kvbound.kernels.triton_decode import evict_decode
+    from kvbound.cache.policies import parse_policy
+    from kvbound.engine.runner import EvictGroup
     pol = parse_policy(spec, pinned=((1, 2),) if "window" in spec else ())
     meta, pool, table, rows, step = _evict_state(pol, len(spec))
     ref_meta, ref_pool = copy.deepcopy(meta), copy.deepcopy(pool)
     layer = 1
-    want = EvictAttention(ref_pool, ref_meta, rows, table).attend(layer, step["q"], step["k"], step["v"],
+    want = EvictGroup(ref_pool, ref_meta, rows, table).attend(layer, step["q"], step["k"], step["v"],
                                                                   step["positions"])
     lens = torch.full((len(rows),), table.shape[1], dtype=torch.int32)
     dev = lambda t: t.to(DEV)  # noqa: E731
     kp, vp, pos, spare = dev(pool.k[layer]), dev(pool.v[layer]), dev(meta.pos[:, layer]), dev(meta.spare[:, layer])
     score = None if meta.score is None else dev(meta.score[:, layer])
     got = evict_decode(dev(step["q"]), dev(step["k"]), dev(step["v"]), kp, vp, dev(table), dev(lens), dev(rows),
-                       dev(step["positions"]), pos, spare, score, {"cumulative": "sum"}.get(pol.score, pol.score),
-                       getattr(pol, "ema_decay", 0.95), *fused_victim(pol))
+                       dev(step["positions"]), pos, spare, score, pol.score, pol.ema_decay,
+                       *pol.fused_protection())
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
     assert torch.equal(kp.cpu(), ref_pool.k[layer]) and torch.equal(vp.cpu(), ref_pool.v[layer])
     assert torch.equal(pos.cpu(), ref_meta.pos[:, layer])
@@ -240,10 +239,9 @@ def test_evict_decode_matches_torch_path(spec):
 
 
 def test_fused_victim_refuses_pinned_spans_past_the_prefix():
-    from kvbound.policies import parse_policy
-    from kvbound.runner import fused_victim
-    assert fused_victim(parse_policy("h2o:sink=4,heavy=8,recent=4", pinned=((2, 9),))) == (9, 4)
-    assert fused_victim(parse_policy("h2o:sink=4,heavy=8,recent=4", pinned=((20, 22),))) is None
+    from kvbound.cache.policies import parse_policy
+    assert parse_policy("h2o:sink=4,heavy=8,recent=4", pinned=((2, 9),)).fused_protection() == (9, 4)
+    assert parse_policy("h2o:sink=4,heavy=8,recent=4", pinned=((20, 22),)).fused_protection() is None
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="a cache takes the kernel path on CUDA only")
@@ -251,18 +249,18 @@ def test_fused_victim_refuses_pinned_spans_past_the_prefix():
 def test_cache_decode_on_cuda_takes_the_kernel_and_matches_the_fallback(kv_bits, monkeypatch):
     """A bounded cache on CUDA, dense or packed: its decode steps go through the kernel and give what the
     dequantize-then-attend fallback gives (outputs, then the same kept tokens)."""
-    import kvbound.kernels
+    import kvbound.kernels.triton_decode
     from kvbound.cache import KVCache
-    from kvbound.config import ModelConfig
-    from kvbound.policies import H2OPolicy
+    from kvbound.models import ModelConfig
+    from kvbound.cache.policies import H2OPolicy
     cfg = ModelConfig(arch="LlamaForCausalLM", vocab_size=10, hidden_size=8 * 128, num_layers=1, num_heads=8,
                       num_kv_heads=2, head_dim=128, intermediate_size=8)
     pol = H2OPolicy(sink=2, heavy=20, recent=10)
     fast, slow = (KVCache(cfg, pol, device="cuda", dtype=torch.float32, kv_bits=kv_bits) for _ in range(2))
     slow.store.kernel_args = lambda layer: None
     calls = []
-    kernel = kvbound.kernels.decode_attention
-    monkeypatch.setattr(kvbound.kernels, "decode_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    kernel = kvbound.kernels.triton_decode.decode_attention
+    monkeypatch.setattr(kvbound.kernels.triton_decode, "decode_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     gen = torch.Generator(device="cuda").manual_seed(0)
     for t in [40] + [1] * 30:
         q, k, v = (torch.randn(t, h, 128, device="cuda", generator=gen) for h in (8, 2, 2))

@@ -6,8 +6,8 @@ from tokenizers import Tokenizer, models
 transformers = pytest.importorskip("transformers")
 
 from kvbound.cache import KVCache  # noqa: E402
-from kvbound.loader import load  # noqa: E402
-from kvbound.policies import H2OPolicy, WindowPolicy  # noqa: E402
+from kvbound.models import load  # noqa: E402
+from kvbound.cache.policies import H2OPolicy, WindowPolicy  # noqa: E402
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)

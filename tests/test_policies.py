@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from kvbound.cache import KVCache
-from kvbound.config import KvboundError, ModelConfig
-from kvbound.policies import H2OPolicy, WindowPolicy, parse_policy
+from kvbound.errors import KvboundError
+from kvbound.models import ModelConfig
+from kvbound.cache.policies import H2OPolicy, WindowPolicy, parse_policy
 
 HQ, HKV, D = 4, 2, 8
 

@@ -2,11 +2,13 @@
 import pytest
 import torch
 
-from kvbound.attention import attend
+from kvbound.kernels import causal_attention as attend
 from kvbound.cache import KVCache
-from kvbound.config import KvboundError, ModelConfig
-from kvbound.policies import H2OPolicy, WindowPolicy
-from kvbound.quant import convert, dequantize, parse_kv_bits, quantize
+from kvbound.errors import KvboundError
+from kvbound.models import ModelConfig
+from kvbound.cache.policies import H2OPolicy, WindowPolicy
+from kvbound.cache.quant import parse_kv_bits
+from kvbound.kernels.packing import convert, dequantize, quantize
 
 D = 64
 
@@ -112,9 +114,9 @@ def test_quantized_kv_start_keeps_full_precision_until_threshold():
     c = KVCache(cfg(), None, kv_bits=8, kv_group_size=32, quantized_kv_start=8)
     k = torch.randn(6, 2, D)
     c.attend(0, torch.randn(6, 4, D), k, torch.randn(6, 2, D), c.next_positions(6))
-    assert torch.equal(c.store.read(0, 6)[0], k)  # still exact
+    assert torch.equal(c.store.gather(0, slice(0, 6))[0], k)  # still exact
     c.attend(0, torch.randn(3, 4, D), torch.randn(3, 2, D), torch.randn(3, 2, D), torch.arange(6, 9))
-    torch.testing.assert_close(c.store.read(0, 6)[0], dequantize(*quantize(k, 8, 32), 8, 32))
+    torch.testing.assert_close(c.store.gather(0, slice(0, 6))[0], dequantize(*quantize(k, 8, 32), 8, 32))
 
 
 def test_bad_quant_config_is_rejected():
@@ -132,7 +134,7 @@ def test_bad_quant_config_is_rejected():
 def test_packed_store_gives_the_decode_kernel_its_codes(bits):
     """What the fused kernel is handed (kernel_args, slot_table) read through the dispatch point's CPU
     reference equals attention over the store's dequantized contents: the wiring of the CUDA path."""
-    from kvbound.attention import decode_attention
+    from kvbound.kernels import decode_attention
     c = KVCache(cfg(), H2OPolicy(sink=2, heavy=4, recent=4), kv_bits=bits, kv_group_size=32)
     c.attend(0, torch.randn(9, 4, D), torch.randn(9, 2, D), torch.randn(9, 2, D), c.next_positions(9))
     c.advance(9)
@@ -145,7 +147,7 @@ def test_packed_store_gives_the_decode_kernel_its_codes(bits):
     q = torch.randn(1, 4, D)
     got = decode_attention(q, k_pool, v_pool, c.store.slot_table(n)[None], torch.tensor([n], dtype=torch.int32),
                            quant=quant)
-    want, _ = attend(q, *c.store.read(0, n))
+    want, _ = attend(q, *c.store.gather(0, slice(0, n)))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvbound.cache import KVCache, MultiCache
-from kvbound.generate import SamplingParams, generate_ids
-from kvbound.policies import WindowPolicy
+from kvbound.engine import SamplingParams, generate_ids
+from kvbound.cache.policies import WindowPolicy
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ def test_chat_and_sampling_are_seeded(smollm):
 def test_perplexity_matches_transformers_on_same_gguf(smollm, shared_data):
     """Full-cache PPL of the first 1024 tokens of Aristotle.txt vs transformers reading the same GGUF file."""
     transformers = pytest.importorskip("transformers")
-    from kvbound.loader import default_model_path
+    from kvbound.models import default_model_path
     model, tok = smollm
     ids = tok.encode((shared_data / "wikipedia" / "Aristotle.txt").read_text())[:1024]
     ours = _ppl_full(model, ids)

@@ -1,9 +1,9 @@
 """kvbound: LLM inference whose KV cache stays inside a memory bound."""
-from .cache import KVCache
-from .config import KvboundError, ModelConfig
-from .loader import load
-from .policies import FullPolicy, H2OPolicy, WindowPolicy, parse_policy
+from .cache import FullPolicy, H2OPolicy, KVCache, WindowPolicy, parse_policy
+from .engine import LLM, LLMEngine, SamplingParams
+from .errors import KvboundError
+from .models import ModelConfig, load
 
-__all__ = ["KVCache", "KvboundError", "ModelConfig", "load", "FullPolicy", "WindowPolicy", "H2OPolicy",
-           "parse_policy"]
 __version__ = "0.1.0"
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "KVCache", "KvboundError", "ModelConfig", "load", "FullPolicy",
+           "WindowPolicy", "H2OPolicy", "parse_policy", "__version__"]

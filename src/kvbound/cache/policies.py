@@ -1,13 +1,6 @@
 """Eviction policies: which cached tokens to keep when the cache is over its budget.
 
-A policy is a small object with:
-  - `budget` (None = unbounded) and `evict_every`; the cache holds at most budget + evict_every - 1 tokens
-    and, when that would be exceeded, evicts down to `budget`;
-  - `score` ("cumulative" | "ema" | "normalized" | None when it needs no attention scores);
-  - `keep_mask(pos, score)`: given candidate tokens' stream positions and scores, [M, H] each (one column
-    per KV head), return a bool mask keeping exactly `budget` tokens per column;
-  - `victim(pos, score)`: the same choice when exactly one token per column must go, without sorting.
-Ties on score keep the newer token.
+Every policy follows `Policy` (below). Ties on score keep the newer token.
 """
 from __future__ import annotations
 
@@ -15,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import KvboundError
+from ..errors import KvboundError
 
 SCORES = ("cumulative", "ema", "normalized")
 GRANULARITIES = ("kv-head", "layer")
@@ -54,15 +47,6 @@ def _pinned_count(sink: int, pinned) -> int:
     return len(marked)
 
 
-def protected_prefix(policy) -> int:
-    """Length of the run of positions [0, P) that the policy never evicts (sinks and pinned spans)."""
-    p = getattr(policy, "sink", 0)
-    for a, b in sorted(getattr(policy, "pinned", ())):
-        if a <= p:
-            p = max(p, b)
-    return p
-
-
 def lowest(pos: torch.Tensor, rank: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
     """Per column, the index of the unprotected token with the lowest rank (the oldest among ties): the one
     `select_keep` drops when exactly one token must go. Cheaper than sorting, for the decode step.
@@ -87,21 +71,79 @@ def select_keep(pos: torch.Tensor, rank: torch.Tensor, protected: torch.Tensor, 
     return torch.zeros_like(protected).scatter_(-2, chosen, True)
 
 
+class Policy:
+    """What the cache, the engine and the kernels ask of a policy. The dataclasses below set the fields:
+      - `budget` (None = unbounded) and `evict_every`: the cache holds at most budget + evict_every - 1
+        tokens and, when that would be exceeded, evicts down to `budget`;
+      - `score`: "cumulative" | "ema" | "normalized", or None when it needs no attention scores; `granularity`
+        "kv-head" (each KV head keeps its own tokens) or "layer" (one choice per layer);
+      - `sink` first tokens and `pinned` spans that are never evicted, `recent` newest tokens kept (0 and ()
+        where a policy has none);
+      - `keep_mask(pos, score)`: given candidate tokens' stream positions and scores, [M, H] each (one
+        column per KV head; batched [B, M, H]), a bool mask keeping exactly `budget` tokens per column;
+      - `victim(pos, score)`: the same choice when exactly one token per column must go, without sorting."""
+    budget: int | None
+    evict_every: int
+    score: str | None
+    granularity: str
+    sink: int
+    recent: int
+    pinned: tuple
+    ema_decay: float  # the "ema" score's decay
+
+    @property
+    def bounded(self) -> bool:
+        return self.budget is not None
+
+    @property
+    def capacity(self) -> int | None:
+        """Slots a bounded cache needs: budget + evict_every (the last one is the spare slot a decoded
+        token is written into before the victim leaves); None when unbounded."""
+        return None if self.budget is None else self.budget + self.evict_every
+
+    @property
+    def protected_prefix(self) -> int:
+        """Length of the run of positions [0, P) that the policy never evicts (sinks and pinned spans)."""
+        p = self.sink
+        for a, b in sorted(self.pinned):
+            if a <= p:
+                p = max(p, b)
+        return p
+
+    def fused_protection(self) -> tuple[int, int] | None:
+        """(prefix, recent) when the protected tokens are positions [0, prefix) plus the `recent` newest,
+        the form the fused evict kernel takes; None for pinned spans past the protected prefix."""
+        prefix = self.protected_prefix
+        if any(b > prefix for _, b in self.pinned):
+            return None
+        return prefix, self.recent
+
+    def keep_mask(self, pos: torch.Tensor, score: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def victim(self, pos: torch.Tensor, score: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
-class FullPolicy:
+class FullPolicy(Policy):
     """No bound: the baseline."""
     name: str = "full"
     budget: None = None
     evict_every: int = 1
     score: None = None
     granularity: str = "kv-head"
+    sink: int = field(default=0, init=False, repr=False)
+    recent: int = field(default=0, init=False, repr=False)
+    pinned: tuple = field(default=(), init=False, repr=False)
+    ema_decay: float = field(default=0.95, init=False, repr=False)
 
     def describe(self) -> str:
         return "full"
 
 
 @dataclass(frozen=True)
-class WindowPolicy:
+class WindowPolicy(Policy):
     """`sink` first tokens (+ pinned spans) and the most recent tokens up to `budget` (StreamingLLM)."""
     budget: int
     sink: int = 4
@@ -110,6 +152,8 @@ class WindowPolicy:
     name: str = "window"
     score: None = None
     granularity: str = "layer"
+    recent: int = field(default=0, init=False, repr=False)  # protection is by position already
+    ema_decay: float = field(default=0.95, init=False, repr=False)
 
     def __post_init__(self):
         _check_nonneg(budget=self.budget, sink=self.sink)
@@ -131,7 +175,7 @@ class WindowPolicy:
 
 
 @dataclass(frozen=True)
-class H2OPolicy:
+class H2OPolicy(Policy):
     """Heavy-hitter oracle: sinks + pinned spans + `recent` newest tokens + the highest-scored others.
 
     Pinned tokens count against the budget: heavy hitters fill what sinks, pins and the window leave.
@@ -247,7 +291,6 @@ def parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
 def _with(pol, defaults):
     """Apply CLI-wide option defaults (score, granularity, ...) to a named policy that accepts them."""
     from dataclasses import replace
-    ok = {k: v for k, v in defaults.items() if v is not None and hasattr(pol, k) and not isinstance(pol, FullPolicy)}
-    if isinstance(pol, WindowPolicy):
-        ok = {k: v for k, v in ok.items() if k == "evict_every"}
+    accepts = {H2OPolicy: ("score", "ema_decay", "granularity", "evict_every"), WindowPolicy: ("evict_every",)}
+    ok = {k: v for k, v in defaults.items() if v is not None and k in accepts.get(type(pol), ())}
     return replace(pol, **ok) if ok else pol

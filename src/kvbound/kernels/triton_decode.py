@@ -26,8 +26,8 @@ The fold kernel can also pick each head's eviction victim in the same pass (`dec
 victim=...)`): the engine's steady-state bounded decode (`evict_decode`) is then five launches per layer
 (store, split, merge, fold, victim) with no PyTorch ops between them.
 
-`attention.py` holds the PyTorch reference these kernels are tested against (TRITON_INTERPRET=1 on CPU);
-the evict path's reference is the PyTorch branch of `runner.EvictAttention`.
+`reference.py` holds the PyTorch reference these kernels are tested against (TRITON_INTERPRET=1 on CPU);
+the fused evict step's reference is the PyTorch route of `cache.steps.evict_decode`.
 """
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-SCORE_MODES = {None: 0, "sum": 1, "normalized": 2, "ema": 3}
+from .reference import SCORE_MODES
+
+MODE_IDS = {mode: i for i, mode in enumerate(SCORE_MODES)}  # 0: no export, 1 cumulative, 2 normalized, 3 ema
 # (bits, head_dim) -> (keys per block, warps, pipeline stages) of the packed kernel on the GPU
 PACKED_TILES = {(8, 128): (64, 4, 2), (4, 128): (128, 2, 2), (8, 64): (128, 4, 2), (4, 64): (256, 4, 2)}
 # ... and where a call has fewer than SHORT_KEYS keys in all (batch x context), which few large tiles serve badly
@@ -355,7 +357,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     quant=dict(bits=, group=, k_scale=, k_bias=, v_scale=, v_bias=) of [slots, Hkv, D/group]);
     slot_table: [B, max_len] int32; ctx_lens: [B] int32; score: [B, max_len, Hkv] float32 (or, with
     rows [B], [R, >= max_len, Hkv] read at row rows[b]), updated in place with this step's probabilities
-    when score_mode is "sum" | "normalized" | "ema".
+    when score_mode is "cumulative" | "normalized" | "ema".
     victim: dict(pos=[R, max_len, Hkv] int32, spare=[R, Hkv] int64, positions=[B], prefix=, recent=,
     by_score=) also picks each head's eviction victim after the fold (see `_fold_kernel`); needs rows.
     value_dot: packed values as (p * scale) @ codes per group (one or two groups per head) instead of
@@ -399,7 +401,9 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     part_o = torch.empty(bsz, hq, num_splits, d, device=q.device, dtype=torch.float32)
     part_m = torch.empty(bsz, hq, num_splits, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
-    mode = SCORE_MODES[score_mode]
+    if score_mode not in MODE_IDS:
+        raise ValueError(f"unknown score_mode {score_mode!r} (choose from {', '.join(map(str, SCORE_MODES[1:]))})")
+    mode = MODE_IDS[score_mode]
     export = mode != 0
     if export:  # probabilities relative to their block's running max: half precision for half inputs
         e_dtype = torch.float32 if q.dtype == torch.float32 else torch.float16
@@ -486,7 +490,7 @@ def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spa
     """One layer of the engine's steady-state bounded decode, fused: each head's new token into its spare
     slot, attention with score export over the `table` slots, and each head's next victim, which becomes
     its spare slot. pos/score/spare are the layer's stacked metadata [R, cap, H] / [R, H], read at
-    rows[b]. Same result as the PyTorch branch of `runner.EvictAttention` for policies whose protected
+    rows[b]. Same result as the PyTorch route of `cache.steps.evict_decode` for policies whose protected
     tokens are a prefix of positions plus the `recent` newest."""
     bsz, hkv, d = k.shape
     sc = score if score is not None else pos

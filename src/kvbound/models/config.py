@@ -3,9 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-class KvboundError(Exception):
-    """A user-facing error: bad input, a missing file, an unsupported model. The CLI prints it without a traceback."""
+from ..errors import KvboundError
 
 
 SUPPORTED_ARCHS = {

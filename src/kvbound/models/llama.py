@@ -9,11 +9,20 @@ Parameter names follow Hugging Face's, except the fused qkv_proj and gate_up_pro
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from .config import ModelConfig
+
+
+class LayerAttention(Protocol):
+    """What the model's attention layers call: the cache (or a batch of caches) stores the new tokens' rotated
+    K/V, attends the queries over what it holds plus them, and returns out [T, Hq, D]."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -74,7 +83,7 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         if x.is_cuda and not self.qk_norm:  # rotate q and k in place inside the projection's output: one kernel
-            from .kernels import rope_inplace
+            from ..kernels.triton_decode import rope_inplace
             heads = qkv.view(t, -1, self.d)
             rope_inplace(heads, cos, sin, self.h + self.hkv)
             q, k, v = heads.split([self.h, self.hkv, self.hkv], 1)
@@ -132,7 +141,7 @@ class CausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, logits_at=None):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: LayerAttention, logits_at=None):
         """input_ids, positions: [T] (a flat run of tokens). Returns float logits [T, vocab], or only at the
         token indices `logits_at` (e.g. -1 for the last token, or each sequence's last token in a batch)."""
         freqs = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq[None, :]

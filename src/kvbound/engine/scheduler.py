@@ -20,10 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .block_manager import block_hash
-from .cache import KVCache
-from .config import KvboundError
-from .policies import protected_prefix
+from ..cache import KVCache
+from ..cache.block_pool import block_hash
+from ..errors import KvboundError
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
@@ -34,7 +33,7 @@ class Sequence:
     request_id: str
     index: int  # which of the request's n completions
     prompt: list[int]
-    params: object  # generate.SamplingParams
+    params: object  # sampling.SamplingParams
     policy: object
     arrival: float = 0.0
     output: list[int] = field(default_factory=list)
@@ -65,7 +64,7 @@ class Sequence:
 
     @property
     def bounded(self) -> bool:
-        return self.policy.budget is not None
+        return self.policy.bounded
 
     def drop_cache(self):
         """Give the cache's blocks back (finished, preempted, or not admitted this step)."""
@@ -97,7 +96,7 @@ class Scheduler:
             raise KvboundError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= prefill_chunk "
                                f"({prefill_chunk}): a bounded sequence's prefill pieces are whole chunks")
         self.pool = pool
-        self.make_cache = make_cache  # (policy, store) -> KVCache
+        self.make_cache = make_cache  # (policy, prefix-cache hit blocks) -> KVCache
         self.max_tokens_per_step = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.chunk = prefill_chunk
@@ -110,7 +109,7 @@ class Scheduler:
         """Blocks one sequence needs at its largest (alone in the pool)."""
         bs = self.pool.block_size
         if seq.bounded:
-            return -(-(seq.policy.budget + seq.policy.evict_every) // bs)
+            return -(-seq.policy.capacity // bs)
         return -(-(len(seq.prompt) + seq.params.max_tokens) // bs)
 
     def add(self, seq: Sequence):
@@ -184,7 +183,7 @@ class Scheduler:
         """Reserve the blocks (new and copy-on-write) that feeding t tokens needs, if there are enough."""
         cache = seq.cache
         if t == 1 and not seq.bounded:  # the common decode: room left in a private last block
-            n, bs = cache.n[0], self.pool.block_size
+            n, bs = len(cache), self.pool.block_size
             if n < cache.store.capacity and self.pool.ref[cache.store.blocks[n // bs]] == 1:
                 return True
         if t == 1 and seq.bounded and cache.store.private and cache.slots_needed(1) <= cache.store.capacity:
@@ -204,13 +203,12 @@ class Scheduler:
         """A fresh cache for an admitted sequence, starting from every cached block of its prompt it may
         share: all full blocks but the one holding the last prompt token (which must be computed to give
         logits), and for a bounded sequence only blocks inside its protected prefix (it never writes those)."""
-        from .kv_store import PagedStore
         bs = self.pool.block_size
         limit = (len(seq.prompt) - 1) // bs
         if seq.bounded:
-            limit = min(limit, protected_prefix(seq.policy) // bs)
+            limit = min(limit, seq.policy.protected_prefix // bs)
         hits = self.pool.match_prefix(seq.prompt, limit)
-        seq.cache = self.make_cache(seq.policy, PagedStore(self.pool, hits))
+        seq.cache = self.make_cache(seq.policy, hits)
         if hits:
             seq.cache.adopt_prefix(len(hits) * bs)
         seq.published, seq.last_hash = 0, None
@@ -233,7 +231,7 @@ class Scheduler:
         """Publish the sequence's full blocks that it will never write again: every full block of an
         unbounded sequence (it only appends), the blocks of a bounded one's protected prefix."""
         bs, cache = self.pool.block_size, seq.cache
-        limit = cache.seen if not seq.bounded else min(cache.seen, protected_prefix(seq.policy))
+        limit = cache.seen if not seq.bounded else min(cache.seen, seq.policy.protected_prefix)
         while (seq.published + 1) * bs <= limit:
             i = seq.published
             chunk = seq.token_slice(i * bs, (i + 1) * bs)

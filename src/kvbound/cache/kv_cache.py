@@ -4,77 +4,64 @@ Layout: K/V of layer l live in `k[l]`, `v[l]` shaped [slots, kv_heads, head_dim]
 are always slots [0, n). With kv-head granularity each KV head keeps its own tokens, so one slot holds
 different tokens in different heads; attention does not care, because keys are stored rotated.
 
-Eviction is slot replacement. The buffer holds budget + evict_every slots. At evict_every = 1, once the
+Eviction is slot replacement. The buffer holds budget + evict_every slots (`policy.capacity`). At evict_every = 1, once the
 cache is full each head has one free slot: the last evicted token's. A decoded token is written into
 it, attends over all budget + 1 slots in place (no gather, no concatenation), and the policy's victim's
 slot becomes the next free one; nothing is moved. With evict_every = e the cache holds up to budget + e - 1 tokens, then evicts down to
 budget. A prefill chunk longer than the spare room attends over the cache plus the chunk, and its
 kept tokens are written straight into the evicted slots.
+
+The attention steps themselves (steady-state eviction, prefill chunks over budget, decode over a slot
+table) live in `steps.py` and are shared with the engine's batched row groups: a cache is a batch of one.
 """
 from __future__ import annotations
 
+from copy import copy
+
 import torch
 
-from .attention import attend, decode_attention
-from .config import KvboundError
-from .policies import FullPolicy, protected_prefix
-from .kv_store import make_store
+from ..errors import KvboundError
+from ..kernels import causal_attention_batch
+from .policies import FullPolicy
+from .quant import QuantizedStore
+from .stacked import StackedMeta
+from .steps import chunk_attend, evict_decode, evict_one, keep_and_rewrite, policy_fold, table_attention
+from .store import DenseStore
 
 
-def attend_mode(policy):
-    """What `attention.attend` must return for this policy's scores: None, "sum" or "normalized"."""
-    if not policy.score:
-        return None
-    return "normalized" if policy.score == "normalized" else "sum"
-
-
-def kernel_mode(policy):
-    """The decode kernel's score export for this policy: None, "sum", "normalized" or "ema"."""
-    return None if not policy.score else policy.score.replace("cumulative", "sum")
-
-
-def fold_scores(policy, old, step, n):
-    """This step's attention `step` [..., n + T, H] folded into the n cached tokens' scores `old`
-    [..., n, H]: returns (the cached tokens' new scores, the T new tokens' scores). Also used batched."""
-    if policy.granularity == "layer":
-        step = step.sum(-1, keepdim=True).expand_as(step)
-    cached, new = step.narrow(-2, 0, n), step.narrow(-2, n, step.shape[-2] - n)
-    if policy.score == "ema":
-        a = policy.ema_decay
-        return old.mul(a).add(cached, alpha=1 - a), new * (1 - a)
-    return old.add(cached), new
-
-
-def kept_order(policy, cand_pos, cand_score):
-    """The candidates each head keeps, as indices in stream order: [..., budget, H] of [..., M, H]."""
-    keep = policy.keep_mask(cand_pos, cand_score)
-    order = torch.sort(keep.to(torch.int8), dim=-2, descending=True, stable=True).indices
-    return order.narrow(-2, 0, policy.budget)
+def make_store(layers, slots, heads, head_dim, device, dtype, kv_bits=None, group_size=64,
+               quantized_kv_start=0, policy=None):
+    """A sequence's own store: dense, or packed when `kv_bits` is given."""
+    if kv_bits is None:
+        return DenseStore(layers, slots, heads, head_dim, device, dtype)
+    return QuantizedStore(layers, slots, heads, head_dim, device, dtype, kv_bits, group_size,
+                          quantized_kv_start, policy)
 
 
 class KVCache:
     def __init__(self, config, policy=None, device="cpu", dtype=torch.float32, kv_bits=None,
                  kv_group_size: int = 64, quantized_kv_start: int = 0, initial_slots: int = 256, store=None,
-                 meta=None):
+                 stacked: tuple[StackedMeta, int] | None = None):
         """dtype: the dtype unquantized K/V are stored in (bf16 for a realistic cache; the model's dtype
         for bit-exact comparisons). store: where K/V live (default: a store of this cache's own; the
         engine passes a PagedStore over its shared block pool, which grows only when `prepare` asks).
-        meta: (pos, score, spare) tensors to use for a bounded cache's metadata, e.g. views of one row of
-        the engine's stacked metadata, so that a batch of such caches can be updated in one operation."""
+        stacked: (StackedMeta, row) whose row holds this bounded cache's positions, scores and spare slots,
+        so that the engine updates a batch of such caches in one operation."""
         self.cfg = config
         self.policy = policy or FullPolicy()
-        self.bounded = self.policy.budget is not None
+        self.bounded = self.policy.bounded
         self.budget = self.policy.budget
         layers, h = config.num_layers, config.num_kv_heads
-        cap = self.budget + self.policy.evict_every if self.bounded else initial_slots
+        cap = self.policy.capacity if self.bounded else initial_slots
         if store is not None:
             if kv_bits is not None:
                 raise KvboundError("the paged engine stores K/V unquantized (kv_bits must be None)")
             cap = cap if self.bounded else store.capacity
         self.store = store if store is not None else make_store(
             layers, cap, h, config.head_dim, device, dtype, kv_bits, kv_group_size, quantized_kv_start, self.policy)
-        if meta is not None and self.bounded:
-            self.pos, self.score, self.spare = meta
+        self.stacked = stacked if self.bounded else None
+        if self.stacked is not None:
+            self.pos, self.score, self.spare = stacked[0].views(stacked[1])
             self.pos.fill_(-1)
             if self.score is not None:
                 self.score.zero_()
@@ -84,11 +71,11 @@ class KVCache:
                           else None)
             self.spare = torch.zeros((layers, h), dtype=torch.long, device=device)
         self.n = [0] * layers  # live tokens per layer
-        self.meta_row = None  # (StackedMeta, row) when `meta` is a row of the engine's stacked metadata
         # per layer, once full: each head has a free slot, spare[layer, head] (the last victim's)
         self.has_spare = [False] * layers
         self.seen = 0  # tokens processed so far: the next token's position
         self.device = device
+        self.one_row = torch.zeros(1, dtype=torch.long, device=device)  # this cache as a batch of one
 
     @property
     def capacity(self) -> int:
@@ -104,31 +91,58 @@ class KVCache:
         self.seen += t
 
     # --- used by the paged engine ---------------------------------------------------------------
+    def step_kind(self, t: int) -> str | None:
+        """Which batched step of the engine a step of t tokens of this cache can join: "fresh" (the first
+        piece of an unbounded cache), "append" (an unbounded decode), "evict" (a steady bounded decode on
+        stacked rows), "chunk" (a later prefill piece of a full bounded cache on stacked rows), or None
+        (this cache's own `attend`)."""
+        if not self.bounded:
+            if t == 1:
+                return "append"
+            return "fresh" if self.n[0] == 0 else None
+        if self.stacked is None:
+            return None
+        if t == 1:
+            return "evict" if self.has_spare[0] else None
+        return "chunk" if self.n[0] == self.budget and not self.has_spare[0] else None
+
+    @property
+    def table_row(self) -> int:
+        """This cache's row in the block pool's tables (paged stores)."""
+        return self.store.row
+
+    def next_slot(self) -> int:
+        """The pool slot an unbounded cache's next token goes to (paged stores)."""
+        return self.store.pool_slot(self.n[0])
+
+    def appended(self, t: int):
+        """Bookkeeping after a batched step wrote and attended t new tokens in every layer of an unbounded cache."""
+        self.n = [self.n[0] + t] * len(self.n)
+        self.advance(t)
+
     def slots_needed(self, t: int, layer: int = 0) -> int:
         """Local slots that a step of t more tokens may touch."""
         used = self._slots_used(layer) + t
         return min(used, self.capacity) if self.bounded else used
 
     def prepare(self, t: int):
-        """Before a step of t tokens: room for them, and private copies (copy-on-write) of the shared
-        blocks they may write. A bounded cache never writes the slots of its protected prefix (sinks and
-        pinned spans from position 0, e.g. a cached system prompt), so those blocks stay shared."""
+        """Before a step of t tokens in the paged engine: room for them, and private copies (copy-on-write)
+        of the shared blocks they may write. A bounded cache never writes the slots of its protected prefix
+        (sinks and pinned spans from position 0, e.g. a cached system prompt), so those blocks stay shared."""
         self._grow(self.slots_needed(t))
-        if hasattr(self.store, "make_private"):
-            self.store.make_private(self.writable_from() // self.store.pool.block_size)
+        self.store.make_private(self.writable_from() // self.store.pool.block_size)
 
     def writable_from(self) -> int:
         """The first local slot the next step may write: past the protected prefix of a bounded cache,
         the next free slot of an unbounded one (it only appends)."""
-        return protected_prefix(self.policy) if self.bounded else self._slots_used(0)
+        return self.policy.protected_prefix if self.bounded else self._slots_used(0)
 
     def release(self):
         """Give the store's blocks (and a stacked-metadata row) back; the cache is unusable afterwards."""
-        if hasattr(self.store, "release"):
-            self.store.release()
-        if self.meta_row is not None:
-            self.meta_row[0].give(self.meta_row[1])
-            self.meta_row = None
+        self.store.release()
+        if self.stacked is not None:
+            self.stacked[0].give(self.stacked[1])
+            self.stacked = None
 
     def adopt_prefix(self, t: int):
         """The store's first t slots already hold tokens [0, t) (a prefix-cache hit): take them as processed."""
@@ -140,94 +154,84 @@ class KVCache:
         self.seen = t
 
     def fork(self) -> "KVCache":
-        """A copy that shares this cache's blocks (copy-on-write through the store's refcounts)."""
-        from copy import copy
+        """A copy that shares this cache's blocks (copy-on-write through the store's refcounts), with
+        metadata of its own."""
         child = copy(self)
-        child.store = type(self.store)(self.store.pool, self.store.blocks)
-        self.store.private = False
-        for b in self.store.blocks:
-            self.store.pool.incref(b)
+        child.store = self.store.fork()
         child.pos = self.pos.clone()
         child.score = None if self.score is None else self.score.clone()
         child.spare = self.spare.clone()
-        child.meta_row = None
+        child.stacked = None
         child.n, child.has_spare = list(self.n), list(self.has_spare)
         return child
 
     # --- called by each attention layer -------------------------------------------------------
     def attend(self, layer: int, q, k, v, positions):
         """Attend the new tokens over the cache and themselves, then keep them (evicting if over budget)."""
-        t, n, h = k.shape[0], self.n[layer], k.shape[1]
+        t, n = k.shape[0], self.n[layer]
         self._grow(self.slots_needed(t, layer))
-        new_pos = positions[:, None].expand(t, h).to(self.pos.dtype)
-        spare = self.spare[layer] if self.has_spare[layer] else None
-        if spare is not None and t > 1:
+        if self.has_spare[layer] and t > 1:
             self._densify(layer)
-            spare = None
-        if spare is not None:  # steady-state decode: the new token takes the evicted token's slot
-            heads = torch.arange(h, device=k.device)
-            self.store.write(layer, spare[None], heads[None], k, v)
-            self.pos[layer, spare, heads] = new_pos[0]
-            out = self._attend_pool(layer, q, n + 1, spare[None], heads[None])
-            self._evict_one(layer, n + 1)
+        storage, meta = self.store.storage, self._layer_meta(layer)
+        if self.has_spare[layer]:  # steady-state decode: the new token takes the evicted token's slot
+            table = self.store.slot_table(self.capacity)[None]
+            lens = torch.full((1,), self.capacity, dtype=torch.int32, device=q.device)
+            out = evict_decode(q, k, v, storage, layer, table, lens, self.one_row, positions, *meta, self.policy)
         elif n + t <= self.capacity:  # room: the new tokens take slots [n, n + t) in every head
             self.store.write_range(layer, n, k, v)
-            self.pos[layer, n:n + t] = new_pos
-            out = self._attend_pool(layer, q, n + t, slice(n, n + t), slice(None))
+            self.pos[layer, n:n + t] = positions[:, None].to(self.pos.dtype)
+            out = self._attend_new(layer, q, n + t)
             self.n[layer] = n + t
             if self.bounded and n + t > self.budget + self.policy.evict_every - 1:
                 if n + t == self.budget + 1:
-                    self._evict_one(layer, n + t)
+                    evict_one(meta[0], meta[1], meta[2], self.one_row, self.policy)
+                    self.has_spare[layer], self.n[layer] = True, self.budget
                 else:
                     self._compact(layer)
         else:  # a prefill chunk longer than the room left
-            kc, vc = self.store.read(layer, n)
-            k_in, v_in = self.store.roundtrip(layer, k), self.store.roundtrip(layer, v)
-            cand_k, cand_v = torch.cat([kc, k_in.to(kc.dtype)]), torch.cat([vc, v_in.to(vc.dtype)])
-            out, key_scores = attend(q, cand_k, cand_v, attend_mode(self.policy))
-            new_score = self._update_scores(layer, n, key_scores)
-            if getattr(self.store, "exact", False):
-                self._keep_and_rewrite(layer, cand_k, cand_v, new_pos, new_score)
+            table = self.store.slot_table(self.capacity)[None]
+            pos, _, score = meta
+            out, *cand = chunk_attend(q, k, v, storage, layer, table, n, self.one_row, positions, pos, score,
+                                      self.policy)
+            if storage.exact:
+                keep_and_rewrite(storage, layer, table, n, self.one_row, pos, score, self.policy, *cand)
             else:
-                self._evict_and_write(layer, k, v, new_pos, new_score)
-        if hasattr(self.store, "after_insert"):
-            self.store.after_insert(layer, self._slots_used(layer), self.pos[layer], int(positions[-1]))
+                self._evict_and_write(layer, k, v, cand[2][0], None if cand[3] is None else cand[3][0])
+            self.n[layer] = self.budget
+        self.store.after_insert(layer, self._slots_used(layer), self.pos[layer], int(positions[-1]))
         return out
+
+    def _layer_meta(self, layer):
+        """This layer's (pos, spare, score) as one row of a batch: [1, cap, H], [1, H], [1, cap, H] or None."""
+        return self.pos[layer][None], self.spare[layer][None], None if self.score is None else self.score[layer][None]
 
     def _slots_used(self, layer):
         return self.n[layer] + self.has_spare[layer]
 
-    def _attend_pool(self, layer, q, total, new_slots, new_heads):
-        """Attention of the new queries over slots [0, total), all live, the new tokens among them at
-        (new_slots, new_heads); every slot's score gets this step's probabilities (new ones start at 0).
-        With several new tokens they must be the last slots (causal mask)."""
-        if self.score is not None:
-            self.score[layer, new_slots, new_heads] = 0
-        pow2 = q.shape[-1] & (q.shape[-1] - 1) == 0  # the kernel's tiles; other head sizes take the fallback
-        if q.shape[0] == 1 and q.is_cuda and pow2 and (self.score is None or self.policy.granularity == "kv-head"):
-            kernel_args = self.store.kernel_args(layer)
-            if kernel_args is not None:
-                k_pool, v_pool, quant = kernel_args
-                table = self.store.slot_table(total)[None]
-                lens = torch.tensor([total], device=q.device, dtype=torch.int32)
-                score = None if self.score is None else self.score[layer][None]
-                return decode_attention(q, k_pool, v_pool, table, lens, score=score, quant=quant,
-                                        score_mode=kernel_mode(self.policy),
-                                        ema_decay=getattr(self.policy, "ema_decay", 0.95))
-        kc, vc = self.store.read(layer, total)
-        out, key_scores = attend(q, kc, vc, attend_mode(self.policy))
-        self._update_scores(layer, total, key_scores)
-        return out
+    def _attend_new(self, layer, q, total):
+        """Attention of the T new queries over slots [0, total), all live, the new tokens the last T (causal
+        mask); every slot's score gets this step's probabilities (the new ones start at 0)."""
+        t = q.shape[0]
+        score = None if self.score is None else self.score[layer, :total]
+        if score is not None:
+            score[total - t:] = 0
+        table = self.store.slot_table(total)[None]
+        if t == 1:
+            lens = torch.full((1,), total, dtype=torch.int32, device=q.device)
+            return table_attention(q, self.store.storage, layer, table, lens, self.policy,
+                                   None if score is None else score[None])
+        kc, vc = self.store.storage.gather(layer, table.long())
+        out, step = causal_attention_batch(q[None], kc, vc, self.policy.score)
+        if score is not None:
+            score.copy_(policy_fold(self.policy, score, step[0]))
+        return out[0]
 
-    def _evict_one(self, layer, total):
-        """Slots [0, total = budget + 1) are all live: pick one victim per head; its slot becomes the spare
-        that the next decoded token is written into. Nothing moves."""
-        pos = self.pos[layer, :total]
-        victim = self.policy.victim(pos, None if self.score is None else self.score[layer, :total])
-        self.pos[layer, victim, torch.arange(victim.shape[0], device=victim.device)] = -1
-        self.spare[layer] = victim
-        self.has_spare[layer] = True
-        self.n[layer] = self.budget
+    def _move(self, layer, heads, src, dst):
+        """Move kept tokens (src[i], heads[i]) -> (dst[i], heads[i]): packed K/V, position and score as is."""
+        self.store.move(layer, heads, src, dst)
+        self.pos[layer, dst, heads] = self.pos[layer, src, heads]
+        if self.score is not None:
+            self.score[layer, dst, heads] = self.score[layer, src, heads]
 
     def _densify(self, layer):
         """Before a multi-token step: move each head's token in the last slot into its spare slot."""
@@ -239,20 +243,6 @@ class KVCache:
         self.pos[layer, b] = -1
         self.has_spare[layer] = False
 
-    def _update_scores(self, layer, n, key_scores):
-        """Add this step's attention to the n cached tokens' scores; return the new tokens' scores."""
-        if key_scores is None:
-            return None
-        self.score[layer, :n], new = fold_scores(self.policy, self.score[layer, :n], key_scores, n)
-        return new
-
-    def _move(self, layer, heads, src, dst):
-        """Move kept tokens (src[i], heads[i]) -> (dst[i], heads[i]): packed K/V, position and score as is."""
-        self.store.move(layer, heads, src, dst)
-        self.pos[layer, dst, heads] = self.pos[layer, src, heads]
-        if self.score is not None:
-            self.score[layer, dst, heads] = self.score[layer, src, heads]
-
     def _compact(self, layer):
         """evict_every > 1: evict down to `budget` among slots [0, n), refilling holes from the tail."""
         n, b = self.n[layer], self.budget
@@ -263,29 +253,14 @@ class KVCache:
         self.pos[layer, b:] = -1
         self.n[layer] = b
 
-    def _keep_and_rewrite(self, layer, cand_k, cand_v, new_pos, new_score):
-        """The same choice as `_evict_and_write` for stores that read back exactly what was written (dense,
-        paged): each head's kept candidates, in stream order, are gathered and written to slots [0, budget)
-        in a few whole-tensor operations (no per-head loop, no host sync). The protected prefix [0, P) is
-        its own gather, so those slots (possibly shared blocks) are not written."""
-        n, b = self.n[layer], self.budget
-        cand_pos = torch.cat([self.pos[layer, :n], new_pos])
-        cand_score = None if self.score is None else torch.cat([self.score[layer, :n], new_score])
-        order = kept_order(self.policy, cand_pos, cand_score)  # [b, H]
-        first = min(protected_prefix(self.policy), n)
-        idx = order[first:, :, None].expand(-1, -1, cand_k.shape[2])
-        self.store.write_range(layer, first, cand_k.gather(0, idx), cand_v.gather(0, idx))
-        self.pos[layer, :b] = cand_pos.gather(0, order)
-        if self.score is not None:
-            self.score[layer, :b] = cand_score.gather(0, order)
-        self.pos[layer, b:] = -1
-        self.n[layer] = b
-
-    def _evict_and_write(self, layer, k, v, new_pos, new_score):
-        """General path: keep `budget` of the n cached + T new tokens; fill slots [0, budget) densely."""
+    def _evict_and_write(self, layer, k, v, cand_pos, cand_score):
+        """`keep_and_rewrite` for packed stores, which must not requantize kept tokens: keep `budget` of the
+        n cached + T new candidates, moving kept tokens into holes and quantizing only the new ones."""
         n, h, b = self.n[layer], k.shape[1], self.budget
-        cand_pos = torch.cat([self.pos[layer, :n], new_pos])
-        cand_score = None if self.score is None else torch.cat([self.score[layer, :n], new_score])
+        new_pos = cand_pos[n:]
+        new_score = None
+        if cand_score is not None:  # the cached tokens' scores after this chunk, then the new tokens'
+            self.score[layer, :n], new_score = cand_score[:n], cand_score[n:]
         keep = self.policy.keep_mask(cand_pos, cand_score)
         for head in range(h):
             kept_old = keep[:n, head]
@@ -298,8 +273,8 @@ class KVCache:
             dst_move, dst_new = holes[:len(movers)], holes[len(movers):]
             self._move(layer, torch.full_like(movers, head), movers, dst_move)
             if len(fresh):
-                self.store.write(layer, dst_new[:, None], torch.full_like(dst_new[:, None], head),
-                                 k[fresh, head][:, None], v[fresh, head][:, None])
+                self.store.write(layer, dst_new[:, None], k[fresh, head][:, None], v[fresh, head][:, None],
+                                 torch.full_like(dst_new[:, None], head))
                 self.pos[layer, dst_new, head] = new_pos[fresh, head]
                 if self.score is not None:
                     self.score[layer, dst_new, head] = new_score[fresh, head]

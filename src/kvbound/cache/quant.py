@@ -1,8 +1,5 @@
-"""Quantized KV: group-wise affine 8/4-bit per token (mlx-lm's QuantizedKVCache layout).
+"""Quantized KV storage: packed 8/4-bit K/V per token (the format of `kernels.packing`).
 
-Each token's K (and V) vector in each KV head is split into groups of `group_size` along head_dim;
-a group stores packed unsigned codes plus one scale and one bias (float16):
-    x ~= code * scale + bias,  scale = (max - min) / (2^bits - 1),  bias = min.
 Tokens are quantized independently and exactly once, when written, so evicting (replacing or moving a
 slot) copies packed bytes and never changes another token.
 
@@ -17,7 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from .config import KvboundError
+from ..errors import KvboundError
+from ..kernels.packing import convert, dequantize, quantize
+from .store import DenseStore, at
 
 
 def parse_kv_bits(spec):
@@ -51,49 +50,6 @@ def check_group(head_dim: int, group_size: int):
         raise KvboundError(f"--kv-group-size {group_size} must be 32, 64 or 128 and divide head_dim {head_dim}")
 
 
-def quantize(x: torch.Tensor, bits: int, group_size: int):
-    """x: [..., D] -> (codes uint8 [..., D*bits/8], scale fp16 [..., D/G], bias fp16 [..., D/G])."""
-    *lead, d = x.shape
-    g = x.float().reshape(*lead, d // group_size, group_size)
-    lo, hi = g.amin(-1), g.amax(-1)
-    levels = (1 << bits) - 1
-    scale = ((hi - lo) / levels).to(torch.float16)
-    bias = lo.to(torch.float16)
-    s = scale.float().clamp_min(1e-8)[..., None]
-    codes = ((g - bias.float()[..., None]) / s).round().clamp(0, levels).to(torch.uint8).reshape(*lead, d)
-    return pack(codes, bits), scale, bias
-
-
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, bits: int, group_size: int,
-               dtype=torch.float32) -> torch.Tensor:
-    q = unpack(codes, bits).float()
-    *lead, d = q.shape
-    q = q.reshape(*lead, d // group_size, group_size) * scale.float()[..., None] + bias.float()[..., None]
-    return q.reshape(*lead, d).to(dtype)
-
-
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    if bits == 8:
-        return codes
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
-
-
-def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    if bits == 8:
-        return packed
-    return torch.stack([packed & 0xF, packed >> 4], -1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-
-
-def convert(codes, scale, bias, src_bits: int, dst_bits: int, group_size: int):
-    """Change a token's storage width once (see module docstring)."""
-    if src_bits == dst_bits:
-        return codes, scale, bias
-    if src_bits == 4 and dst_bits == 8:
-        q = unpack(codes, 4) * 17
-        return q, (scale.float() / 17).to(torch.float16), bias
-    return quantize(dequantize(codes, scale, bias, src_bits, group_size), dst_bits, group_size)
-
-
 class _Packed:
     """Codes + scales + biases of one of K or V for every layer and slot, at one bit width."""
 
@@ -111,17 +67,18 @@ class _Packed:
 
 
 class QuantizedStore:
-    """Packed K/V with the DenseStore interface. A full-precision prefix store until `start` tokens."""
+    """Packed K/V, a `store.KVStore` and its own `SlotStorage`. A full-precision prefix store until `start` tokens."""
+    exact = False  # reads back the dequantized codes
 
     def __init__(self, layers, slots, heads, head_dim, device, dtype, bits, group_size, start=0, policy=None):
         check_group(head_dim, group_size)
         self.mixed = isinstance(bits, dict)
         self.recent_bits = bits["recent"] if self.mixed else bits
         self.heavy_bits = bits["heavy"] if self.mixed else bits
-        if self.mixed and getattr(policy, "recent", None) is None:
+        if self.mixed and (policy is None or policy.name != "h2o"):
             raise KvboundError("--kv-bits heavy=..,recent=.. needs an h2o policy (it has a recent window)")
-        self.recent_window = getattr(policy, "recent", 0)
-        self.sink = getattr(policy, "sink", 0)
+        self.recent_window = policy.recent if policy is not None else 0
+        self.sink = policy.sink if policy is not None else 0
         self.dtype, self.group, self.start = dtype, group_size, start
         shape = (layers, slots, heads, head_dim)
         widths = sorted({self.recent_bits, self.heavy_bits})
@@ -130,24 +87,24 @@ class QuantizedStore:
         # width of the token in each (layer, slot, head)
         self.width = torch.full((layers, slots, heads), self.recent_bits, dtype=torch.uint8, device=device)
         self.dense = None
+        self.storage = self
         if start > 0:
-            from .kv_store import DenseStore
             self.dense = DenseStore(layers, slots, heads, head_dim, device, dtype)
             self.dense_layers = [True] * layers
 
     def _is_dense(self, layer):
         return self.dense is not None and self.dense_layers[layer]
 
-    def read(self, layer, n):
+    def gather(self, layer, slots):
         if self._is_dense(layer):
-            return self.dense.read(layer, n)
+            return self.dense.gather(layer, slots)
         ks, vs = [], []
         for b in self.k:
-            ks.append(dequantize(*(t[layer, :n] for t in self.k[b].tensors()), b, self.group, self.dtype))
-            vs.append(dequantize(*(t[layer, :n] for t in self.v[b].tensors()), b, self.group, self.dtype))
+            ks.append(dequantize(*(t[layer, slots] for t in self.k[b].tensors()), b, self.group, self.dtype))
+            vs.append(dequantize(*(t[layer, slots] for t in self.v[b].tensors()), b, self.group, self.dtype))
         if len(ks) == 1:
             return ks[0], vs[0]
-        wide = (self.width[layer, :n] == max(self.k))[..., None]
+        wide = (self.width[layer, slots] == max(self.k))[..., None]
         return torch.where(wide, ks[1], ks[0]), torch.where(wide, vs[1], vs[0])
 
     def roundtrip(self, layer, x):
@@ -161,19 +118,25 @@ class QuantizedStore:
             return
         b, end = self.recent_bits, start + k.shape[0]
         for packed, x in ((self.k[b], k), (self.v[b], v)):
+            if x.is_cuda:  # the Triton store kernel quantizes on the way in, bit for bit as `quantize`
+                from ..kernels.triton_decode import store_kv
+                slots = torch.arange(start, end, device=x.device, dtype=torch.int32)[:, None].expand(-1, x.shape[1])
+                store_kv(x.contiguous(), slots, packed.codes[layer], packed.scale[layer], packed.bias[layer], b,
+                         self.group)
+                continue
             for dst, src in zip(packed.tensors(), quantize(x, b, self.group)):
                 dst[layer, start:end] = src
         self.width[layer, start:end] = b
 
-    def write(self, layer, slots, heads, k, v):
+    def write(self, layer, slots, k, v, heads=None):
         if self._is_dense(layer):
-            self.dense.write(layer, slots, heads, k, v)
+            self.dense.write(layer, slots, k, v, heads)
             return
         b = self.recent_bits
         for packed, x in ((self.k[b], k), (self.v[b], v)):
             for dst, src in zip(packed.tensors(), quantize(x, b, self.group)):
-                dst[layer, slots, heads] = src
-        self.width[layer, slots, heads] = b
+                dst[at(layer, slots, heads)] = src
+        self.width[at(layer, slots, heads)] = b
 
     def move(self, layer, heads, src, dst):
         if self._is_dense(layer):
@@ -216,16 +179,17 @@ class QuantizedStore:
             self.dense.grow(slots)
         return slots
 
+    def release(self):
+        pass
+
     # --- called by the cache after each insert ------------------------------------------------
     def after_insert(self, layer, n, pos, newest):
         """Quantize the dense prefix once the cache reaches `start` tokens; convert tokens that left the
         recent window to the heavy width (mixed precision)."""
         if self._is_dense(layer) and n >= self.start:
-            k, v = self.dense.read(layer, n)
+            k, v = self.dense.gather(layer, slice(0, n))
             self.dense_layers[layer] = False
-            idx = torch.arange(n, device=k.device)[:, None].expand(n, k.shape[1])
-            heads = torch.arange(k.shape[1], device=k.device)[None, :].expand_as(idx)
-            self.write(layer, idx, heads, k, v)
+            self.write_range(layer, 0, k, v)
             if not any(self.dense_layers):
                 self.dense = None
         if not self.mixed or self._is_dense(layer):

@@ -2,25 +2,23 @@
 
 `LLMEngine` runs steps: the scheduler picks (sequence, tokens) pairs, the runner feeds them to the model
 as one flat batch (each sequence's cache attends its own tokens), and each sequence that finished its
-piece samples its next token with its own sampling parameters. `LLM` is the convenience front
-(`LLM(model=...).generate(prompts, SamplingParams(...))`, results in input order, plus `stream`).
+piece samples its next token with its own sampling parameters. `llm.LLM` is the convenience front.
 """
 from __future__ import annotations
 
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
-from tqdm import tqdm
 
-from .block_manager import BlockPool
-from .cache import KVCache
-from .config import KvboundError
-from .generate import SamplingParams, sample
-from .policies import FullPolicy
-from .runner import DecodeGraphs, after_decode, StackedMeta, StepBatch, batchable_policy
+from ..cache import BlockPool, FullPolicy, KVCache
+from ..cache.stacked import StackedMeta, stackable
+from ..cache.store import PagedStore
+from ..errors import KvboundError
+from .cuda_graphs import DecodeGraphs
+from .runner import StepBatch, finish_step
+from .sampling import SamplingParams, sample
 from .scheduler import FINISHED, RUNNING, Scheduler, Sequence
 
 
@@ -69,7 +67,7 @@ class LLMEngine:
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.pool, max_num_seqs, graph_max_len)
-            if batchable_policy(self.default_policy):  # the default policy's evict graphs, pre-warmed too
+            if stackable(self.default_policy):  # the default policy's evict graphs, pre-warmed too
                 self.graphs.capture_evict(self._stacked(self.default_policy))
 
     def _stacked(self, policy) -> StackedMeta:
@@ -79,13 +77,15 @@ class LLMEngine:
                                                self.scheduler.max_num_seqs + 1, self.device)
         return self.stacked[policy]
 
-    def _make_cache(self, policy, store) -> KVCache:
-        meta = self._stacked(policy).take() if batchable_policy(policy) else None
-        cache = KVCache(self.model.config, policy, device=self.device, dtype=self.kv_dtype, store=store,
-                        meta=None if meta is None else meta[1])
-        if meta is not None:
-            cache.meta_row = (self.stacked[policy], meta[0])
-        return cache
+    def _make_cache(self, policy, hits: list[int]) -> KVCache:
+        """A cache over the pool for an admitted sequence, starting from its prefix-cache hit blocks; a row of
+        its policy's stacked metadata when one is free."""
+        stacked = None
+        if stackable(policy):
+            row = self._stacked(policy).take()
+            stacked = None if row is None else (self.stacked[policy], row)
+        return KVCache(self.model.config, policy, device=self.device, dtype=self.kv_dtype,
+                       store=PagedStore(self.pool, hits), stacked=stacked)
 
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, policy=None,
@@ -147,7 +147,7 @@ class LLMEngine:
         logits = self.graphs.run(batch) if self.graphs is not None else None
         if logits is not None:
             for seq, _ in batch:
-                after_decode(seq)
+                finish_step(seq.cache, seq.cache.step_kind(1), 1)
             return logits
         ids = torch.tensor([tok for seq, t in batch for tok in seq.token_slice(seq.cache.seen, seq.cache.seen + t)],
                            device=self.device)
@@ -199,51 +199,3 @@ class LLMEngine:
         if done:
             del self.requests[request_id]
         return out
-
-
-class LLM:
-    """`LLM(model=PATH or None, **engine_args).generate(prompts, SamplingParams(...))`."""
-
-    def __init__(self, model=None, device: str = "cpu", dtype=torch.float32, **engine_args):
-        from .loader import load
-        if isinstance(model, torch.nn.Module):
-            self.model, tokenizer = model, engine_args.pop("tokenizer", None)
-        else:
-            self.model, tokenizer = load(model, device=device, dtype=dtype)
-        self.tokenizer = tokenizer
-        self.engine = LLMEngine(self.model, tokenizer, **engine_args)
-
-    def generate(self, prompts, params: SamplingParams | list | None = None, policies=None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """prompts: a string, token ids, or a list of either. params / policies: one for all or one per
-        prompt. Returns one RequestOutput per prompt, in input order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        n = len(prompts)
-        params = params if isinstance(params, list) else [params] * n
-        policies = policies if isinstance(policies, list) else [policies] * n
-        if len(params) != n or len(policies) != n:
-            raise KvboundError(f"got {n} prompts but {len(params)} sampling params and {len(policies)} policies")
-        ids = [self.engine.add_request(p, sp, pol) for p, sp, pol in zip(prompts, params, policies)]
-        results = {}
-        bar = tqdm(total=n, desc="generate", disable=not use_tqdm, unit="req")
-        while self.engine.has_unfinished():
-            for out in self.engine.step(only_finished=True):
-                results[out.request_id] = out
-                bar.update(1)
-        bar.close()
-        return [results[i] for i in ids]
-
-    def stream(self, prompt, params: SamplingParams | None = None, policy=None) -> Iterator[int]:
-        """Token ids of one completion as they are generated. Requests added to `self.engine` by hand keep
-        running meanwhile; their outputs are not collected here."""
-        rid = self.engine.add_request(prompt, params, policy)
-        sent = 0
-        while True:
-            for out in self.engine.step():
-                if out.request_id == rid:
-                    toks = out.outputs[0].token_ids
-                    yield from toks[sent:]
-                    sent = len(toks)
-                    if out.finished:
-                        return

@@ -11,7 +11,7 @@ from pathlib import Path
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-from .config import KvboundError
+from ..errors import KvboundError
 
 # Pre-tokenizer split patterns named by GGUF's `tokenizer.ggml.pre` (llama.cpp's names).
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"

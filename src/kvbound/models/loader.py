@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import GGUF_ARCHS, KvboundError, ModelConfig
-from .model import CausalLM, fuse_hf_names, rope_inv_freq
+from ..errors import KvboundError
+from .config import GGUF_ARCHS, ModelConfig
+from .llama import CausalLM, fuse_hf_names, rope_inv_freq
 from .tokenizer import Tokenizer
 from tokenizers import Tokenizer as HFTokenizer
 

@@ -2,7 +2,8 @@
 
 K/V of every layer live in two tensors shaped [layers, num_blocks * block_size, kv_heads, head_dim]; pool
 slot s belongs to block s // block_size. A sequence owns a list of block ids (its block table); its cache
-addresses local slot j as pool slot `table[j // bs] * bs + j % bs` (see `PagedStore` in kv_store.py).
+addresses local slot j as pool slot `table[j // bs] * bs + j % bs` (`slot_tables`; `PagedStore` in store.py
+is one sequence's view). The pool is a `store.SlotStorage`: the attention steps read and write it by slot.
 
 Blocks are refcounted: a fork shares its parent's blocks, and a shared block is copied before it is
 written (copy-on-write). Automatic prefix caching: a full block that its owner will never write again is
@@ -17,7 +18,8 @@ from collections import OrderedDict
 
 import torch
 
-from .config import KvboundError
+from ..errors import KvboundError
+from .store import at
 
 
 def block_hash(prev: int | None, tokens) -> int:
@@ -25,6 +27,8 @@ def block_hash(prev: int | None, tokens) -> int:
 
 
 class BlockPool:
+    exact = True  # K/V stored unquantized
+
     def __init__(self, layers: int, kv_heads: int, head_dim: int, num_blocks: int, block_size: int = 16,
                  device="cpu", dtype=torch.float32):
         if block_size < 1 or num_blocks < 1:
@@ -58,6 +62,41 @@ class BlockPool:
 
     def give_row(self, row: int):
         self.free_rows.append(row)
+
+    def set_blocks(self, row: int, blocks: list[int]):
+        """Row `row` of the block tables: a sequence's blocks."""
+        if blocks:
+            self.tables[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+
+    def slot_tables(self, rows, width_blocks: int) -> torch.Tensor:
+        """Slot tables [len(rows), width_blocks * bs] (int32, on the pool's device) of the sequences at `rows`
+        of the block tables: local slot j of row i -> pool slot tables[row, j // bs] * bs + j % bs."""
+        bs = self.block_size
+        rows = torch.as_tensor(rows, device=self.tables.device)
+        return (self.tables[rows, :width_blocks][:, :, None] * bs
+                + torch.arange(bs, device=self.tables.device, dtype=torch.int32)).flatten(1)
+
+    # --- slot storage ---------------------------------------------------------------------------
+    def write(self, layer, slots, k, v, heads=None):
+        self.k[at(layer, slots, heads)] = k.to(self.k.dtype)
+        self.v[at(layer, slots, heads)] = v.to(self.v.dtype)
+
+    def gather(self, layer, slots):
+        return self.k[layer, slots], self.v[layer, slots]
+
+    def move(self, layer, heads, src, dst):
+        self.k[layer, dst, heads] = self.k[layer, src, heads]
+        self.v[layer, dst, heads] = self.v[layer, src, heads]
+
+    def roundtrip(self, layer, x):
+        return x
+
+    def kernel_args(self, layer):
+        return self.k[layer], self.v[layer], None
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes in one layer (K and V, all KV heads)."""
+        return 2 * self.k.shape[2] * self.k.shape[3] * self.k.element_size()
 
     # --- accounting -----------------------------------------------------------------------------
     @property

@@ -1,0 +1,36 @@
+"""Stacked metadata: positions, scores and spare slots of many bounded caches that share one policy.
+
+One row per cache, so the engine reads and updates a batch of them with one operation per layer; each
+cache holds views of its row (`KVCache(meta=...)`) and works on them as a single cache would.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def stackable(policy) -> bool:
+    """Bounded policies whose steady-state decode runs batched on stacked rows: one eviction per step, and
+    scores per KV head (the decode kernel exports those)."""
+    return policy.bounded and policy.evict_every == 1 and (policy.score is None or policy.granularity == "kv-head")
+
+
+class StackedMeta:
+    def __init__(self, policy, layers: int, heads: int, rows: int, device):
+        cap = policy.capacity
+        self.policy = policy
+        self.pos = torch.full((rows + 1, layers, cap, heads), -1, dtype=torch.int32, device=device)
+        self.score = torch.zeros((rows + 1, layers, cap, heads), device=device) if policy.score else None
+        self.spare = torch.zeros((rows + 1, layers, heads), dtype=torch.long, device=device)
+        self.scratch_row = rows  # the padding rows of a decode graph update this one
+        self.free = list(range(rows - 1, -1, -1))
+
+    def take(self) -> int | None:
+        """A free row, or None when every row is in use."""
+        return self.free.pop() if self.free else None
+
+    def views(self, row: int):
+        """(pos, score, spare) of one row: [layers, cap, heads] twice (score None without scores), [layers, heads]."""
+        return self.pos[row], None if self.score is None else self.score[row], self.spare[row]
+
+    def give(self, row: int):
+        self.free.append(row)

@@ -1,0 +1,125 @@
+"""The attention steps of a cache layer, written once for B sequences at a time.
+
+A single sequence's cache (`KVCache.attend`) runs them as a batch of one; the engine's row groups
+(`engine.runner`) run them for many sequences in one call per layer. Each step reads and writes a
+`store.SlotStorage` through slot tables [B, slots] (local slot j of sequence b lives at table[b, j]) and
+updates the layer's metadata: stream positions and scores [R, cap, H] and spare slots [R, H], at rows
+`rows` [B] (a single cache passes its own tensors as one row).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels import causal_attention_batch, decode_attention, decode_with_scores, fold_scores
+
+
+def policy_fold(policy, old: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """`old` scores after this step's probabilities `step` (both [..., M, H]), at the policy's granularity:
+    with "layer" every head gets the sum over the layer's heads, so all heads keep the same tokens."""
+    if policy.granularity == "layer":
+        step = step.sum(-1, keepdim=True).expand_as(step)
+    return fold_scores(old, step, policy.score, policy.ema_decay)
+
+
+def kernel_reads(storage, layer, q, policy) -> tuple | None:
+    """The storage's kernel arguments where the decode kernel can serve this step: it exports per-KV-head
+    scores (not a layer's) and, on the GPU, takes power-of-two head sizes. None: gather, then attend."""
+    per_head = policy is None or policy.score is None or policy.granularity == "kv-head"
+    d = q.shape[-1]
+    if not per_head or (q.is_cuda and d & (d - 1)):
+        return None
+    return storage.kernel_args(layer)
+
+
+def table_attention(q, storage, layer, table, lens, policy=None, score=None):
+    """One new query per sequence, q [B, Hq, D], over its keys at table[b, :lens[b]]. `score` [B, M, H]
+    (a policy's, with the policy) folds in this step's probabilities of the valid keys."""
+    mode = None if score is None else policy.score
+    args = kernel_reads(storage, layer, q, policy)
+    if args is not None:
+        k_pool, v_pool, quant = args
+        return decode_attention(q, k_pool, v_pool, table, lens, score=score, quant=quant, score_mode=mode,
+                                ema_decay=policy.ema_decay if policy is not None else 0.95)
+    k, v = storage.gather(layer, table.long())
+    out, step = decode_with_scores(q, k, v, lens, mode)
+    if step is not None:
+        valid = torch.arange(table.shape[1], device=q.device)[None, :, None] < lens.to(q.device)[:, None, None]
+        score.copy_(torch.where(valid, policy_fold(policy, score, step), score))
+    return out
+
+
+def evict_one(pos, spare, score, rows, policy):
+    """Every slot of rows `rows` is live: pick each head's victim (`policy.victim`), mark its position free
+    and make its slot the head's spare slot, which the next decoded token is written into."""
+    victim = policy.victim(pos[rows], None if score is None else score[rows])
+    heads = torch.arange(victim.shape[1], device=victim.device)[None, :]
+    pos[rows[:, None], victim, heads] = pos.new_full((), -1)  # device scalars: graph capture allows no host copies
+    spare[rows] = victim
+
+
+def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spare, score, policy):
+    """Steady-state decode of B bounded caches (each head holds `budget` tokens plus its spare slot): each
+    head's new token goes into its spare slot, attends over all table.shape[1] slots in place while this
+    step's probabilities fold into the scores, and the head's victim's slot becomes the next spare.
+    Nothing else moves. On CUDA, dense pools and a protection the kernel knows run as five fused kernels
+    (`kernels.triton_decode.evict_decode`), the same steps as below."""
+    fused = policy.fused_protection()
+    args = kernel_reads(storage, layer, q, policy)
+    if q.is_cuda and fused is not None and args is not None and args[2] is None:
+        from ..kernels.triton_decode import evict_decode as fused_step
+        return fused_step(q, k, v, args[0], args[1], table, lens, rows, positions, pos, spare, score, policy.score,
+                          policy.ema_decay, *fused)
+    r, heads = rows[:, None], torch.arange(k.shape[1], device=k.device)[None, :]
+    slot = spare[rows]  # [B, H]: the local slot each head writes
+    storage.write(layer, table.gather(1, slot).long(), k, v, heads)
+    pos[r, slot, heads] = positions[:, None].to(pos.dtype)
+    step_score = None
+    if score is not None:
+        score[r, slot, heads] = score.new_zeros(())
+        step_score = score[rows]
+    out = table_attention(q, storage, layer, table, lens, policy, step_score)
+    if score is not None:
+        score[rows] = step_score
+    evict_one(pos, spare, score, rows, policy)
+    return out
+
+
+def chunk_attend(q, k, v, storage, layer, table, n, rows, positions, pos, score, policy):
+    """Prefill pieces of t tokens of B bounded caches holding n tokens each (slots table[:, :n]): each
+    piece attends over its cache plus itself. Returns (out [B*t, Hq, D], and the n + t candidates of each
+    sequence: K and V [B, n + t, H, D] as the storage reads them back, positions, folded scores or None)."""
+    bsz = table.shape[0]
+    q, k, v = (x.unflatten(0, (bsz, -1)) for x in (q, k, v))  # [B, t, H, D]
+    kc, vc = storage.gather(layer, table[:, :n].long())
+    cand_k = torch.cat([kc, storage.roundtrip(layer, k).to(kc.dtype)], 1)
+    cand_v = torch.cat([vc, storage.roundtrip(layer, v).to(vc.dtype)], 1)
+    out, step = causal_attention_batch(q, cand_k, cand_v, policy.score)
+    new_pos = positions.view(bsz, -1, 1).expand(-1, -1, k.shape[2]).to(pos.dtype)
+    cand_pos = torch.cat([pos[rows, :n], new_pos], 1)
+    cand_score = None
+    if step is not None:
+        cand_score = policy_fold(policy, torch.cat([score[rows, :n], score.new_zeros(new_pos.shape)], 1), step)
+    return out.flatten(0, 1), cand_k, cand_v, cand_pos, cand_score
+
+
+def kept_order(policy, cand_pos, cand_score):
+    """The candidates each head keeps, as indices in stream order: [..., budget, H] of [..., M, H]."""
+    keep = policy.keep_mask(cand_pos, cand_score)
+    order = torch.sort(keep.to(torch.int8), dim=-2, descending=True, stable=True).indices
+    return order.narrow(-2, 0, policy.budget)
+
+
+def keep_and_rewrite(storage, layer, table, n, rows, pos, score, policy, cand_k, cand_v, cand_pos, cand_score):
+    """After `chunk_attend`, for storages that read back exactly what was written: each head's kept
+    candidates, in stream order, are gathered and written to local slots [0, budget) in a few whole-tensor
+    operations (no per-head loop, no host sync). The protected prefix [0, P) is its own gather, so those
+    slots (possibly blocks shared with other sequences) are not written."""
+    b = policy.budget
+    order = kept_order(policy, cand_pos, cand_score)  # [B, b, H]
+    first = min(policy.protected_prefix, n)
+    idx = order[:, first:, :, None].expand(-1, -1, -1, cand_k.shape[3])
+    storage.write(layer, table[:, first:b].long(), cand_k.gather(1, idx), cand_v.gather(1, idx))
+    pos[rows, :b] = cand_pos.gather(1, order)
+    pos[rows, b:] = pos.new_full((), -1)
+    if score is not None:
+        score[rows, :b] = cand_score.gather(1, order)

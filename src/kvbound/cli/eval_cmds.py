@@ -1,0 +1,117 @@
+"""`kvbound eval`: perplexity, sweeps and needle retrieval under bounded caches."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..eval.data import token_samples
+from ..eval.needle import needle_grid, needle_runs
+from ..eval.perplexity import perplexity, print_ppl_table
+from ..eval.plots import needle_heatmap, ppl_bars, sweep_lines
+from ..eval.strategies import DEFAULT_STRATEGIES, parse_strategies, with_baseline
+from .options import (add_cache_args, add_model_args, cache_options, float_list, int_list, load_model,
+                      policy_defaults, positive_int)
+
+
+def strategies_for(args, names, budget, pinned=()):
+    return parse_strategies(names, budget, cache_options(args), pinned=pinned, **policy_defaults(args))
+
+
+def cmd_ppl(args):
+    names = with_baseline(args.strategies)
+    strategies = strategies_for(args, names, args.budget)
+    model, tok, dtype = load_model(args)
+    samples, files = token_samples(tok, args.text, args.samples, args.seq_len)
+    res = perplexity(model, samples, strategies, cache_options(args), args.prefill, args.device, dtype)
+    print_ppl_table(res, f"{args.samples} x {args.seq_len} tokens, prefill {args.prefill}, budget {args.budget}")
+    config = {k: getattr(args, k) for k in ("samples", "seq_len", "prefill", "budget", "model", "kv_group_size")}
+    config["files"] = files
+    if args.json:
+        Path(args.json).write_text(json.dumps({"strategies": res, "config": config}, indent=2))
+    if args.plot:
+        ppl_bars(res, args.plot, f"budget {args.budget}, {args.samples}x{args.seq_len} tokens")
+    return res
+
+
+def cmd_sweep(args):
+    names = with_baseline(args.strategies)
+    model, tok, dtype = load_model(args)
+    rows = {}
+    for val in args.values:
+        budget = val if args.over == "budget" else args.budget
+        seq_len = val if args.over == "seq-len" else args.seq_len
+        strategies = strategies_for(args, names, budget)
+        samples, _ = token_samples(tok, args.text, args.samples, seq_len)
+        rows[val] = perplexity(model, samples, strategies, cache_options(args), args.prefill, args.device, dtype)
+        print_ppl_table(rows[val], f"{args.over} = {val}")
+    print(f"\nΔ% vs baseline over {args.over}")
+    print(f"{args.over:>8} " + " ".join(f"{s:>14}" for s in names))
+    for val, res in rows.items():
+        print(f"{val:>8} " + " ".join(f"{res[s]['delta_pct']:>+14.2f}" for s in names))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"over": args.over, "rows": {str(k): v for k, v in rows.items()}},
+                                              indent=2))
+    plot = args.plot or f"sweep_{args.over}.png"
+    fixed = f"budget {args.budget}" if args.over != "budget" else f"seq-len {args.seq_len}"
+    sweep_lines(rows, names, args.over, plot, f"{args.samples} samples, {fixed}")
+    print(f"plot: {plot}")
+    return rows
+
+
+def cmd_needle(args):
+    model, tok, dtype = load_model(args)
+    results = needle_runs(model, tok, with_baseline(args.strategies), args.context, args.depths, args.budget_frac,
+                          cache_options(args), args.pin_question, args.max_tokens, args.device, dtype,
+                          **policy_defaults(args))
+    strategies, cols, grid = needle_grid(results)
+    print(f"\nneedle found (of {len(args.depths)} depths) per context / budget fraction")
+    print(f"{'strategy':<22} " + " ".join(f"{f'{c}@{f:g}':>10}" for c, f in cols))
+    for s, row in zip(strategies, grid):
+        print(f"{s:<22} " + " ".join(f"{v * len(args.depths):>8.0f}/{len(args.depths)}" for v in row))
+    json_path, plot = args.json or "needle.json", args.plot or "needle.png"
+    Path(json_path).write_text(json.dumps({"results": results}, indent=2))
+    needle_heatmap(strategies, cols, grid, plot)
+    print(f"json: {json_path}  plot: {plot}")
+    return results
+
+
+def add_eval_parser(sub):
+    ev = sub.add_parser("eval", help="quality under a bounded cache: ppl, sweep, needle")
+    esub = ev.add_subparsers(dest="eval_cmd", required=True)
+
+    def common(p):
+        add_model_args(p)
+        add_cache_args(p)
+        p.set_defaults(budget=256)
+        p.add_argument("--strategies", type=lambda s: [x for x in s.split(",") if x], default=DEFAULT_STRATEGIES,
+                       help="comma-separated: baseline, window, h2o-balanced, h2o-heavy, specs, +kv8/+kv4/+kvmixed")
+        p.add_argument("--json", default=None)
+        p.add_argument("--plot", default=None)
+
+    def text_samples(p):
+        p.add_argument("--text", nargs="*", default=None, help="files or directories of .txt (default ../shared/data)")
+        p.add_argument("--samples", type=positive_int, default=10)
+        p.add_argument("--seq-len", type=positive_int, default=512)
+        p.add_argument("--prefill", type=positive_int, default=32)
+
+    p = esub.add_parser("ppl", help="perplexity under a bounded cache")
+    common(p)
+    text_samples(p)
+    p.set_defaults(func=cmd_ppl)
+
+    p = esub.add_parser("sweep", help="perplexity over budgets or sequence lengths, with a plot")
+    common(p)
+    text_samples(p)
+    p.add_argument("--over", choices=["budget", "seq-len"], required=True)
+    p.add_argument("--values", type=int_list, required=True)
+    p.set_defaults(func=cmd_sweep)
+
+    p = esub.add_parser("needle", help="needle-in-a-haystack retrieval")
+    common(p)
+    p.add_argument("--context", type=int_list, default=[2048, 4096])
+    p.add_argument("--depths", type=float_list, default=[0.1, 0.5, 0.9])
+    p.add_argument("--budget-frac", type=float_list, default=[0.25, 0.5])
+    p.add_argument("--pin-question", action="store_true", help="also run each bounded strategy with the "
+                   "instruction+question span pinned")
+    p.add_argument("--max-tokens", type=positive_int, default=24)
+    p.set_defaults(func=cmd_needle, strategies=["baseline", "window", "h2o-heavy"])

@@ -1,0 +1,99 @@
+"""CUDA graphs of whole decode steps: the host launches one graph instead of every kernel of every layer."""
+from __future__ import annotations
+
+import torch
+
+from .runner import AppendGroup, EvictGroup, GroupKey, append_rows, bounded_tables, group_key, pool_rows
+
+
+class DecodeGraphs:
+    """CUDA graphs of whole decode steps, one per (group, batch size): steps whose rows all append
+    (unbounded caches), captured at start-up, and steps whose rows all evict under one policy, captured
+    when first seen. Batch sizes are 1, 2, 4, ... up to max_seqs; a step is padded to the next size with
+    rows that write and read one scratch slot (and a scratch metadata row). Unbounded sequences longer
+    than `max_len` tokens, and every other step, run eagerly."""
+
+    def __init__(self, model, pool, max_seqs: int, max_len: int):
+        self.model, self.pool = model, pool
+        bs, dev = pool.block_size, pool.k.device
+        self.width = -(-max_len // bs)  # append table width in blocks
+        self.sizes = [1]
+        while self.sizes[-1] < max_seqs:
+            self.sizes.append(self.sizes[-1] * 2)
+        top = self.sizes[-1]
+        self.scratch = pool.reserve() * bs  # padding rows write here
+        self.ids = torch.zeros(top, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(top, dtype=torch.long, device=dev)
+        self.new = torch.full((top,), self.scratch, dtype=torch.long, device=dev)
+        self.lens = torch.ones(top, dtype=torch.int32, device=dev)
+        self.table = torch.full((top, self.width * bs), self.scratch, dtype=torch.int32, device=dev)
+        self.evict_buffers = {}  # StackedMeta -> (rows, table)
+        self.graphs, self.logits, self.attn = {}, {}, {}
+        self.mempool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
+            self._capture(GroupKey("append"), size)
+
+    def _group(self, key, size):
+        if key.kind == "append":
+            return AppendGroup(self.pool, self.new[:size], self.lens[:size], self.table[:size])
+        rows, table = self.evict_buffers[key.meta]
+        return EvictGroup(self.pool, key.meta, rows[:size], table[:size])
+
+    def _capture(self, key, size):
+        attn = self._group(key, size)
+        self.attn[key, size] = attn  # the graph reads its tensors (EvictGroup's lens): keep them alive
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile the kernels and settle the allocator outside the graph
+                self.model(self.ids[:size], self.pos[:size], attn)
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.mempool):
+            self.logits[key, size] = self.model(self.ids[:size], self.pos[:size], attn)
+        self.graphs[key, size] = g
+
+    def capture_evict(self, meta, sizes=None):
+        """Capture the evict graphs of one policy's stacked metadata (all batch sizes by default). Their
+        warm-up runs execute, so the buffers point at the scratch row and slot while capturing."""
+        dev = self.ids.device
+        if meta not in self.evict_buffers:
+            self.evict_buffers[meta] = (
+                torch.full((self.sizes[-1],), meta.scratch_row, dtype=torch.long, device=dev),
+                torch.full((self.sizes[-1], meta.pos.shape[2]), self.scratch, dtype=torch.int32, device=dev))
+        rows, table = self.evict_buffers[meta]
+        for size in sorted(sizes or self.sizes, reverse=True):
+            rows[:size], table[:size] = meta.scratch_row, self.scratch
+            self._capture(GroupKey("evict", meta), size)
+
+    def run(self, batch):
+        """Logits [B, vocab] of a decode step that a graph covers, else None. The caller does the caches'
+        bookkeeping (`runner.finish_step`)."""
+        keys = {group_key(seq, t) for seq, t in batch}
+        key = keys.pop() if len(keys) == 1 else None
+        b = len(batch)
+        if key is None or key.kind not in ("append", "evict") or b > self.sizes[-1]:
+            return None
+        seqs = [s for s, _ in batch]
+        if key.kind == "append" and any(len(s.cache) >= self.width * self.pool.block_size for s in seqs):
+            return None
+        size = next(x for x in self.sizes if x >= b)
+        dev = self.ids.device
+        if key.kind == "evict" and (key, size) not in self.graphs:
+            self.capture_evict(key.meta, [size])
+        ids = [s.token_slice(s.cache.seen, s.cache.seen + 1)[0] for s in seqs]
+        if key.kind == "append":
+            new, lens, width = append_rows(self.pool, seqs)
+            host = torch.tensor([ids, [s.cache.seen for s in seqs], new, lens]).to(dev, non_blocking=True)
+            self.new[:b], self.lens[:b] = host[2], host[3].to(torch.int32)
+            self.new[b:size], self.lens[b:size], self.table[b:size, 0] = self.scratch, 1, self.scratch
+            self.table[:b, :width * self.pool.block_size] = self.pool.slot_tables(pool_rows(self.pool, seqs), width)
+        else:
+            rows, table = self.evict_buffers[key.meta]
+            host = torch.tensor([ids, [s.cache.seen for s in seqs], [s.cache.stacked[1] for s in seqs]])
+            host = host.to(dev, non_blocking=True)
+            rows[:b], rows[b:size], table[b:size] = host[2], key.meta.scratch_row, self.scratch
+            table[:b] = bounded_tables(self.pool, seqs, table.shape[1])
+        self.ids[:b], self.pos[:b] = host[0], host[1]
+        self.graphs[key, size].replay()
+        return self.logits[key, size][:b]

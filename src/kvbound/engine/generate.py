@@ -1,0 +1,43 @@
+"""One sequence with a cache of its own: chunked prefill, then decode with greedy or temperature/top-p
+sampling. The reference the batched engine is tested against, and the path of quantized KV caches."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from ..cache import KVCache
+from ..errors import KvboundError
+from .sampling import SamplingParams, sample
+
+
+def prefill(model, cache: KVCache, ids: list[int] | torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """Feed `ids` in chunks of `chunk` tokens (a bounded cache evicts between chunks); returns last logits."""
+    if chunk < 1:
+        raise KvboundError(f"prefill chunk must be >= 1, got {chunk}")
+    ids = torch.as_tensor(ids, dtype=torch.long, device=cache.device)
+    logits = None
+    for start in range(0, len(ids), chunk):
+        part = ids[start:start + chunk]
+        logits = model(part, cache.next_positions(len(part)), cache, logits_at=-1)[0]
+        cache.advance(len(part))
+    return logits
+
+
+def generate_ids(model, prompt_ids: list[int], params: SamplingParams, cache: KVCache,
+                 eos_ids=(), prefill_chunk: int = 512) -> Iterator[int]:
+    """Yields generated token ids one by one, stopping at EOS (not yielded) or max_tokens."""
+    if not prompt_ids:
+        raise KvboundError("the prompt is empty")
+    gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    logits = prefill(model, cache, prompt_ids, prefill_chunk)
+    for i in range(params.max_tokens):
+        tok = sample(logits, params, gen)
+        if tok in eos_ids and not params.ignore_eos:
+            return
+        yield tok
+        if i + 1 == params.max_tokens:
+            return
+        x = torch.tensor([tok], device=cache.device)
+        logits = model(x, cache.next_positions(1), cache)[0]
+        cache.advance(1)

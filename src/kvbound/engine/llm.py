@@ -1,0 +1,60 @@
+"""`LLM`: the convenience front of the engine (vLLM's shape): `LLM(model=...).generate(prompts,
+SamplingParams(...))` returns results in input order; `stream` yields one completion's tokens as they come."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from tqdm import tqdm
+
+from ..errors import KvboundError
+from .llm_engine import LLMEngine, RequestOutput
+from .sampling import SamplingParams
+
+
+class LLM:
+    """`LLM(model=PATH or None, **engine_args).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model=None, device: str = "cpu", dtype=torch.float32, **engine_args):
+        from ..models import load
+        if isinstance(model, torch.nn.Module):
+            self.model, tokenizer = model, engine_args.pop("tokenizer", None)
+        else:
+            self.model, tokenizer = load(model, device=device, dtype=dtype)
+        self.tokenizer = tokenizer
+        self.engine = LLMEngine(self.model, tokenizer, **engine_args)
+
+    def generate(self, prompts, params: SamplingParams | list | None = None, policies=None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a string, token ids, or a list of either. params / policies: one for all or one per
+        prompt. Returns one RequestOutput per prompt, in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        n = len(prompts)
+        params = params if isinstance(params, list) else [params] * n
+        policies = policies if isinstance(policies, list) else [policies] * n
+        if len(params) != n or len(policies) != n:
+            raise KvboundError(f"got {n} prompts but {len(params)} sampling params and {len(policies)} policies")
+        ids = [self.engine.add_request(p, sp, pol) for p, sp, pol in zip(prompts, params, policies)]
+        results = {}
+        bar = tqdm(total=n, desc="generate", disable=not use_tqdm, unit="req")
+        while self.engine.has_unfinished():
+            for out in self.engine.step(only_finished=True):
+                results[out.request_id] = out
+                bar.update(1)
+        bar.close()
+        return [results[i] for i in ids]
+
+    def stream(self, prompt, params: SamplingParams | None = None, policy=None) -> Iterator[int]:
+        """Token ids of one completion as they are generated. Requests added to `self.engine` by hand keep
+        running meanwhile; their outputs are not collected here."""
+        rid = self.engine.add_request(prompt, params, policy)
+        sent = 0
+        while True:
+            for out in self.engine.step():
+                if out.request_id == rid:
+                    toks = out.outputs[0].token_ids
+                    yield from toks[sent:]
+                    sent = len(toks)
+                    if out.finished:
+                        return

@@ -1,0 +1,192 @@
+"""One engine step on the model: the flat batch, and attention for every sequence in it.
+
+A step's rows are ordered in groups (`GroupKey`), and each group attends in one call per layer whatever its
+size, through the same steps a single cache runs (`cache.steps`), over the shared block pool:
+  - "append": decodes of unbounded caches. The new token's K/V go to the next slot of each sequence (one
+    scatter into the pool), then one paged decode attention over every sequence's slot table.
+  - "evict": decodes of bounded caches in steady state (each head's spare slot is free) that share one
+    policy. The new token is written into the spare slot, attention exports its scores into the
+    sequences' stacked metadata (`cache.stacked.StackedMeta`), and one batched victim choice picks each
+    head's next spare slot: slot replacement for the whole batch, with no per-sequence work.
+  - "fresh": first prefill pieces of unbounded caches, of one length: K/V into their slots, then one
+    batched causal attention.
+  - "chunk": later prefill pieces of one length of full bounded caches that share a policy: one batched
+    attention with scores, one batched keep choice, kept tokens rewritten in place.
+  - everything else (later prefill pieces of unbounded caches, bounded caches still filling, policies
+    without stacked metadata): each cache's own `attend`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.stacked import StackedMeta
+from ..cache.steps import chunk_attend, evict_decode, keep_and_rewrite, table_attention
+from ..kernels import causal_attention_batch
+
+
+@dataclass(frozen=True)
+class GroupKey:
+    """Rows with equal keys attend together: the step kind (`KVCache.step_kind`), the stacked metadata of
+    bounded kinds (one per policy), and the piece length of prefill kinds."""
+    kind: str
+    meta: StackedMeta | None = None
+    t: int = 1
+
+
+def group_key(seq, t: int) -> GroupKey | None:
+    kind = seq.cache.step_kind(t)
+    if kind is None:
+        return None
+    meta = seq.cache.stacked[0] if kind in ("evict", "chunk") else None
+    return GroupKey(kind, meta, t)
+
+
+def finish_step(cache, kind: str | None, t: int):
+    """Bookkeeping after a group ran t tokens of this cache (a cache's own `attend` keeps its own counts)."""
+    if kind in ("append", "fresh"):
+        cache.appended(t)
+    else:
+        cache.advance(t)
+
+
+def pool_rows(pool, seqs) -> torch.Tensor:
+    """The sequences' rows in the pool's block tables, on the pool's device."""
+    return torch.tensor([s.cache.table_row for s in seqs], device=pool.k.device)
+
+
+def stacked_rows(seqs, device) -> torch.Tensor:
+    return torch.tensor([s.cache.stacked[1] for s in seqs], device=device)
+
+
+def append_rows(pool, seqs):
+    """(new slots, context lengths, slot-table width in blocks) of append decodes, computed on the host."""
+    lens = [len(s.cache) + 1 for s in seqs]
+    return [s.cache.next_slot() for s in seqs], lens, -(-max(lens) // pool.block_size)
+
+
+def bounded_tables(pool, seqs, cap) -> torch.Tensor:
+    """Slot tables [B, cap] of bounded caches: local slot j of row b -> its pool slot."""
+    return pool.slot_tables(pool_rows(pool, seqs), -(-cap // pool.block_size))[:, :cap].contiguous()
+
+
+class AppendGroup:
+    """Decode rows whose caches only append: each new token's K/V go to pool slot `new[b]`, then one paged
+    attention over `table[b, :lens[b]]`. Also the cache object of a captured decode graph."""
+
+    def __init__(self, pool, new, lens, table):
+        self.pool, self.new, self.lens, self.table = pool, new, lens, table
+
+    def attend(self, layer, q, k, v, positions=None):
+        self.pool.write(layer, self.new, k, v)
+        return table_attention(q, self.pool, layer, self.table, self.lens)
+
+
+class EvictGroup:
+    """Steady-state decodes of bounded caches sharing one policy, rows `rows` of its `StackedMeta`
+    (`cache.steps.evict_decode` for all of them at once)."""
+
+    def __init__(self, pool, meta, rows, table):
+        self.pool, self.meta, self.rows, self.table = pool, meta, rows, table
+        self.lens = torch.full((table.shape[0],), table.shape[1], dtype=torch.int32, device=table.device)
+
+    def attend(self, layer, q, k, v, positions):
+        m = self.meta
+        return evict_decode(q, k, v, self.pool, layer, self.table, self.lens, self.rows, positions, m.pos[:, layer],
+                            m.spare[:, layer], None if m.score is None else m.score[:, layer], m.policy)
+
+
+class FreshGroup:
+    """First pieces of t tokens of unbounded caches: K/V into their pool slots, one batched causal attention."""
+
+    def __init__(self, pool, slots, t):
+        self.pool, self.slots, self.t = pool, slots, t
+
+    def attend(self, layer, q, k, v, positions=None):
+        self.pool.write(layer, self.slots, k, v)
+        out, _ = causal_attention_batch(*(x.unflatten(0, (-1, self.t)) for x in (q, k, v)))
+        return out.flatten(0, 1)
+
+
+class ChunkGroup:
+    """Prefill pieces of t tokens of full bounded caches (budget tokens, no spare slot) that share one policy:
+    `cache.steps.chunk_attend` then `keep_and_rewrite` for all of them at once."""
+
+    def __init__(self, pool, meta, rows, table):
+        self.pool, self.meta, self.rows, self.table = pool, meta, rows, table
+
+    def attend(self, layer, q, k, v, positions):
+        m, b = self.meta, self.meta.policy.budget
+        pos, score = m.pos[:, layer], None if m.score is None else m.score[:, layer]
+        out, *cand = chunk_attend(q, k, v, self.pool, layer, self.table, b, self.rows, positions, pos, score, m.policy)
+        keep_and_rewrite(self.pool, layer, self.table, b, self.rows, pos, score, m.policy, *cand)
+        return out
+
+
+def make_group(pool, key: GroupKey, seqs):
+    dev = pool.k.device
+    if key.kind == "append":
+        new, lens, width = append_rows(pool, seqs)
+        return AppendGroup(pool, torch.tensor(new, device=dev), torch.tensor(lens, device=dev, dtype=torch.int32),
+                           pool.slot_tables(pool_rows(pool, seqs), width))
+    if key.kind == "fresh":
+        slots = pool.slot_tables(pool_rows(pool, seqs), -(-key.t // pool.block_size))[:, :key.t].flatten().long()
+        return FreshGroup(pool, slots, key.t)
+    rows = stacked_rows(seqs, dev)
+    if key.kind == "chunk":
+        return ChunkGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.budget).long())
+    return EvictGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.capacity))
+
+
+class StepBatch:
+    """The cache object the model sees for one step: `attend` splits the flat run by group."""
+
+    def __init__(self, pool, batch):
+        """batch: [(seq, t)] already ordered by `order`."""
+        self.pool = pool
+        self.batch = batch
+        self.groups = []  # (key, start, end, group)
+        i = 0
+        while i < len(batch):
+            key = group_key(*batch[i])
+            j = i + 1
+            while key is not None and j < len(batch) and group_key(*batch[j]) == key:
+                j += 1
+            group = None if key is None else make_group(pool, key, [s for s, _ in batch[i:j]])
+            self.groups.append((key, i, j, group))
+            i = j
+        self.starts = [0]
+        for _, t in batch:
+            self.starts.append(self.starts[-1] + t)
+
+    @staticmethod
+    def order(batch):
+        """Rows of one group next to each other (groups in order of first appearance), the rest last."""
+        rank = {}
+
+        def key(st):
+            g = group_key(*st)
+            return 1 << 30 if g is None else rank.setdefault(g, len(rank))
+        return sorted(batch, key=key)
+
+    def positions(self) -> torch.Tensor:
+        pos = [p for seq, t in self.batch for p in range(seq.cache.seen, seq.cache.seen + t)]
+        return torch.tensor(pos, device=self.pool.k.device)
+
+    def advance(self):
+        for key, i, j, _ in self.groups:
+            for seq, t in self.batch[i:j]:
+                finish_step(seq.cache, None if key is None else key.kind, t)
+
+    def attend(self, layer, q, k, v, positions):
+        outs = []
+        for _, i, j, group in self.groups:
+            a, b = self.starts[i], self.starts[j]
+            if group is not None:  # one call for the whole group
+                outs.append(group.attend(layer, q[a:b], k[a:b], v[a:b], positions[a:b]))
+            else:
+                for seq, t in self.batch[i:j]:
+                    outs.append(seq.cache.attend(layer, q[a:a + t], k[a:a + t], v[a:a + t], positions[a:a + t]))
+                    a += t
+        return torch.cat(outs) if len(outs) > 1 else outs[0]

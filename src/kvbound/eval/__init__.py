@@ -1,0 +1,1 @@
+"""Measurement: perplexity under a bounded cache, needle retrieval, engine benchmarks, plots."""

@@ -1,0 +1,134 @@
+"""Engine benchmarks: offline throughput (all requests at once) and open-loop serving (Poisson arrivals).
+
+Prompts are random token ids of a fixed length (vLLM's random dataset); every request generates exactly its
+`max_tokens` (EOS ignored), so runs are comparable across policies and machines.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import torch
+from tqdm import tqdm
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, length), generator=gen).tolist()
+
+
+def pct(xs, q):
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))]
+
+
+def poisson_arrivals(rate: float, duration: float, seed: int) -> list[float]:
+    rng, t, out = random.Random(seed), 0.0, []
+    while True:
+        t += rng.expovariate(rate)
+        if t >= duration:
+            return out
+        out.append(t)
+
+
+def _sync(engine):
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_offline(engine, prompts, params) -> dict:
+    """Every request at once; runs the engine dry. Returns elapsed seconds, tokens per second, peak running
+    sequences and the scheduler's counters."""
+    for p in prompts:
+        engine.add_request(p, params)
+    peak = 0
+    bar = tqdm(total=len(prompts), desc="throughput", unit="req")
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        outs = engine.step(only_finished=True)
+        peak = max(peak, len(engine.scheduler.running))
+        bar.update(sum(o.finished for o in outs))
+    _sync(engine)
+    elapsed = time.perf_counter() - start
+    bar.close()
+    n_in, n_out = sum(map(len, prompts)), len(prompts) * params.max_tokens
+    return {"requests": len(prompts), "policy": engine.default_policy.describe(), "elapsed_s": elapsed,
+            "requests_per_s": len(prompts) / elapsed, "output_tokens_per_s": n_out / elapsed,
+            "total_tokens_per_s": (n_out + n_in) / elapsed, "peak_running": peak, **engine.scheduler.stats}
+
+
+def run_open_loop(engine, arrivals, prompts, params):
+    """Request i arrives at arrivals[i] seconds whether or not the engine keeps up. Returns (finished
+    outputs by request index, per-step records, the start time)."""
+    done, steps, sent = {}, [], 0
+    bar = tqdm(total=len(arrivals), desc="serve", unit="req")
+    t0 = time.perf_counter()
+    while sent < len(arrivals) or engine.has_unfinished():
+        now = time.perf_counter() - t0
+        while sent < len(arrivals) and arrivals[sent] <= now:
+            engine.add_request(prompts[sent], params, request_id=str(sent))
+            sent += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, arrivals[sent] - now))
+            continue
+        s0 = time.perf_counter()
+        outs = engine.step()
+        _sync(engine)
+        s1 = time.perf_counter()
+        steps.append({"t": s0 - t0, "ms": 1000 * (s1 - s0), "running": len(engine.scheduler.running)})
+        for o in outs:
+            if o.finished:
+                done[int(o.request_id)] = o
+                bar.update(1)
+    bar.close()
+    return done, steps, t0
+
+
+def serve_report(arrivals, done, steps, t0, config: dict, spike_ms=None) -> dict:
+    """Latencies and throughput over the whole run and its phases (ramp: the first 20% of the arrival
+    window, steady, tail: after the last arrival); prints the table. config: rate, duration and the run's settings."""
+    reqs = []
+    for i, a in enumerate(arrivals):
+        o = done[i]
+        times = [t - t0 for t in o.token_times]
+        reqs.append({"arrival": a, "ttft": times[0] - a,
+                     "tpot": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan"),
+                     "tokens": len(times), "token_times": times})
+    end = max(s["t"] + s["ms"] / 1000 for s in steps)
+    median_step = pct([s["ms"] for s in steps], 50)
+    spike_ms = spike_ms if spike_ms else 3 * median_step
+    duration, rate = config["duration"], config["rate"]
+    phases = {"ramp": (0.0, 0.2 * duration), "steady": (0.2 * duration, duration), "tail": (duration, end)}
+    report = {"config": config, "requests": len(reqs), "elapsed_s": end, "spike_ms": spike_ms}
+    report.update(_summary(reqs, steps, 0.0, end, spike_ms))
+    report["phases"] = {name: _summary([r for r in reqs if a <= r["arrival"] < b], steps, a, b, spike_ms)
+                        for name, (a, b) in phases.items()}
+    print(f"{len(reqs)} requests at {rate}/s over {duration} s (drained at {end:.1f} s); "
+          f"decode steps slower than {spike_ms:.1f} ms count as spikes")
+    print(f"{'phase':<8} {'reqs':>5} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
+          f"{'TPOT p99':>9} {'steps':>6} {'spikes':>7} {'spike s':>8}")
+    for name, s in [("all", report)] + list(report["phases"].items()):
+        print(f"{name:<8} {s['n']:>5} {s['output_tokens_per_s']:>10.1f} {1000 * s['ttft_p50']:>7.0f}ms "
+              f"{1000 * s['ttft_p99']:>7.0f}ms {1000 * s['tpot_p50']:>7.1f}ms {1000 * s['tpot_p99']:>7.1f}ms "
+              f"{s['steps']:>6} {s['spikes']:>7} {s['spike_time_s']:>8.2f}")
+    for r in reqs:
+        del r["token_times"]
+    report["per_request"] = reqs
+    return report
+
+
+def _summary(reqs, steps, a, b, spike_ms) -> dict:
+    """Latencies of the requests that arrived in [a, b), and the engine's output and steps inside [a, b)."""
+    window = [s for s in steps if a <= s["t"] < b]
+    spikes = [s for s in window if s["ms"] > spike_ms]
+    tokens = sum(1 for r in reqs for t in r.get("token_times", []) if a <= t < b)
+    return {"n": len(reqs), "output_tokens_per_s": tokens / (b - a) if b > a else float("nan"),
+            "ttft_p50": pct([r["ttft"] for r in reqs], 50), "ttft_p99": pct([r["ttft"] for r in reqs], 99),
+            "tpot_p50": pct([r["tpot"] for r in reqs if r["tpot"] == r["tpot"]], 50),
+            "tpot_p99": pct([r["tpot"] for r in reqs if r["tpot"] == r["tpot"]], 99),
+            "steps": len(window), "step_ms_p50": pct([s["ms"] for s in window], 50),
+            "step_ms_p99": pct([s["ms"] for s in window], 99), "spikes": len(spikes),
+            "spike_time_s": sum(s["ms"] for s in spikes) / 1000}

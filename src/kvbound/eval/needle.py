@@ -1,0 +1,89 @@
+"""Needle in a haystack: a fact hidden at a depth of an essay context, asked for at the end."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..engine import SamplingParams, generate_ids
+from ..errors import KvboundError
+from .data import PACKAGE_TEXT, SHARED_DATA
+from .strategies import CacheOptions, make_cache, parse_strategies
+
+NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
+QUESTION = "What is the best thing to do in San Francisco?"
+NEEDLE_KEYS = ("dolores park", "sandwich")
+
+
+def needle_prompt(tok, context: int, depth: float, haystack_dir=None) -> tuple[list[int], int]:
+    """Chat prompt of about `context` tokens: instruction + question, essays with the needle at `depth`,
+    then the question again. Returns (ids, length of the instruction span to pin)."""
+    root = Path(haystack_dir) if haystack_dir else (SHARED_DATA / "paul_graham_essays")
+    if not root.exists():
+        root = PACKAGE_TEXT
+    files = sorted(root.glob("*.txt"))
+    if not files:
+        raise KvboundError(f"needle: no haystack .txt files in {root}")
+    text_ids: list[int] = []
+    for f in files:
+        text_ids += tok.encode(f.read_text(errors="replace"))
+        if len(text_ids) > context:
+            break
+    head = tok.apply_chat_template([{"role": "user", "content": "\u0000"}]).split("\u0000")[0]
+    instruction = (f"Read the document below, then answer this question: {QUESTION}\n\nDocument:\n")
+    tail_text = f"\n\nAnswer the question using the document. {QUESTION}"
+    end = tok.apply_chat_template([{"role": "user", "content": "\u0000"}]).split("\u0000")[1]
+    pre_ids = tok.encode(head + instruction)
+    post_ids = tok.encode(tail_text + end + "The best thing to do in San Francisco is")
+    needle_ids = tok.encode(" " + NEEDLE + " ")
+    room = context - len(pre_ids) - len(post_ids) - len(needle_ids)
+    if room < 16:
+        raise KvboundError(f"needle: context {context} is too short")
+    hay = text_ids[:room]
+    at = int(len(hay) * depth)
+    # move the insertion point to a sentence end so the needle is not glued into a word
+    period = tok.encode(".")[0]
+    while at < len(hay) and hay[at - 1] != period and at - int(len(hay) * depth) < 64:
+        at += 1
+    return pre_ids + hay[:at] + needle_ids + hay[at:] + post_ids, len(pre_ids)
+
+
+def needle_runs(model, tok, names, contexts, depths, budget_fracs, options: CacheOptions, pin_question=False,
+                max_tokens=24, device="cpu", dtype=None, **policy_defaults) -> list[dict]:
+    """Every strategy on every (context, budget fraction, depth), and with `pin_question` each bounded one
+    again with the instruction + question span pinned. One record per run: found or not, the answer, KV bytes."""
+    variants = [False, True] if pin_question else [False]
+    results = []
+    jobs = [(c, d, f, pin) for c in contexts for f in budget_fracs for d in depths for pin in variants]
+    for context, depth, frac, pin in tqdm(jobs, desc="needle"):
+        ids, pin_len = needle_prompt(tok, context, depth)
+        budget = max(16, int(frac * context))
+        strategies = parse_strategies(names, budget, options, pinned=((0, pin_len),) if pin else (),
+                                      **policy_defaults)
+        for name, (pol, bits) in strategies.items():
+            if pin and not pol.bounded:
+                continue
+            cache = make_cache(model, pol, bits, options, device, dtype)
+            out = list(generate_ids(model, ids, SamplingParams(max_tokens=max_tokens), cache, tok.eos_ids,
+                                    options.prefill_chunk))
+            answer = tok.decode(out)
+            mem = cache.nbytes()
+            results.append({"strategy": name + ("+pin" if pin else ""), "context": context, "depth": depth,
+                            "budget_frac": frac, "budget": pol.budget,
+                            "found": any(k in answer.lower() for k in NEEDLE_KEYS), "answer": answer.strip(),
+                            "kv_held_bytes": mem["held_bytes"], "kv_full_bf16_bytes": mem["full_bf16_bytes"]})
+    return results
+
+
+def needle_grid(results) -> tuple[list[str], list[tuple], list[list[float]]]:
+    """(strategies, (context, budget fraction) columns, the fraction of depths found in each cell)."""
+    strategies = list(dict.fromkeys(r["strategy"] for r in results))
+    cols = list(dict.fromkeys((r["context"], r["budget_frac"]) for r in results))
+    grid = []
+    for s in strategies:
+        row = []
+        for c, f in cols:
+            hits = [r["found"] for r in results if r["strategy"] == s and r["context"] == c and r["budget_frac"] == f]
+            row.append(sum(hits) / len(hits) if hits else float("nan"))
+        grid.append(row)
+    return strategies, cols, grid

@@ -1,0 +1,79 @@
+"""Perplexity under a bounded cache.
+
+Perplexity follows a real decode: the first `prefill` tokens of a sample go in at once, then every
+next token is scored from the logits under the bounded cache and fed, one at a time. All strategies
+of a sample run side by side in one batch (they see the same tokens), so the weights are read once.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from tqdm import tqdm
+
+from ..cache import MultiCache
+from ..errors import KvboundError
+from .strategies import CacheOptions, make_cache
+
+
+def perplexity(model, samples, strategies: dict, options: CacheOptions, prefill: int, device="cpu",
+               dtype=torch.float32, progress=True, samples_per_batch: int = 4) -> dict:
+    """Token-by-token perplexity of every strategy. `samples_per_batch` samples (times every strategy)
+    go through one forward pass per step: the step is bound by reading the weights, so a wider batch
+    costs little more than a narrow one."""
+    names = list(strategies)
+    nll = {s: 0.0 for s in names}
+    count = 0
+    mem = {s: [] for s in names}
+    if any(len(x) != len(samples[0]) for x in samples):
+        raise KvboundError("perplexity: all samples must have the same length")
+    if prefill < 1 or prefill >= len(samples[0]):
+        raise KvboundError(f"--prefill must be in [1, seq-len), got {prefill}")
+    steps = sum(len(x) - prefill for x in samples)
+    bar = tqdm(total=steps, desc="ppl", disable=not progress, unit="tok")
+    chunk = options.prefill_chunk
+    for first in range(0, len(samples), samples_per_batch):
+        group = torch.tensor(samples[first:first + samples_per_batch], device=device)  # [S, L]
+        ids_t = group.repeat_interleave(len(names), 0)  # row r: sample r // len(names), strategy r % len(names)
+        rows, seq_len = ids_t.shape
+        caches = [make_cache(model, pol, bits, options, device, dtype) for _ in range(len(group))
+                  for pol, bits in strategies.values()]
+        multi = MultiCache(caches)
+        for start in range(0, prefill, chunk):
+            part = ids_t[:, start:min(prefill, start + chunk)]
+            width = part.shape[1]
+            logits = model(part.flatten(), multi.positions([width] * rows), multi,
+                           logits_at=torch.arange(1, rows + 1) * width - 1)
+            multi.advance()
+        for i in range(prefill, seq_len):
+            logp = torch.log_softmax(logits, -1).gather(1, ids_t[:, i:i + 1].to(logits.device))[:, 0]
+            for r, lp in enumerate(logp.tolist()):
+                nll[names[r % len(names)]] -= lp
+            count += len(group)
+            bar.update(len(group))
+            if i + 1 < seq_len:
+                logits = model(ids_t[:, i], multi.positions([1] * rows), multi)
+                multi.advance()
+        for r, c in enumerate(caches):
+            mem[names[r % len(names)]].append(c.nbytes())
+    bar.close()
+    base = names[0]
+    out = {}
+    for s in names:
+        ppl = math.exp(nll[s] / count)
+        out[s] = {"ppl": ppl, "policy": strategies[s][0].describe(), "kv_bits": strategies[s][1],
+                  "kv_held_bytes": sum(m["held_bytes"] for m in mem[s]) / len(mem[s]),
+                  "kv_full_bf16_bytes": sum(m["full_bf16_bytes"] for m in mem[s]) / len(mem[s])}
+        out[s]["compression_vs_full_bf16"] = out[s]["kv_full_bf16_bytes"] / out[s]["kv_held_bytes"]
+    for s in names:
+        out[s]["delta_pct"] = 100 * (out[s]["ppl"] / out[base]["ppl"] - 1)
+    return out
+
+
+def print_ppl_table(res: dict, title: str = ""):
+    if title:
+        print(title)
+    print(f"{'strategy':<24} {'PPL':>9} {'Δ% vs ' + next(iter(res)):>16} {'KV held (KiB)':>14} {'vs full bf16':>12}")
+    for s, r in res.items():
+        print(f"{s:<24} {r['ppl']:>9.3f} {r['delta_pct']:>+16.2f} {r['kv_held_bytes'] / 1024:>14.1f} "
+              f"{r['compression_vs_full_bf16']:>11.2f}x")

@@ -1,0 +1,47 @@
+"""Named evaluation strategies: a policy plus an optional KV width each, and their caches."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import KVCache, parse_kv_bits, parse_policy
+from ..errors import KvboundError
+
+DEFAULT_STRATEGIES = ["baseline", "window", "h2o-balanced", "h2o-heavy"]
+KV_SUFFIXES = {"kv8": 8, "kv4": 4, "kvmixed": {"heavy": 8, "recent": 4}, "kvmixed48": {"heavy": 4, "recent": 8}}
+
+
+@dataclass
+class CacheOptions:
+    """How each strategy's cache is built and fed (the CLI's KV-cache flags)."""
+    kv_dtype: torch.dtype | None = None  # unquantized K/V dtype; None: the model's
+    kv_bits: object = None  # default width of strategies without a +kv suffix (`parse_kv_bits`)
+    kv_group_size: int = 64
+    quantized_kv_start: int = 0
+    prefill_chunk: int = 512
+
+
+def parse_strategies(names: list[str], budget: int, options: CacheOptions, pinned=(), **policy_defaults) -> dict:
+    """name[+kv8|+kv4|+kvmixed] -> (policy, kv_bits). policy_defaults: score, ema_decay, granularity,
+    evict_every for the named policies that take them."""
+    out = {}
+    for name in names:
+        base, _, quant = name.partition("+")
+        bits = parse_kv_bits(options.kv_bits)
+        if quant:
+            if quant not in KV_SUFFIXES:
+                raise KvboundError(f"strategy {name!r}: unknown suffix +{quant} (use +kv8, +kv4, +kvmixed)")
+            bits = KV_SUFFIXES[quant]
+        out[name] = (parse_policy(base, budget, pinned=pinned, **policy_defaults), bits)
+    return out
+
+
+def make_cache(model, policy, bits, options: CacheOptions, device, dtype) -> KVCache:
+    return KVCache(model.config, policy, device=device, dtype=options.kv_dtype or dtype, kv_bits=bits,
+                   kv_group_size=options.kv_group_size, quantized_kv_start=options.quantized_kv_start)
+
+
+def with_baseline(names):
+    """The full cache first: every table reports its change against it."""
+    return names if names[0] in ("baseline", "full") else ["baseline"] + names

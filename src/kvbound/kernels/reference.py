@@ -1,0 +1,140 @@
+"""PyTorch reference attention: the oracle the Triton kernels are tested against, and the CPU path.
+
+Eviction policies need the post-softmax probabilities each cached key received, summed over the query heads
+of its GQA group (and over the new query tokens); fused kernels normally throw those away, so these return
+them. Score modes are the policies' names: "cumulative" and "ema" take the plain probabilities (EMA is a
+way of folding them, `fold_scores`), "normalized" weights each query's probabilities by the number of keys
+it saw.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SCORE_MODES = (None, "cumulative", "normalized", "ema")
+
+
+def _check_mode(score_mode):
+    if score_mode not in SCORE_MODES:
+        raise ValueError(f"unknown score_mode {score_mode!r} (choose from {', '.join(map(str, SCORE_MODES[1:]))})")
+
+
+def fold_scores(old: torch.Tensor, step: torch.Tensor, score_mode: str, ema_decay: float) -> torch.Tensor:
+    """Accumulated scores after one more step's probabilities: an EMA (`a*old + (1-a)*step`) or a sum."""
+    if score_mode == "ema":
+        return old * ema_decay + step * (1 - ema_decay)
+    return old + step
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mode: str | None = None):
+    """q: [T, Hq, D] new queries; k, v: [n + T, Hkv, D], the n cached keys then the T new ones (rotated).
+
+    Query t sees every cached key and the new keys 0..t (causal). Returns (out [T, Hq, D], key_scores):
+    key_scores is None, or [n + T, Hkv] float32 with, per key, the probability it received summed over
+    the query heads of its KV head and over the T queries (weighted by the number of keys each query
+    attended to with score_mode="normalized").
+    """
+    out, scores = causal_attention_batch(q[None], k[None], v[None], score_mode)
+    return out[0], None if scores is None else scores[0]
+
+
+def causal_attention_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mode: str | None = None):
+    """`causal_attention` for B sequences at once, each with the same numbers of cached and new tokens:
+    q [B, T, Hq, D], k and v [B, n + T, Hkv, D]; returns out [B, T, Hq, D] and key_scores [B, n + T, Hkv]."""
+    _check_mode(score_mode)
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    n = k.shape[1] - t
+    scale = d ** -0.5
+    mask = None if t == 1 else _causal_mask(t, n, q.device)
+    if mask is not None and q.is_cuda:
+        out = _causal_cuda(q, k.to(q.dtype), v.to(q.dtype), n, scale)
+    else:
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+            attn_mask=mask, scale=scale, enable_gqa=hq != hkv).transpose(1, 2)
+    if score_mode is None:
+        return out, None
+    # The scores come from the same logits recomputed in fp32; the output stays SDPA's, so a policy that
+    # has not evicted anything yet gives bit-identical logits to the full cache.
+    g = hq // hkv
+    # [B, hkv, t*g, d] @ [B, hkv, d, m] -> [B, hkv, g, t, m]
+    qh = q.float().view(b, t, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
+    logits = torch.matmul(qh, k.float().permute(0, 2, 3, 1)).view(b, hkv, t, g, -1).transpose(2, 3) * scale
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    probs = logits.softmax(-1)
+    if score_mode == "normalized":
+        seen = torch.arange(n + 1, n + t + 1, device=q.device, dtype=torch.float32)
+        probs = probs * seen[:, None]
+    return out, probs.sum(dim=(2, 3)).transpose(1, 2).contiguous()
+
+
+def fused_sdpa(*args, **kw):
+    """SDPA on CUDA through flash / memory-efficient attention: cuDNN's backend plans each new shape anew
+    (over a millisecond of host time), and prefill pieces come in many shapes."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(*args, **kw)
+
+
+def _causal_cuda(q, k, v, n, scale):
+    """Prefill chunks on CUDA, q [B, T, Hq, D] after n cached keys: a causal mask aligned to the bottom
+    right instead of a boolean mask, so SDPA can take a fused kernel."""
+    from torch.nn.attention.bias import causal_lower_right
+    t, hq = q.shape[1], q.shape[2]
+    g = hq // k.shape[2]
+    qh = q.transpose(1, 2)
+    kh = k.repeat_interleave(g, 2).transpose(1, 2)
+    vh = v.repeat_interleave(g, 2).transpose(1, 2)
+    if n == 0:
+        return fused_sdpa(qh, kh, vh, is_causal=True, scale=scale).transpose(1, 2)
+    bias = causal_lower_right(t, n + t)
+    return fused_sdpa(qh, kh, vh, attn_mask=bias, scale=scale).transpose(1, 2)
+
+
+def _causal_mask(t: int, n: int, device) -> torch.Tensor:
+    """[T, n+T] bool, True where query t may attend key m."""
+    return torch.arange(n + t, device=device)[None, :] <= (n + torch.arange(t, device=device))[:, None]
+
+
+def decode_with_scores(q, k, v, ctx_lens, score_mode=None):
+    """One query per sequence over its first ctx_lens[b] keys: q [B, Hq, D], k, v [B, M, Hkv, D] (gathered,
+    any float dtype). Returns (out [B, Hq, D] in q's dtype, this step's probabilities [B, M, Hkv] summed
+    over each KV head's query group, 0 past ctx_lens, or None without a score_mode), fp32 accumulation."""
+    _check_mode(score_mode)
+    b, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 accumulation, as the kernel's
+    valid = torch.arange(k.shape[1], device=q.device)[None, :] < ctx_lens.to(q.device)[:, None]  # [B, M]
+    logits = torch.einsum("bhgd,bmhd->bhgm", q.to(acc).view(b, hkv, g, d), k.to(acc)) * d ** -0.5
+    probs = logits.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)
+    out = torch.einsum("bhgm,bmhd->bhgd", probs, v.to(acc)).reshape(b, hq, d).to(q.dtype)
+    if score_mode is None:
+        return out, None
+    step = probs.sum(2).transpose(1, 2)  # [B, M, Hkv]
+    if score_mode == "normalized":
+        step = step * ctx_lens.to(step)[:, None, None]
+    return out, step
+
+
+def paged_decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, score=None, score_mode=None,
+                           ema_decay=0.95, quant=None):
+    """The reference of the Triton decode kernel (same arguments): one query per sequence over the keys at
+    slot_table[b, :ctx_lens[b]] of the pools, GQA; `score` [B, max_len, Hkv] folds in this step's
+    probabilities (`fold_scores`) for the valid keys only. Packed pools (quant=dict(bits=, group=,
+    k_scale=, k_bias=, v_scale=, v_bias=)) are dequantized first. Returns out [B, Hq, D] in q's dtype."""
+    idx = slot_table.long()
+    if quant is None:
+        k, v = k_pool[idx], v_pool[idx]  # [B, M, Hkv, D]
+    else:
+        from .packing import dequantize
+        bits, group = quant["bits"], quant["group"]
+        k = dequantize(k_pool[idx], quant["k_scale"][idx], quant["k_bias"][idx], bits, group)
+        v = dequantize(v_pool[idx], quant["v_scale"][idx], quant["v_bias"][idx], bits, group)
+    out, step = decode_with_scores(q, k, v, ctx_lens, score_mode)
+    if step is not None:
+        valid = torch.arange(idx.shape[1], device=q.device)[None, :, None] < ctx_lens.to(q.device)[:, None, None]
+        score.copy_(torch.where(valid, fold_scores(score, step, score_mode, ema_decay), score))
+    return out
