@@ -68,6 +68,10 @@ class BlockPool:
         if blocks:
             self.tables[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
 
+    def slot_of(self, blocks: list[int], j: int) -> int:
+        """`slot_tables` on the host for one slot: local slot j of a sequence owning `blocks`."""
+        return blocks[j // self.block_size] * self.block_size + j % self.block_size
+
     def slot_tables(self, rows, width_blocks: int) -> torch.Tensor:
         """Slot tables [len(rows), width_blocks * bs] (int32, on the pool's device) of the sequences at `rows`
         of the block tables: local slot j of row i -> pool slot tables[row, j // bs] * bs + j % bs."""

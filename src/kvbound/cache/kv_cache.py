@@ -182,7 +182,7 @@ class KVCache:
             self.pos[layer, n:n + t] = positions[:, None].to(self.pos.dtype)
             out = self._attend_new(layer, q, n + t)
             self.n[layer] = n + t
-            if self.bounded and n + t > self.budget + self.policy.evict_every - 1:
+            if self.bounded and n + t >= self.policy.capacity:  # over budget + evict_every - 1 tokens
                 if n + t == self.budget + 1:
                     evict_one(meta[0], meta[1], meta[2], self.one_row, self.policy)
                     self.has_spare[layer], self.n[layer] = True, self.budget

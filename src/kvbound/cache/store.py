@@ -145,8 +145,7 @@ class PagedStore:
 
     def pool_slot(self, j: int) -> int:
         """The pool slot of local slot j, computed on the host."""
-        bs = self.pool.block_size
-        return self.blocks[j // bs] * bs + j % bs
+        return self.pool.slot_of(self.blocks, j)
 
     def write(self, layer, slots, k, v, heads=None):
         self.pool.write(layer, self.slot_table(self.capacity).long()[slots], k, v, heads)
