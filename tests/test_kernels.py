@@ -143,6 +143,19 @@ def test_store_kv_matches_reference_quantizer(bits):
                 assert (pool[s, h] == 99).all()  # nothing else touched
 
 
+def test_store_kv_reads_slot_tables_of_any_strides():
+    """A run of slots expanded over the heads (stride 0 across heads), as a packed store's prefill writes them."""
+    x = torch.randn(5, 3, 64, generator=torch.Generator().manual_seed(5))
+    slots = torch.arange(2, 7, dtype=torch.int32)[:, None].expand(-1, 3)
+    pool = torch.zeros(10, 3, 64, dtype=torch.uint8, device=DEV)
+    scale = torch.zeros(10, 3, 2, dtype=torch.float16, device=DEV)
+    bias = torch.zeros_like(scale)
+    store_kv(x.to(DEV), slots.to(DEV), pool, scale, bias, bits=8, group=32)
+    codes, sc, bi = quantize(x, 8, 32)
+    assert torch.equal(pool[2:7].cpu(), codes) and torch.equal(scale[2:7].cpu(), sc) and torch.equal(bias[2:7].cpu(), bi)
+    assert (pool[:2] == 0).all() and (pool[7:] == 0).all()
+
+
 @pytest.mark.parametrize("dtype, d", [(torch.float32, 64), (torch.bfloat16, 128), (torch.float32, 48)])
 def test_rope_inplace_matches_apply_rope(dtype, d):
     from kvbound.kernels.triton_decode import rope_inplace

@@ -504,11 +504,11 @@ def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spa
 
 
 @triton.jit
-def _store_kernel(X, Slots, P, PS, PB, stride_xt, stride_xh, stride_st, stride_ps, stride_ph, stride_ss,
+def _store_kernel(X, Slots, P, PS, PB, stride_xt, stride_xh, stride_st, stride_sth, stride_ps, stride_ph, stride_ss,
                   stride_sh, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
-    slot = tl.load(Slots + t * stride_st + h).to(tl.int64)
+    slot = tl.load(Slots + t * stride_st + h * stride_sth).to(tl.int64)
     if slot < 0:
         return
     offs_d = tl.arange(0, D)
@@ -546,7 +546,8 @@ def store_kv(x, slots, pool, scale=None, bias=None, bits=16, group=64):
     t, h, d = x.shape
     ps = (0, 0) if scale is None else (scale.stride(0), scale.stride(1))
     _store_kernel[(t, h)](x, slots, pool, scale if scale is not None else pool, bias if bias is not None else pool,
-                          x.stride(0), x.stride(1), slots.stride(0), pool.stride(0), pool.stride(1), ps[0], ps[1],
+                          x.stride(0), x.stride(1), slots.stride(0), slots.stride(1), pool.stride(0), pool.stride(1),
+                          ps[0], ps[1],
                           D=d, BITS=bits, GS=group)
 
 
