@@ -7,6 +7,7 @@ from kvbound.cache import KVCache
 from kvbound.errors import KvboundError
 from kvbound.models import ModelConfig
 from kvbound.engine import LLM, LLMEngine
+from kvbound.engine.runner import StepBatch
 from kvbound.engine import SamplingParams, generate_ids
 from kvbound.models.llama import CausalLM
 from kvbound.cache.policies import H2OPolicy, parse_policy
@@ -127,7 +128,7 @@ def test_logits_after_prefix_hit_equal_cold_logits(model):
         engine.add_request(ids, SamplingParams(max_tokens=1))
         batch = engine.scheduler.schedule()
         assert [t for _, t in batch] == ([5] if warm else [37])  # 4 cached blocks of 8; the rest computed
-        logits.append(engine._forward(batch, [0])[0])
+        logits.append(engine._forward(*StepBatch.order(batch), [0])[0])
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .runner import AppendGroup, EvictGroup, GroupKey, append_rows, bounded_tables, group_key, pool_rows
+from .runner import AppendGroup, EvictGroup, GroupKey, append_rows, bounded_tables, pool_rows
 
 
 class DecodeGraphs:
@@ -66,11 +66,10 @@ class DecodeGraphs:
             rows[:size], table[:size] = meta.scratch_row, self.scratch
             self._capture(GroupKey("evict", meta), size)
 
-    def run(self, batch):
+    def run(self, batch, keys):
         """Logits [B, vocab] of a decode step that a graph covers, else None. The caller does the caches'
         bookkeeping (`runner.finish_step`)."""
-        keys = {group_key(seq, t) for seq, t in batch}
-        key = keys.pop() if len(keys) == 1 else None
+        key = keys[0] if keys[0] == keys[-1] else None  # one group, since `StepBatch.order` sorted them
         b = len(batch)
         if key is None or key.kind not in ("append", "evict") or b > self.sizes[-1]:
             return None

@@ -124,11 +124,11 @@ class LLMEngine:
     def step(self, only_finished: bool = False) -> list[RequestOutput]:
         """Run one batch; returns the requests that got new tokens or finished (finished ones are dropped),
         or with `only_finished` just the finished ones (cheaper when nobody streams)."""
-        batch = StepBatch.order(self.scheduler.schedule())
+        batch, keys = StepBatch.order(self.scheduler.schedule())
         if not batch:
             return []
         sampling = [i for i, (seq, t) in enumerate(batch) if seq.to_feed() == t]
-        logits = self._forward(batch, sampling)
+        logits = self._forward(batch, keys, sampling)
         for seq, _ in batch:
             self.scheduler.publish(seq)
         greedy = logits.argmax(-1).tolist()  # one transfer for every greedy row
@@ -143,15 +143,15 @@ class LLMEngine:
                     touched[s.request_id] = True
         return [out for out in map(self._output, touched) if out.finished or not only_finished]
 
-    def _forward(self, batch, sampling) -> torch.Tensor:
-        logits = self.graphs.run(batch) if self.graphs is not None else None
+    def _forward(self, batch, keys, sampling) -> torch.Tensor:
+        logits = self.graphs.run(batch, keys) if self.graphs is not None else None
         if logits is not None:
-            for seq, _ in batch:
-                finish_step(seq.cache, seq.cache.step_kind(1), 1)
+            for (seq, _), key in zip(batch, keys):
+                finish_step(seq.cache, key.kind, 1)
             return logits
         ids = torch.tensor([tok for seq, t in batch for tok in seq.token_slice(seq.cache.seen, seq.cache.seen + t)],
                            device=self.device)
-        step = StepBatch(self.pool, batch)
+        step = StepBatch(self.pool, batch, keys)
         ends = list(itertools.accumulate(t for _, t in batch))
         logits_at = torch.tensor([ends[i] - 1 for i in sampling], dtype=torch.long, device=self.device)
         logits = self.model(ids, step.positions(), step, logits_at=logits_at)

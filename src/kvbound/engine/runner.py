@@ -17,7 +17,7 @@ size, through the same steps a single cache runs (`cache.steps`), over the share
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -26,10 +26,10 @@ from ..cache.steps import chunk_attend, evict_decode, keep_and_rewrite, table_at
 from ..kernels import causal_attention_batch
 
 
-@dataclass(frozen=True)
-class GroupKey:
+class GroupKey(NamedTuple):
     """Rows with equal keys attend together: the step kind (`KVCache.step_kind`), the stacked metadata of
-    bounded kinds (one per policy), and the piece length of prefill kinds."""
+    bounded kinds (one per policy), and the piece length. A named tuple: the engine builds one per row and
+    step, on the host, between GPU steps."""
     kind: str
     meta: StackedMeta | None = None
     t: int = 1
@@ -142,16 +142,16 @@ def make_group(pool, key: GroupKey, seqs):
 class StepBatch:
     """The cache object the model sees for one step: `attend` splits the flat run by group."""
 
-    def __init__(self, pool, batch):
-        """batch: [(seq, t)] already ordered by `order`."""
+    def __init__(self, pool, batch, keys):
+        """batch: [(seq, t)] and their group keys, as `order` returns them."""
         self.pool = pool
         self.batch = batch
         self.groups = []  # (key, start, end, group)
         i = 0
         while i < len(batch):
-            key = group_key(*batch[i])
+            key = keys[i]
             j = i + 1
-            while key is not None and j < len(batch) and group_key(*batch[j]) == key:
+            while key is not None and j < len(batch) and keys[j] == key:
                 j += 1
             group = None if key is None else make_group(pool, key, [s for s, _ in batch[i:j]])
             self.groups.append((key, i, j, group))
@@ -161,14 +161,14 @@ class StepBatch:
             self.starts.append(self.starts[-1] + t)
 
     @staticmethod
-    def order(batch):
-        """Rows of one group next to each other (groups in order of first appearance), the rest last."""
+    def order(batch) -> tuple[list, list]:
+        """(batch, group keys) with the rows of one group next to each other (groups in order of first
+        appearance), the rest last."""
+        keys = [group_key(*st) for st in batch]
         rank = {}
-
-        def key(st):
-            g = group_key(*st)
-            return 1 << 30 if g is None else rank.setdefault(g, len(rank))
-        return sorted(batch, key=key)
+        ranks = [1 << 30 if g is None else rank.setdefault(g, len(rank)) for g in keys]
+        order = sorted(range(len(batch)), key=ranks.__getitem__)
+        return [batch[i] for i in order], [keys[i] for i in order]
 
     def positions(self) -> torch.Tensor:
         pos = [p for seq, t in self.batch for p in range(seq.cache.seen, seq.cache.seen + t)]
