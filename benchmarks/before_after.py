@@ -39,6 +39,7 @@ def run(out: str, rounds: int, script_args: list[str]):
         for name, base in (("before", BEFORE), ("after", ROOT)):
             env = dict(os.environ, PYTHONPATH=f"{base / 'src'}:{base / 'benchmarks'}", PYTHONUNBUFFERED="1")
             dest = os.path.join(out, f"{name}_{i}")
+            os.makedirs(dest, exist_ok=True)
             print(f"=== {name} (round {i}): {script} {' '.join(args)}", flush=True)
             subprocess.run([sys.executable, str(base / "benchmarks" / script), *args, "--out", dest], env=env,
                            check=True)
