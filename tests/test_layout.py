@@ -90,3 +90,13 @@ def test_public_api_and_python_m():
     assert __version__
     r = subprocess.run([sys.executable, "-m", "kvbound", "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "generate" in r.stdout and "eval" in r.stdout
+
+
+def test_readme_layout_table_names_every_module():
+    readme = (ROOT.parent.parent / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):]
+    missing = [f"{p.parent.name}/{p.name}" for p in ROOT.glob("*/*.py")
+               if p.name not in ("__init__.py", "__main__.py") and p.name not in layout]
+    missing += [f"{d.name}/" for d in ROOT.iterdir() if d.is_dir() and (d / "__init__.py").exists()
+                and f"`{d.name}/`" not in layout]
+    assert not missing, f"README's layout table misses {missing}"

@@ -12,7 +12,7 @@ cores with only the fp16 conversion on the way; at d=64 they are dequantized in 
 Codes become fp16 by a bit trick (`_codes`), not int->float conversions, which bound the kernel; the
 tensor-core inputs of the packed path are then fp16 (q, p, codes, values; exact for codes below 256;
 q * d^-0.5 and values must stay under fp16's 65504, which the fp16 scales already assume).
-Other variants measured slower (benchmarks/README.md).
+Other variants measured slower (git history of benchmarks/README.md, sessions 3-5).
 
 Score export: H2O needs, per cached key and KV head, the post-softmax probability summed over the
 query heads of its group. The exact probability needs the softmax normaliser over *all* splits, so the
@@ -370,9 +370,9 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     g = hq // hkv
     max_len = slot_table.shape[1]
     scale = d ** -0.5 if scale is None else scale
-    # defaults from `benchmarks/decode_attention.py --tune` on an H200 (benchmarks/tune_h200.log): 64-key
+    # defaults from `benchmarks/decode_attention.py --tune` on an H200 (results/tune_dense_h200.log): 64-key
     # blocks, 4 warps and 4 programs per SM; packed tiles from `--tune-quant` on an H100
-    # (benchmarks/tune_quant_h100_v4.log at d=64; _v6_valuedot.log, _v7_valuedot4.log and _v8_short.log at
+    # (results/tune_quant_d64_h100.log at d=64; tune_quant_q8_d128_h100.log, _q4_d128_h100.log and _short_h100.log at
     # d=128), where other tiles spill registers (up to 9x slower)
     bits = 16 if quant is None else quant["bits"]
     tile = (64, 4, None)
@@ -414,7 +414,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     if out is None:
         out = torch.empty_like(q)
     gs = d if quant is None else quant["group"]
-    if value_dot is None:  # benchmarks/tune_quant_h100_v6_valuedot.log, _v7_valuedot4.log
+    if value_dot is None:  # results/tune_quant_q8_d128_h100.log, tune_quant_q4_d128_h100.log
         value_dot = bits in (8, 4) and d == 128 and d // gs == 2
     if value_dot and not (bits in (8, 4) and d // gs <= 2 and gs * bits // 8 >= 16):
         raise ValueError(f"value_dot needs packed values of one or two groups per head of at least 16 code "
