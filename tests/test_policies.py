@@ -179,3 +179,16 @@ def test_victim_fast_path_equals_keep_mask_with_ties(policy):
         keep = policy.keep_mask(pos, score)
         assert (keep.sum(0) == policy.budget).all()
         assert torch.equal(policy.victim(pos, score), (~keep).int().argmax(0))
+
+
+def test_byte_accounting_after_the_model_grew_an_unbounded_cache():
+    """An unbounded cache that grew inside the model's inference mode reports its bytes and positions
+    outside it (eval ppl / needle crashed here at the end of a run)."""
+    from kvbound.models.llama import CausalLM
+    torch.manual_seed(0)
+    model = CausalLM(tiny_config()).eval()
+    cache = KVCache(model.config, None, initial_slots=4)
+    model(torch.arange(9) % 10, cache.next_positions(9), cache)  # grows past 4 slots under inference mode
+    cache.advance(9)
+    assert cache.nbytes()["tokens_held"] == 9
+    assert cache.kept_positions(0, 1) == list(range(9))

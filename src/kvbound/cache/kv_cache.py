@@ -293,23 +293,23 @@ class KVCache:
             self.score = torch.cat([self.score, self.score.new_zeros(self.score.shape[0], extra, self.score.shape[2])], 1)
 
     # --- introspection ------------------------------------------------------------------------
-    def _sync_full_positions(self):
-        """An unbounded cache holds tokens [0, n) in slots [0, n); the engine's batched decode does not
-        write their positions one by one, so introspection fills them in."""
-        if not self.bounded:
-            for layer, n in enumerate(self.n):
-                self.pos[layer, :n] = torch.arange(n, dtype=self.pos.dtype, device=self.pos.device)[:, None]
+    def positions_held(self, layer: int) -> torch.Tensor:
+        """Stream positions in slots [0, slots used) of a layer, [slots, heads], -1 where free. An unbounded
+        cache holds tokens [0, n) in slots [0, n) (the engine's batched decode does not write their
+        positions), so they are derived, never written: the tensors may belong to inference mode."""
+        used = self._slots_used(layer)
+        if self.bounded:
+            return self.pos[layer, :used]
+        return torch.arange(used, dtype=self.pos.dtype, device=self.pos.device)[:, None].expand(used, self.pos.shape[2])
 
     def kept_positions(self, layer: int, head: int) -> list[int]:
-        self._sync_full_positions()
-        return sorted(p for p in self.pos[layer, :self._slots_used(layer), head].tolist() if p >= 0)
+        return sorted(p for p in self.positions_held(layer)[:, head].tolist() if p >= 0)
 
     def nbytes(self) -> dict:
         """KV bytes actually held for this sequence's tokens (data + scales/biases + scores + positions)."""
-        self._sync_full_positions()
         total = 0
         for layer in range(len(self.n)):
-            live = self.pos[layer, :self._slots_used(layer)] >= 0
+            live = self.positions_held(layer) >= 0
             total += self.store.bytes_held(layer, live) + int(live.sum()) * (4 + (4 if self.score is not None else 0))
         bf16 = 2 * 2 * self.cfg.num_kv_heads * self.cfg.head_dim * self.seen * len(self.n)
         return {"held_bytes": total, "tokens_held": len(self), "full_bf16_bytes": bf16,

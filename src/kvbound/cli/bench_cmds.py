@@ -61,9 +61,12 @@ def cmd_serve(args):
     config = {k: getattr(args, k) for k in ("rate", "duration", "input_len", "output_len", "seed", "max_num_seqs",
                                             "max_num_batched_tokens", "policy", "budget")}
     res = serve_report(arrivals, done, steps, t0, config, args.spike_ms)
-    Path(args.json).write_text(json.dumps(res, indent=2))
-    serve_timeline(res, steps, args.plot)
-    print(f"json: {args.json}  plot: {args.plot}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+        print(f"json: {args.json}")
+    if args.plot:
+        serve_timeline(res, steps, args.plot)
+        print(f"plot: {args.plot}")
     return res
 
 
@@ -82,7 +85,7 @@ def add_bench_parser(sub):
     p = bsub.add_parser("throughput", help="offline: all requests at once, tokens per second")
     common(p)
     p.add_argument("--num-prompts", type=positive_int, default=64)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write the results as JSON to this file")
     p.set_defaults(func=cmd_throughput)
 
     p = bsub.add_parser("serve", help="open loop: Poisson arrivals; TTFT, TPOT, spikes, phases")
@@ -91,6 +94,6 @@ def add_bench_parser(sub):
     p.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals")
     p.add_argument("--spike-ms", type=float, default=None, help="a step slower than this is a spike "
                    "(default: 3x the median step)")
-    p.add_argument("--json", default="serve.json")
-    p.add_argument("--plot", default="serve.png")
+    p.add_argument("--json", default=None, help="write the report as JSON to this file")
+    p.add_argument("--plot", default=None, help="write the timeline plot to this PNG file")
     p.set_defaults(func=cmd_serve)

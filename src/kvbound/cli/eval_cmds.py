@@ -51,27 +51,29 @@ def cmd_sweep(args):
     if args.json:
         Path(args.json).write_text(json.dumps({"over": args.over, "rows": {str(k): v for k, v in rows.items()}},
                                               indent=2))
-    plot = args.plot or f"sweep_{args.over}.png"
-    fixed = f"budget {args.budget}" if args.over != "budget" else f"seq-len {args.seq_len}"
-    sweep_lines(rows, names, args.over, plot, f"{args.samples} samples, {fixed}")
-    print(f"plot: {plot}")
+    if args.plot:
+        fixed = f"budget {args.budget}" if args.over != "budget" else f"seq-len {args.seq_len}"
+        sweep_lines(rows, names, args.over, args.plot, f"{args.samples} samples, {fixed}")
+        print(f"plot: {args.plot}")
     return rows
 
 
 def cmd_needle(args):
     model, tok, dtype = load_model(args)
     results = needle_runs(model, tok, with_baseline(args.strategies), args.context, args.depths, args.budget_frac,
-                          cache_options(args), args.pin_question, args.max_tokens, args.device, dtype,
+                          cache_options(args), args.pin_question, args.max_tokens, args.device, dtype, args.text,
                           **policy_defaults(args))
     strategies, cols, grid = needle_grid(results)
     print(f"\nneedle found (of {len(args.depths)} depths) per context / budget fraction")
     print(f"{'strategy':<22} " + " ".join(f"{f'{c}@{f:g}':>10}" for c, f in cols))
     for s, row in zip(strategies, grid):
         print(f"{s:<22} " + " ".join(f"{v * len(args.depths):>8.0f}/{len(args.depths)}" for v in row))
-    json_path, plot = args.json or "needle.json", args.plot or "needle.png"
-    Path(json_path).write_text(json.dumps({"results": results}, indent=2))
-    needle_heatmap(strategies, cols, grid, plot)
-    print(f"json: {json_path}  plot: {plot}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": results}, indent=2))
+        print(f"json: {args.json}")
+    if args.plot:
+        needle_heatmap(strategies, cols, grid, args.plot)
+        print(f"plot: {args.plot}")
     return results
 
 
@@ -84,15 +86,18 @@ def add_eval_parser(sub):
         add_cache_args(p)
         p.set_defaults(budget=256)
         p.add_argument("--strategies", type=lambda s: [x for x in s.split(",") if x], default=DEFAULT_STRATEGIES,
-                       help="comma-separated: baseline, window, h2o-balanced, h2o-heavy, specs, +kv8/+kv4/+kvmixed")
-        p.add_argument("--json", default=None)
-        p.add_argument("--plot", default=None)
+                       help="comma-separated: baseline, window, h2o-balanced, h2o-heavy, specs, +kv8/+kv4/+kvmixed "
+                            "(default: %(default)s)")
+        p.add_argument("--json", default=None, help="write the results as JSON to this file")
+        p.add_argument("--plot", default=None, help="write a plot to this PNG file")
+        p.add_argument("--text", nargs="+", default=None, help="files or directories of .txt (default: the "
+                       "public-domain text shipped with kvbound, in kvbound/eval/data)")
 
     def text_samples(p):
-        p.add_argument("--text", nargs="*", default=None, help="files or directories of .txt (default ../shared/data)")
-        p.add_argument("--samples", type=positive_int, default=10)
-        p.add_argument("--seq-len", type=positive_int, default=512)
-        p.add_argument("--prefill", type=positive_int, default=32)
+        p.add_argument("--samples", type=positive_int, default=10, help="(default: %(default)s)")
+        p.add_argument("--seq-len", type=positive_int, default=512, help="(default: %(default)s)")
+        p.add_argument("--prefill", type=positive_int, default=32, help="tokens fed at once before scoring "
+                       "starts (default: %(default)s)")
 
     p = esub.add_parser("ppl", help="perplexity under a bounded cache")
     common(p)

@@ -1,4 +1,8 @@
-"""Evaluation text: files of real text, cut into token samples; the needle test's haystack."""
+"""Evaluation text: files of real text, cut into token samples; the needle test's haystack.
+
+By default the public-domain text shipped inside the package (`eval/data/`: excerpts of Natsume's
+"Botchan" and of Shakespeare, about 33k SmolLM2 tokens), so every documented command runs on a fresh
+machine; `--text` names other files or folders."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,13 +10,12 @@ from pathlib import Path
 from ..errors import KvboundError
 
 PACKAGE_TEXT = Path(__file__).parent / "data"
-SHARED_DATA = Path("../shared/data")
 
 
 def text_files(paths) -> list[Path]:
     """*.txt files under each path, round-robin across the top-level sources so samples mix corpora."""
     if not paths:
-        paths = [SHARED_DATA] if SHARED_DATA.exists() else [PACKAGE_TEXT]
+        paths = [PACKAGE_TEXT]
     groups = []
     for p in map(Path, paths):
         if not p.exists():
@@ -32,15 +35,37 @@ def text_files(paths) -> list[Path]:
     return out
 
 
+def read_text(path: Path) -> str:
+    """A file's text; binary input is refused rather than scored."""
+    data = path.read_bytes()
+    try:
+        if b"\x00" in data:
+            raise UnicodeDecodeError("utf-8", data, 0, 1, "NUL byte")
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise KvboundError(f"--text: {path} is not a UTF-8 text file") from None
+
+
 def token_samples(tok, paths, n: int, seq_len: int) -> tuple[list[list[int]], list[str]]:
+    """n samples of seq_len tokens: consecutive, non-overlapping windows of each file, taken round-robin
+    across the files (the first window of every file, then the second, ...). Returns (samples, names)."""
+    files = text_files(paths)
+    ids = {}
     samples, names = [], []
-    for f in text_files(paths):
-        ids = tok.encode(f.read_text(errors="replace"))
-        if len(ids) >= seq_len:
-            samples.append(ids[:seq_len])
-            names.append(str(f))
-        if len(samples) == n:
-            break
-    if len(samples) < n:
-        raise KvboundError(f"only {len(samples)} text files hold {seq_len} tokens; asked for {n} samples")
+    window = 0
+    while len(samples) < n:
+        before = len(samples)
+        for f in files:
+            if f not in ids:
+                ids[f] = tok.encode(read_text(f))
+            if len(ids[f]) >= (window + 1) * seq_len:
+                a = window * seq_len
+                samples.append(ids[f][a:a + seq_len])
+                names.append(f"{f}[{a}:{a + seq_len}]")
+                if len(samples) == n:
+                    break
+        if len(samples) == before:
+            raise KvboundError(f"--text: {', '.join(map(str, paths or [PACKAGE_TEXT]))} holds only {len(samples)} "
+                               f"windows of {seq_len} tokens; asked for {n} samples")
+        window += 1
     return samples, names

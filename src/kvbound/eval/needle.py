@@ -1,13 +1,11 @@
 """Needle in a haystack: a fact hidden at a depth of an essay context, asked for at the end."""
 from __future__ import annotations
 
-from pathlib import Path
-
 from tqdm import tqdm
 
 from ..engine import SamplingParams, generate_ids
 from ..errors import KvboundError
-from .data import PACKAGE_TEXT, SHARED_DATA
+from .data import read_text, text_files
 from .strategies import CacheOptions, make_cache, parse_strategies
 
 NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
@@ -15,18 +13,13 @@ QUESTION = "What is the best thing to do in San Francisco?"
 NEEDLE_KEYS = ("dolores park", "sandwich")
 
 
-def needle_prompt(tok, context: int, depth: float, haystack_dir=None) -> tuple[list[int], int]:
-    """Chat prompt of about `context` tokens: instruction + question, essays with the needle at `depth`,
-    then the question again. Returns (ids, length of the instruction span to pin)."""
-    root = Path(haystack_dir) if haystack_dir else (SHARED_DATA / "paul_graham_essays")
-    if not root.exists():
-        root = PACKAGE_TEXT
-    files = sorted(root.glob("*.txt"))
-    if not files:
-        raise KvboundError(f"needle: no haystack .txt files in {root}")
+def needle_prompt(tok, context: int, depth: float, haystack=None) -> tuple[list[int], int]:
+    """Chat prompt of about `context` tokens: instruction + question, the haystack text (files or folders,
+    default the package's text) with the needle at `depth`, then the question again. Returns (ids, length
+    of the instruction span to pin)."""
     text_ids: list[int] = []
-    for f in files:
-        text_ids += tok.encode(f.read_text(errors="replace"))
+    for f in text_files(haystack):
+        text_ids += tok.encode(read_text(f))
         if len(text_ids) > context:
             break
     head = tok.apply_chat_template([{"role": "user", "content": "\u0000"}]).split("\u0000")[0]
@@ -39,6 +32,9 @@ def needle_prompt(tok, context: int, depth: float, haystack_dir=None) -> tuple[l
     room = context - len(pre_ids) - len(post_ids) - len(needle_ids)
     if room < 16:
         raise KvboundError(f"needle: context {context} is too short")
+    if len(text_ids) < room:
+        raise KvboundError(f"needle: the haystack holds {len(text_ids)} tokens, context {context} needs {room}: "
+                           "give more text with --text")
     hay = text_ids[:room]
     at = int(len(hay) * depth)
     # move the insertion point to a sentence end so the needle is not glued into a word
@@ -49,14 +45,14 @@ def needle_prompt(tok, context: int, depth: float, haystack_dir=None) -> tuple[l
 
 
 def needle_runs(model, tok, names, contexts, depths, budget_fracs, options: CacheOptions, pin_question=False,
-                max_tokens=24, device="cpu", dtype=None, **policy_defaults) -> list[dict]:
+                max_tokens=24, device="cpu", dtype=None, haystack=None, **policy_defaults) -> list[dict]:
     """Every strategy on every (context, budget fraction, depth), and with `pin_question` each bounded one
     again with the instruction + question span pinned. One record per run: found or not, the answer, KV bytes."""
     variants = [False, True] if pin_question else [False]
     results = []
     jobs = [(c, d, f, pin) for c in contexts for f in budget_fracs for d in depths for pin in variants]
     for context, depth, frac, pin in tqdm(jobs, desc="needle"):
-        ids, pin_len = needle_prompt(tok, context, depth)
+        ids, pin_len = needle_prompt(tok, context, depth, haystack)
         budget = max(16, int(frac * context))
         strategies = parse_strategies(names, budget, options, pinned=((0, pin_len),) if pin else (),
                                       **policy_defaults)
