@@ -22,12 +22,7 @@ BEFORE = ROOT / ".before"
 
 
 def export(rev: str):
-    BEFORE.mkdir(exist_ok=True)
-    exclude = ROOT / ".git" / "info" / "exclude"
-    exclude.parent.mkdir(exist_ok=True)
-    if not exclude.exists() or "/.before/" not in exclude.read_text():
-        with exclude.open("a") as f:
-            f.write("/.before/\n")
+    BEFORE.mkdir(exist_ok=True)  # git-ignored (.gitignore); carry it to the GPU machine
     archive = subprocess.run(["git", "archive", rev, "src", "benchmarks"], cwd=ROOT, check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", str(BEFORE)], input=archive.stdout, check=True)
     print(f"{rev} exported to {BEFORE}")

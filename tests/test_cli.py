@@ -57,3 +57,57 @@ def test_unknown_architecture_and_malformed_config(tmp_path):
 def test_bench_bad_input(args, needle):
     r = run(*args)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["generate", "hi", "--max-tokens", "100000000"], "past the model's context of 8,192"),
+    (["generate", "hi", "--temperature", "nan"], "temperature must be a finite number >= 0, got nan"),
+    (["generate", "hi", "--temperature", "inf"], "temperature must be a finite number >= 0, got inf"),
+    (["generate", "hi", "--policy", "foo"], "unknown policy 'foo' (choose from full, window, h2o"),
+    (["generate", "hi", "--policy", "h2o"], "policy 'h2o' needs a budget: add --budget N"),
+    (["generate", "hi", "--policy", "h2o", "--budget", "3"], "budget 3 is too small for 'h2o'"),
+    (["generate", "hi", "--policy", "h2o:bogus=1"], "unknown option 'bogus' for h2o"),
+    (["generate", "hi", "--policy", "h2o", "--budget", "64", "--pin-prefix", "100"],
+     "pinned [0, 100) protect 100 tokens, which plus recent 28 = 128 exceeds budget (64)"),
+    (["generate", "hi", "--policy", "full", "--budget", "64"], "--budget has no effect with --policy full"),
+    (["generate", "hi", "--quantized-kv-start", "-5"], "must be >= 0, got -5"),
+    (["generate", "hi", "--quantized-kv-start", "5"], "has no effect without --kv-bits"),
+    (["eval", "needle", "--pin-prefix", "4"], "--pin-prefix has no effect"),
+])
+def test_bad_input_names_the_value(args, needle):
+    r = run(*args)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_usage_errors_are_one_line_with_a_hint():
+    r = run("generate", "hi", "--max-tokens", "x")
+    assert r.returncode == 2 and "usage:" not in r.stderr
+    assert r.stderr.strip().splitlines() == ["kvbound generate: error: argument --max-tokens: expected a positive "
+                                             "integer, got 'x' (see `kvbound generate --help`)"]
+
+
+def test_version():
+    from kvbound import __version__
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"kvbound {__version__}"
+
+
+def test_prompt_longer_than_the_context_is_refused():
+    r = subprocess.run([sys.executable, "-m", "kvbound", "generate", "-"], input="word " * 9000, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "the prompt has 9,001 tokens, more than the model's context of 8,192" in r.stderr
+
+
+def test_generate_reads_stdin_and_reports_speed_and_memory():
+    r = subprocess.run([sys.executable, "-m", "kvbound", "generate", "-", "--max-tokens", "4"],
+                       input="The capital of France is\n", capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "Paris" in r.stdout
+    assert "prompt: 5 tokens" in r.stderr and "generation: 4 tokens" in r.stderr and "peak KV memory" in r.stderr
+
+
+def test_info_reports_each_width_of_mixed_kv():
+    r = run("info", "--policy", "h2o", "--budget", "256", "--kv-bits", "heavy=8,recent=4")
+    assert r.returncode == 0
+    assert "12,240 at 8 bits (older tokens)" in r.stdout and "6,480 at 4 bits (recent and sink tokens)" in r.stdout
+    # 128 young tokens at 4 bits, 128 older at 8, int32 positions and fp32 scores for all 30 layers x 3 heads
+    assert f"KV bytes held     {128 * 6480 + 128 * 12240 + 256 * 30 * 3 * 8:,}" in r.stdout

@@ -102,3 +102,40 @@ def test_batched_samples_match_one_at_a_time(tiny):
         assert batched[name]["ppl"] == pytest.approx(one[name]["ppl"], rel=1e-5)
         assert batched[name]["kv_held_bytes"] == one[name]["kv_held_bytes"]
     assert one["window"]["ppl"] != one["baseline"]["ppl"]
+
+
+def test_samples_are_consecutive_windows_round_robin_across_files(tmp_path):
+    from kvbound.eval.data import token_samples
+    (tmp_path / "a.txt").write_text(" ".join(f"a{i}" for i in range(40)))
+    (tmp_path / "b.txt").write_text(" ".join(f"b{i}" for i in range(25)))
+
+    class Words:
+        def encode(self, text):
+            return text.split()
+    samples, names = token_samples(Words(), [tmp_path / "a.txt", tmp_path / "b.txt"], 5, 10)
+    assert [s[0] for s in samples] == ["a0", "b0", "a10", "b10", "a20"]
+    assert all(len(s) == 10 for s in samples) and samples[2] == [f"a{i}" for i in range(10, 20)]
+    one, _ = token_samples(Words(), [tmp_path / "a.txt"], 4, 10)  # one long file gives several samples
+    assert [s[0] for s in one] == ["a0", "a10", "a20", "a30"]
+    with pytest.raises(Exception, match="holds only 4 windows of 10 tokens"):
+        token_samples(Words(), [tmp_path / "a.txt"], 5, 10)
+
+
+def test_binary_text_is_refused(tiny, tmp_path):
+    (tmp_path / "x.bin").write_bytes(bytes(range(256)) * 8)
+    r = subprocess.run([sys.executable, "-m", "kvbound.cli", "eval", "ppl", "--model", str(tiny), "--text",
+                        str(tmp_path / "x.bin"), "--samples", "1", "--seq-len", "16"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and "is not a UTF-8 text file" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_documented_defaults_run_on_a_fresh_machine_and_write_only_what_is_asked(tiny, tmp_path):
+    """10 x 512 tokens from the text shipped in the package, from a folder with no ../shared beside it; the
+    needle's haystack too; no file is written unless --json / --plot ask."""
+    r = run("ppl", "--model", str(tiny), "--samples", "10", "--seq-len", "512", "--prefill", "508",
+            "--strategies", "baseline", cwd=tmp_path)
+    assert "10 x 512 tokens" in r.stdout
+    r = run("needle", "--model", str(tiny), "--context", "400", "--depths", "0.5", "--budget-frac", "0.5",
+            "--max-tokens", "2", cwd=tmp_path)
+    assert "needle found" in r.stdout
+    assert list(tmp_path.iterdir()) == []

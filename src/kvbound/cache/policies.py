@@ -40,6 +40,14 @@ def _protected_base(pos: torch.Tensor, sink: int, pinned) -> torch.Tensor:
     return prot
 
 
+def _protected_words(sink: int, pinned, count: int) -> str:
+    """How many tokens sinks and pinned spans protect, in words that add up (spans may overlap the sinks)."""
+    if not pinned:
+        return f"sink ({sink})"
+    spans = ", ".join(f"[{a}, {b})" for a, b in pinned)
+    return f"sink ({sink}) and pinned {spans} protect {count} tokens, which"
+
+
 def _pinned_count(sink: int, pinned) -> int:
     marked = set(range(sink))
     for a, b in pinned:
@@ -162,7 +170,8 @@ class WindowPolicy(Policy):
         object.__setattr__(self, "pinned", _check_spans(self.pinned))
         protected = _pinned_count(self.sink, self.pinned)
         if protected >= self.budget:
-            raise KvboundError(f"window: sink + pinned tokens ({protected}) must be < budget ({self.budget})")
+            raise KvboundError(f"window: {_protected_words(self.sink, self.pinned, protected)} must be < budget "
+                               f"({self.budget})")
 
     def keep_mask(self, pos, score):
         return select_keep(pos, pos, _protected_base(pos, self.sink, self.pinned), self.budget)
@@ -203,9 +212,10 @@ class H2OPolicy(Policy):
         if self.budget < 1:
             raise KvboundError("h2o: budget (sink + heavy + recent) must be at least 1")
         object.__setattr__(self, "pinned", _check_spans(self.pinned))
-        protected = _pinned_count(self.sink, self.pinned) + self.recent
-        if protected > self.budget:
-            raise KvboundError(f"h2o: sink + pinned + recent ({protected}) exceeds budget ({self.budget})")
+        protected = _pinned_count(self.sink, self.pinned)
+        if protected + self.recent > self.budget:
+            raise KvboundError(f"h2o: {_protected_words(self.sink, self.pinned, protected)} plus recent "
+                               f"{self.recent} = {protected + self.recent} exceeds budget ({self.budget})")
 
     @property
     def budget(self) -> int:
@@ -225,19 +235,28 @@ class H2OPolicy(Policy):
                 f"granularity={self.granularity})")
 
 
+NAMED = ("window", "h2o", "h2o-balanced", "h2o-heavy")  # "h2o" is h2o-heavy
+SPEC_KEYS = {"full": (), "window": ("budget", "sink", "evict_every"),
+             "h2o": ("budget", "sink", "heavy", "recent", "score", "ema_decay", "granularity", "evict_every")}
+
+
 def named_policy(name: str, budget: int | None, pinned=()):
     """The evaluation's named strategies, scaled to `budget` (their shapes are given at budget 256)."""
     if name in ("baseline", "full"):
         return FullPolicy()
+    if name not in NAMED:
+        raise KvboundError(f"unknown policy {name!r} (choose from {', '.join(('full',) + NAMED)}, or a spec like "
+                           "'h2o:sink=4,heavy=128,recent=124')")
     if budget is None:
-        raise KvboundError(f"strategy {name!r} needs a budget")
+        raise KvboundError(f"policy {name!r} needs a budget: add --budget N (KV tokens kept per layer), or give a "
+                           "spec like 'h2o:sink=4,heavy=128,recent=124'")
     if name == "window":
         return WindowPolicy(budget=budget, sink=4, pinned=pinned)
-    if name in ("h2o-balanced", "h2o-heavy"):
-        heavy = round(budget * (64 if name == "h2o-balanced" else 128) / 256)
-        return H2OPolicy(sink=4, heavy=heavy, recent=budget - 4 - heavy, pinned=pinned)
-    raise KvboundError(f"unknown policy {name!r} (choose from baseline, window, h2o-balanced, h2o-heavy, "
-                       "or a spec like 'h2o:sink=4,heavy=128,recent=124')")
+    if budget <= 4:
+        raise KvboundError(f"budget {budget} is too small for {name!r}, which keeps 4 sink tokens: use a budget "
+                           "of at least 5, or a spec with fewer sinks")
+    heavy = min(budget - 4, round(budget * (64 if name == "h2o-balanced" else 128) / 256))
+    return H2OPolicy(sink=4, heavy=heavy, recent=budget - 4 - heavy, pinned=pinned)
 
 
 def parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
@@ -245,17 +264,20 @@ def parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
     ema_decay=..,evict_every=..]' | a named strategy ('baseline', 'window', 'h2o-balanced', 'h2o-heavy')."""
     spec = spec.strip()
     if ":" not in spec:
-        if spec == "h2o":
-            spec = "h2o-heavy"
         pol = named_policy(spec, budget, pinned)
         return _with(pol, defaults)
     kind, _, args = spec.partition(":")
+    if kind not in SPEC_KEYS:
+        raise KvboundError(f"unknown policy {kind!r} in {spec!r} (choose from {', '.join(SPEC_KEYS)})")
     kw = {}
     for item in filter(None, args.split(",")):
         key, eq, val = item.partition("=")
         if not eq:
             raise KvboundError(f"policy spec {spec!r}: expected key=value, got {item!r}")
         key = key.strip().replace("-", "_")
+        if key not in SPEC_KEYS[kind]:
+            raise KvboundError(f"policy spec {spec!r}: unknown option {key!r} for {kind} (options: "
+                               f"{', '.join(SPEC_KEYS[kind]) or 'none'})")
         try:
             kw[key] = float(val) if key == "ema_decay" else (int(val) if key not in ("score", "granularity") else val)
         except ValueError:

@@ -206,9 +206,9 @@ class QuantizedStore:
                 t[layer, slots, heads] = val
         self.width[layer, slots, heads] = dst
 
-    def bytes_per_token(self):
-        """Bytes of one token in one layer (K and V, all heads) at the recent/uniform width."""
-        return 2 * self.width.shape[2] * self.k[self.recent_bits].bytes_per_token_head()
+    def bytes_per_token(self, bits: int | None = None):
+        """Bytes of one token in one layer (K and V, all heads) at `bits` (default: the width tokens are written at)."""
+        return 2 * self.width.shape[2] * self.k[bits or self.recent_bits].bytes_per_token_head()
 
     def bytes_held(self, layer, live):
         if self._is_dense(layer):

@@ -9,12 +9,13 @@ from ..eval.needle import needle_grid, needle_runs
 from ..eval.perplexity import perplexity, print_ppl_table
 from ..eval.plots import needle_heatmap, ppl_bars, sweep_lines
 from ..eval.strategies import DEFAULT_STRATEGIES, parse_strategies, with_baseline
+from ..errors import KvboundError
 from .options import (add_cache_args, add_model_args, cache_options, float_list, int_list, load_model,
-                      policy_defaults, positive_int)
+                      pinned_spans, policy_defaults, positive_int)
 
 
-def strategies_for(args, names, budget, pinned=()):
-    return parse_strategies(names, budget, cache_options(args), pinned=pinned, **policy_defaults(args))
+def strategies_for(args, names, budget):
+    return parse_strategies(names, budget, cache_options(args), pinned=pinned_spans(args), **policy_defaults(args))
 
 
 def cmd_ppl(args):
@@ -59,6 +60,8 @@ def cmd_sweep(args):
 
 
 def cmd_needle(args):
+    if args.pin_prefix:
+        raise KvboundError("eval needle: --pin-prefix has no effect; --pin-question pins the instruction span")
     model, tok, dtype = load_model(args)
     results = needle_runs(model, tok, with_baseline(args.strategies), args.context, args.depths, args.budget_frac,
                           cache_options(args), args.pin_question, args.max_tokens, args.device, dtype, args.text,
@@ -83,7 +86,7 @@ def add_eval_parser(sub):
 
     def common(p):
         add_model_args(p)
-        add_cache_args(p)
+        add_cache_args(p, with_policy=False)
         p.set_defaults(budget=256)
         p.add_argument("--strategies", type=lambda s: [x for x in s.split(",") if x], default=DEFAULT_STRATEGIES,
                        help="comma-separated: baseline, window, h2o-balanced, h2o-heavy, specs, +kv8/+kv4/+kvmixed "

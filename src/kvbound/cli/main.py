@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 
@@ -12,25 +13,49 @@ from .eval_cmds import add_eval_parser
 from .options import add_cache_args, add_model_args, kv_dtype, load_model, make_policy, positive_int
 
 
+def engine_tokens(engine, ids, params, report):
+    """One request through the engine: its tokens as they come, a progress bar on stderr while a long
+    prompt is prefilled, and the peak KV bytes the pool held in report["kv_bytes"]."""
+    from tqdm import tqdm
+    rid = engine.add_request(ids, params)
+    seq = engine.requests[rid][0]
+    block_bytes = engine.pool.block_size * engine.pool.bytes_per_token() * engine.model.config.num_layers
+    sent, peak = 0, 0
+    with tqdm(total=len(ids), desc="prefill", unit="tok", file=sys.stderr, leave=False,
+              disable=len(ids) <= engine.scheduler.chunk) as bar:
+        while engine.has_unfinished():
+            outs = engine.step()
+            peak = max(peak, engine.pool.num_blocks - engine.pool.num_free)
+            if seq.cache is not None:
+                bar.update(min(seq.cache.seen, len(ids)) - bar.n)
+            for out in outs:
+                yield from out.outputs[0].token_ids[sent:]
+                sent = len(out.outputs[0].token_ids)
+    report["kv_bytes"] = peak * block_bytes
+
+
 def cmd_generate(args):
     """Through the engine (LLMEngine) with one request; quantized KV (--kv-bits) uses the single-sequence
-    path, since the paged pool stores K/V unquantized."""
+    path, since the paged pool stores K/V unquantized. Speeds and peak KV memory go to stderr."""
     from ..cache import KVCache, parse_kv_bits
-    from ..engine import LLM, SamplingParams, generate_ids
+    from ..engine import LLMEngine, SamplingParams, generate_ids
     from ..models.tokenizer import StreamDecoder
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
     policy = make_policy(args)
     bits = parse_kv_bits(args.kv_bits)
+    text = sys.stdin.read().rstrip("\n") if args.prompt == "-" else args.prompt
     model, tok, dtype = load_model(args)
-    prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    prompt = tok.apply_chat_template([{"role": "user", "content": text}]) if args.chat else text
     ids = tok.encode(prompt)
+    model.config.check_length(len(ids), args.max_tokens)
+    report = {}
     if bits is None:
         need = policy.capacity if policy.bounded else len(ids) + args.max_tokens
-        llm = LLM(model, tokenizer=tok, policy=policy, num_blocks=-(-need // 16), block_size=16,
-                  prefill_chunk=args.prefill_chunk, max_num_batched_tokens=args.prefill_chunk,
-                  kv_dtype=kv_dtype(args, dtype))
-        tokens = llm.stream(ids, params)
+        engine = LLMEngine(model, tok, policy=policy, num_blocks=-(-need // 16), block_size=16,
+                           prefill_chunk=args.prefill_chunk, max_num_batched_tokens=args.prefill_chunk,
+                           kv_dtype=kv_dtype(args, dtype))
+        tokens = engine_tokens(engine, ids, params, report)
     else:
         cache = KVCache(model.config, policy, device=args.device, dtype=kv_dtype(args, dtype), kv_bits=bits,
                         kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start)
@@ -38,10 +63,19 @@ def cmd_generate(args):
     stream = StreamDecoder(tok)
     if args.echo:
         sys.stdout.write(prompt)
+    start, first, n = time.perf_counter(), None, 0
     for t in tokens:
+        first = first or time.perf_counter()
+        n += 1
         sys.stdout.write(stream.push(t))
         sys.stdout.flush()
+    end = time.perf_counter()
     sys.stdout.write("\n")
+    kv = report["kv_bytes"] if bits is None else cache.nbytes()["held_bytes"]
+    prefill_s = (first or end) - start
+    print(f"prompt: {len(ids)} tokens, {len(ids) / prefill_s:.1f} tokens/s\n"
+          f"generation: {n} tokens, {(n - 1) / (end - first) if n > 1 else 0.0:.1f} tokens/s\n"
+          f"peak KV memory: {kv / 2**20:.2f} MiB ({policy.describe()})", file=sys.stderr)
 
 
 def cmd_info(args):
@@ -61,27 +95,44 @@ def cmd_info(args):
     bits = parse_kv_bits(args.kv_bits)
     policy = make_policy(args)
     cache = KVCache(cfg, policy, kv_bits=bits, kv_group_size=args.kv_group_size, dtype=torch.bfloat16)
-    per = cache.store.bytes_per_token() * cfg.num_layers
-    if bits is not None:
-        print(f"KV bytes/token    {per:,} at kv-bits {args.kv_bits}, group {args.kv_group_size} "
-              f"(data + scales + biases; {cfg.kv_bytes_per_token(2) / per:.3f}x smaller than bf16)")
+    widths = {} if bits is None else ({"recent": bits["recent"], "heavy": bits["heavy"]} if isinstance(bits, dict)
+                                      else {"recent": bits, "heavy": bits})
+    per = {role: cache.store.bytes_per_token(b) * cfg.num_layers for role, b in widths.items()}
+    for b in sorted(set(widths.values()), reverse=True):
+        n = cache.store.bytes_per_token(b) * cfg.num_layers
+        who = "" if len(set(widths.values())) == 1 else (" (recent and sink tokens)" if b == widths["recent"]
+                                                         else " (older tokens)")
+        print(f"KV bytes/token    {n:,} at {b} bits{who}, group {args.kv_group_size} "
+              f"(data + scales + biases; {cfg.kv_bytes_per_token(2) / n:.3f}x smaller than bf16)")
     if policy.bounded:
         meta = cfg.num_layers * cfg.num_kv_heads * (4 + (4 if policy.score else 0))  # int32 positions (+ fp32 scores)
-        held = policy.budget * (per + meta)
+        bf16 = cfg.kv_bytes_per_token(2)
+        young = min(policy.budget, policy.sink + policy.recent)  # the widths of mixed KV: young tokens stay narrow
+        held = (young * per.get("recent", bf16) + (policy.budget - young) * per.get("heavy", bf16)
+                + policy.budget * meta)
         print(f"KV bytes held     {held:,} at most per sequence under {policy.describe()} "
               f"(K/V + positions{' + scores' if policy.score else ''}); a full bf16 cache passes that at "
-              f"{held // cfg.kv_bytes_per_token(2) + 1:,} tokens")
+              f"{held // bf16 + 1:,} tokens")
+
+
+class Parser(argparse.ArgumentParser):
+    """A usage error is one line naming the bad value, and where to look (exit code 2), not the usage block."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(prog="kvbound", description="LLM inference with a bounded KV cache")
+    from .. import __version__
+    ap = Parser(prog="kvbound", description="LLM inference with a bounded KV cache")
+    ap.add_argument("--version", action="version", version=f"kvbound {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="complete a prompt")
-    g.add_argument("prompt")
-    g.add_argument("--max-tokens", type=positive_int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("prompt", help="the prompt text, or - to read it from standard input")
+    g.add_argument("--max-tokens", type=positive_int, default=64, help="tokens to generate (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--echo", action="store_true", help="print the prompt before the completion")

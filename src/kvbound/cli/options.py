@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -32,36 +33,71 @@ def float_list(s):
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
 
 
+def nonneg_int(s):
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def default_threads() -> int:
+    """CPU threads for torch: the cores this process may use, less those other work keeps busy (the load
+    average), at least 1. Oversubscribed cores make every thread wait: on a busy 2-core machine the
+    default of 2 threads took 50 s where 1 took 1.9 s."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    busy = int(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
+    return max(1, cores - busy)
+
+
 def add_model_args(p):
     p.add_argument("--model", help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights and KV dtype (default: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch")
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: the "
+                   "cores this process may use, less those busy with other work by the load average)")
 
 
-def add_cache_args(p, policy_default="full"):
+def add_cache_args(p, with_policy=True):
+    """with_policy=False where --strategies names the policies (eval)."""
     g = p.add_argument_group("KV cache")
-    g.add_argument("--policy", default=policy_default,
-                   help="full | window | h2o | h2o-balanced | h2o-heavy | a spec like "
-                        "'h2o:sink=4,heavy=128,recent=124,score=ema,granularity=layer'")
-    g.add_argument("--budget", type=positive_int, default=None, help="KV tokens kept per layer (bounded policies)")
+    if with_policy:
+        g.add_argument("--policy", default="full",
+                       help="full | window | h2o | h2o-balanced | h2o-heavy | a spec like "
+                            "'h2o:sink=4,heavy=128,recent=124,score=ema,granularity=layer' (default: %(default)s)")
+    g.add_argument("--budget", type=positive_int, default=None, help="KV tokens kept per layer (bounded policies; "
+                   "default: %(default)s)")
     g.add_argument("--score", choices=["cumulative", "ema", "normalized"], default=None, help="h2o score")
     g.add_argument("--ema-decay", type=float, default=None, help="h2o ema decay in (0, 1) (default 0.95)")
     g.add_argument("--granularity", choices=["kv-head", "layer"], default=None, help="h2o eviction granularity")
     g.add_argument("--evict-every", type=positive_int, default=None, help="evict once every N tokens")
-    g.add_argument("--pin-prefix", type=int, default=0, help="never evict the first N prompt tokens")
+    g.add_argument("--pin-prefix", type=nonneg_int, default=0, help="never evict the first N prompt tokens")
     g.add_argument("--prefill-chunk", type=positive_int, default=512, help="prefill chunk length")
     g.add_argument("--kv-bits", default=None, help="8 | 4 | heavy=8,recent=4 (quantized KV)")
     g.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64, 128])
-    g.add_argument("--quantized-kv-start", type=int, default=0, help="keep full precision until N tokens")
+    g.add_argument("--quantized-kv-start", type=nonneg_int, default=0, help="with --kv-bits: keep full precision "
+                   "until the cache holds N tokens")
     g.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="dtype of unquantized K/V (default: the model's dtype)")
+
+
+def check_cache_args(args):
+    """Flags that would be silently ignored are refused instead."""
+    if args.quantized_kv_start and args.kv_bits is None:
+        raise KvboundError(f"--quantized-kv-start {args.quantized_kv_start} has no effect without --kv-bits")
+
+
+def pinned_spans(args) -> tuple:
+    return ((0, args.pin_prefix),) if args.pin_prefix else ()
 
 
 def cache_options(args):
     """The eval harness's cache settings from the KV-cache flags."""
     from ..eval.strategies import CacheOptions
+    check_cache_args(args)
     return CacheOptions(kv_dtype=getattr(torch, args.kv_dtype) if args.kv_dtype else None, kv_bits=args.kv_bits,
                         kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start,
                         prefill_chunk=args.prefill_chunk)
@@ -72,21 +108,26 @@ def policy_defaults(args) -> dict:
                 evict_every=args.evict_every)
 
 
-def make_policy(args, spec=None, budget=None):
+def make_policy(args):
+    """The policy of --policy and its options; options an unbounded cache would ignore are refused."""
     from ..cache import parse_policy
-    if args.pin_prefix < 0:
-        raise KvboundError(f"--pin-prefix must be >= 0, got {args.pin_prefix}")
-    pinned = ((0, args.pin_prefix),) if args.pin_prefix else ()
-    return parse_policy(spec or args.policy, budget if budget is not None else args.budget, pinned=pinned,
-                        **policy_defaults(args))
+    check_cache_args(args)
+    policy = parse_policy(args.policy, args.budget, pinned=pinned_spans(args), **policy_defaults(args))
+    if not policy.bounded:
+        given = [f"--{k.replace('_', '-')}" for k in ("budget", "pin_prefix", "score", "ema_decay", "granularity",
+                                                       "evict_every") if getattr(args, k)]
+        if given:
+            raise KvboundError(f"{', '.join(given)} has no effect with --policy {args.policy} (an unbounded cache): "
+                               "choose a bounded policy (window, h2o) or drop it")
+    return policy
 
 
 def load_model(args):
     from ..models import load
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise KvboundError(f"--device {args.device}: CUDA is not available on this machine (use --device cpu)")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if not args.device.startswith("cuda"):
+        torch.set_num_threads(args.threads or default_threads())
     # Tiny attention probabilities and activations go subnormal, and x86 CPUs compute on subnormals
     # many times slower: flushing them to zero made a decode step 15-30% faster here.
     torch.set_flush_denormal(True)

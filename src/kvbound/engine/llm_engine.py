@@ -100,6 +100,7 @@ class LLMEngine:
         if not prompt:
             raise KvboundError("the prompt is empty")
         vocab = self.model.config.vocab_size
+        self.model.config.check_length(len(prompt), params.max_tokens)
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise KvboundError(f"prompt token ids must be in [0, {vocab}), got {min(prompt)}..{max(prompt)}")
         request_id = request_id if request_id is not None else str(next(self._ids))

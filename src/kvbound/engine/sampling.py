@@ -1,6 +1,7 @@
 """Sampling parameters of a request, and choosing the next token from logits."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +23,8 @@ class SamplingParams:
             raise KvboundError(f"n must be a positive integer, got {self.n!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise KvboundError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise KvboundError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise KvboundError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise KvboundError(f"top_p must be in (0, 1], got {self.top_p}")
 

@@ -48,6 +48,8 @@ def needle_runs(model, tok, names, contexts, depths, budget_fracs, options: Cach
                 max_tokens=24, device="cpu", dtype=None, haystack=None, **policy_defaults) -> list[dict]:
     """Every strategy on every (context, budget fraction, depth), and with `pin_question` each bounded one
     again with the instruction + question span pinned. One record per run: found or not, the answer, KV bytes."""
+    for context in contexts:
+        model.config.check_length(context, max_tokens)
     variants = [False, True] if pin_question else [False]
     results = []
     jobs = [(c, d, f, pin) for c in contexts for f in budget_fracs for d in depths for pin in variants]

@@ -27,6 +27,7 @@ def perplexity(model, samples, strategies: dict, options: CacheOptions, prefill:
     mem = {s: [] for s in names}
     if any(len(x) != len(samples[0]) for x in samples):
         raise KvboundError("perplexity: all samples must have the same length")
+    model.config.check_length(len(samples[0]))
     if prefill < 1 or prefill >= len(samples[0]):
         raise KvboundError(f"--prefill must be in [1, seq-len), got {prefill}")
     steps = sum(len(x) - prefill for x in samples)

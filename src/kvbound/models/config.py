@@ -46,6 +46,17 @@ class ModelConfig:
             raise KvboundError(f"config: num_attention_heads={self.num_heads} is not a multiple of "
                                f"num_key_value_heads={self.num_kv_heads}")
 
+    def check_length(self, prompt_tokens: int, max_tokens: int = 0):
+        """Refuse a request that would run past the model's context: positions beyond it were never trained,
+        and the output turns to garbage."""
+        ctx, total = self.max_position_embeddings, prompt_tokens + max_tokens
+        if prompt_tokens > ctx:
+            raise KvboundError(f"the prompt has {prompt_tokens:,} tokens, more than the model's context of {ctx:,}")
+        if total > ctx:
+            raise KvboundError(f"the prompt ({prompt_tokens:,} tokens) plus max_tokens ({max_tokens:,}) is {total:,} "
+                               f"tokens, past the model's context of {ctx:,}: lower max_tokens to at most "
+                               f"{ctx - prompt_tokens:,}")
+
     def kv_bytes_per_token(self, bytes_per_elem: int = 2) -> int:
         """K and V for every layer, at `bytes_per_elem` (2 for bf16)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_elem
