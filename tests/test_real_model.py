@@ -127,3 +127,60 @@ def test_bench_throughput_cli(tmp_path):
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     assert res["requests"] == 4 and res["output_tokens_per_s"] > 0 and res["preemptions"] > 0
+
+
+def test_chat_session_keeps_its_cache_and_feeds_only_new_text(smollm):
+    """Two turns: the second feeds only its own text, and the cache then holds what a cold run of the whole
+    conversation feeds; under a bounded policy the system prompt stays pinned through eviction."""
+    from kvbound.cache import parse_policy
+    from kvbound.engine.chat import ChatSession
+    model, tok = smollm
+    params = SamplingParams(max_tokens=12)
+    s = ChatSession(model, tok, None, "You are a terse geography assistant.", params)
+    first = "".join(s.send("What is the capital of France?"))
+    seen_after_first = s.cache.seen
+    second = "".join(s.send("And of Italy?"))
+    assert "Paris" in first and "Rome" in second
+    rendered = tok.apply_chat_template(s.messages[:-1])  # everything up to the second user turn
+    reply = tok.encode(s.messages[-1]["content"], add_bos=False)
+    fed_reply = reply if len(reply) < params.max_tokens else reply[:-1]
+    assert s.cache.seen == len(tok.encode(rendered)) + len(fed_reply)
+    assert s.cache.seen - seen_after_first < len(tok.encode(rendered))  # the second turn did not re-feed the first
+    bounded = ChatSession(model, tok, parse_policy("h2o:sink=4,heavy=8,recent=8"), "You are a terse assistant.",
+                          SamplingParams(max_tokens=8))
+    (_, end), = bounded.cache.policy.pinned
+    assert end > 4
+    for question in ("Name a colour.", "Name a fruit.", "Name a city."):
+        "".join(bounded.send(question))
+    assert bounded.cache.seen > 40 and len(bounded.cache) <= 4 + 8 + 8 + end
+    for h in range(model.config.num_kv_heads):
+        assert set(range(end)) <= set(bounded.cache.kept_positions(0, h))
+
+
+def test_cli_chat_answers_each_line(smollm):
+    r = subprocess.run([sys.executable, "-m", "kvbound", "chat", "--system", "You are a terse geography assistant.",
+                        "--max-tokens", "12", "--policy", "h2o", "--budget", "64"],
+                       input="What is the capital of France?\nAnd of Italy?\n", capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 2 and "Paris" in lines[0] and "Rome" in lines[1]
+
+
+def test_llm_chat_and_stream_text(smollm):
+    from kvbound import LLM
+    from kvbound.cache import parse_policy
+    from kvbound.engine.chat import with_pinned_system
+    model, tok = smollm
+    llm = LLM(model, tokenizer=tok, num_blocks=64)
+    conv = [{"role": "system", "content": "You are a terse geography assistant."},
+            {"role": "user", "content": "What is the capital of France?"}]
+    outs = llm.chat([conv, conv[1:]], SamplingParams(max_tokens=12), use_tqdm=False)
+    assert len(outs) == 2 and all("Paris" in o.outputs[0].text for o in outs)
+    pol = with_pinned_system(parse_policy("h2o:sink=4,heavy=28,recent=32"), tok, conv)
+    system_tokens = len(tok.encode(tok.apply_chat_template(conv[:1], add_generation_prompt=False)))
+    assert pol.pinned == ((0, system_tokens),)
+    assert with_pinned_system(parse_policy("h2o:sink=4,heavy=28,recent=32"), tok, conv[1:]).pinned == ()
+    p = "The capital of France is"
+    text = "".join(llm.stream_text(p, SamplingParams(max_tokens=8)))
+    assert text == tok.decode(llm.generate(p, SamplingParams(max_tokens=8), use_tqdm=False)[0].outputs[0].token_ids)

@@ -78,6 +78,36 @@ def cmd_generate(args):
           f"peak KV memory: {kv / 2**20:.2f} MiB ({policy.describe()})", file=sys.stderr)
 
 
+def cmd_chat(args):
+    """An interactive conversation, one line per user turn (EOF or an empty line ends it). The cache persists
+    between turns under the chosen policy; the system prompt is pinned under bounded ones."""
+    from ..cache import parse_kv_bits
+    from ..engine import SamplingParams
+    from ..engine.chat import ChatSession
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed)
+    policy = make_policy(args)
+    bits = parse_kv_bits(args.kv_bits)
+    model, tok, dtype = load_model(args)
+    session = ChatSession(model, tok, policy, args.system, params, args.prefill_chunk, device=args.device,
+                          dtype=kv_dtype(args, dtype), kv_bits=bits, kv_group_size=args.kv_group_size,
+                          quantized_kv_start=args.quantized_kv_start)
+    tty = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("> " if tty else "")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        for piece in session.send(line):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    print(f"{session.cache.seen} tokens processed, {len(session.cache)} held per layer "
+          f"({policy.describe()}), {session.cache.nbytes()['held_bytes'] / 2**20:.2f} MiB of KV", file=sys.stderr)
+
+
 def cmd_info(args):
     from ..cache import KVCache, parse_kv_bits
     model, tok, dtype = load_model(args)
@@ -139,6 +169,16 @@ def build_parser():
     add_model_args(g)
     add_cache_args(g)
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="an interactive conversation whose cache persists between turns")
+    c.add_argument("--system", default=None, help="a system prompt (pinned under bounded policies)")
+    c.add_argument("--max-tokens", type=positive_int, default=256, help="tokens per reply (default: %(default)s)")
+    c.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    c.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    c.add_argument("--seed", type=int, default=None)
+    add_model_args(c)
+    add_cache_args(c)
+    c.set_defaults(func=cmd_chat)
 
     i = sub.add_parser("info", help="architecture, parameters and KV bytes per token")
     add_model_args(i)

@@ -29,7 +29,7 @@ def generate_ids(model, prompt_ids: list[int], params: SamplingParams, cache: KV
     """Yields generated token ids one by one, stopping at EOS (not yielded) or max_tokens."""
     if not prompt_ids:
         raise KvboundError("the prompt is empty")
-    model.config.check_length(len(prompt_ids), params.max_tokens)
+    model.config.check_length(cache.seen + len(prompt_ids), params.max_tokens)
     gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
     logits = prefill(model, cache, prompt_ids, prefill_chunk)
     for i in range(params.max_tokens):

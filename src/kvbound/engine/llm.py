@@ -45,6 +45,34 @@ class LLM:
         bar.close()
         return [results[i] for i in ids]
 
+    def chat(self, messages, params: SamplingParams | list | None = None, policies=None, use_tqdm: bool = True,
+             pin_system_prompt: bool = True) -> list[RequestOutput]:
+        """messages: one conversation (a list of {"role": ..., "content": ...}) or a list of them, each rendered
+        with the model's chat template and generated as `generate` does. Under a bounded policy a leading
+        system message's tokens are pinned (never evicted) unless pin_system_prompt=False."""
+        from .chat import with_pinned_system
+        if self.tokenizer is None:
+            raise KvboundError("chat needs a tokenizer with a chat template")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        policies = policies if isinstance(policies, list) else [policies] * len(convs)
+        if len(policies) != len(convs):
+            raise KvboundError(f"got {len(convs)} conversations but {len(policies)} policies")
+        prompts = [self.tokenizer.apply_chat_template(c) for c in convs]
+        policies = [with_pinned_system(p or self.engine.default_policy, self.tokenizer, c) if pin_system_prompt else p
+                    for p, c in zip(policies, convs)]
+        return self.generate(prompts, params, policies, use_tqdm)
+
+    def stream_text(self, prompt, params: SamplingParams | None = None, policy=None) -> Iterator[str]:
+        """`stream`, as text pieces (a piece waits for the bytes that complete a character)."""
+        from ..models.tokenizer import StreamDecoder
+        if self.tokenizer is None:
+            raise KvboundError("stream_text needs a tokenizer")
+        decoder = StreamDecoder(self.tokenizer)
+        for tok in self.stream(prompt, params, policy):
+            piece = decoder.push(tok)
+            if piece:
+                yield piece
+
     def stream(self, prompt, params: SamplingParams | None = None, policy=None) -> Iterator[int]:
         """Token ids of one completion as they are generated. Requests added to `self.engine` by hand keep
         running meanwhile; their outputs are not collected here."""
