@@ -256,7 +256,9 @@ def named_policy(name: str, budget: int | None, pinned=()):
         raise KvboundError(f"budget {budget} is too small for {name!r}, which keeps 4 sink tokens: use a budget "
                            "of at least 5, or a spec with fewer sinks")
     heavy = min(budget - 4, round(budget * (64 if name == "h2o-balanced" else 128) / 256))
-    return H2OPolicy(sink=4, heavy=heavy, recent=budget - 4 - heavy, pinned=pinned)
+    # pinned tokens count against the budget: the recent window gives way to them, heavy hitters fill the rest
+    recent = max(0, min(budget - 4 - heavy, budget - _pinned_count(4, _check_spans(pinned))))
+    return H2OPolicy(sink=4, heavy=budget - 4 - recent, recent=recent, pinned=pinned)
 
 
 def parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):

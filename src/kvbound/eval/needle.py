@@ -51,25 +51,27 @@ def needle_runs(model, tok, names, contexts, depths, budget_fracs, options: Cach
     for context in contexts:
         model.config.check_length(context, max_tokens)
     variants = [False, True] if pin_question else [False]
+    jobs = []
+    for context in contexts:  # every prompt and policy first, so bad settings fail before any run
+        for frac in budget_fracs:
+            for depth in depths:
+                ids, pin_len = needle_prompt(tok, context, depth, haystack)
+                for pin in variants:
+                    strategies = parse_strategies(names, max(16, int(frac * context)), options,
+                                                  pinned=((0, pin_len),) if pin else (), **policy_defaults)
+                    jobs += [(context, depth, frac, pin, name, pol, bits, ids)
+                             for name, (pol, bits) in strategies.items() if pol.bounded or not pin]
     results = []
-    jobs = [(c, d, f, pin) for c in contexts for f in budget_fracs for d in depths for pin in variants]
-    for context, depth, frac, pin in tqdm(jobs, desc="needle"):
-        ids, pin_len = needle_prompt(tok, context, depth, haystack)
-        budget = max(16, int(frac * context))
-        strategies = parse_strategies(names, budget, options, pinned=((0, pin_len),) if pin else (),
-                                      **policy_defaults)
-        for name, (pol, bits) in strategies.items():
-            if pin and not pol.bounded:
-                continue
-            cache = make_cache(model, pol, bits, options, device, dtype)
-            out = list(generate_ids(model, ids, SamplingParams(max_tokens=max_tokens), cache, tok.eos_ids,
-                                    options.prefill_chunk))
-            answer = tok.decode(out)
-            mem = cache.nbytes()
-            results.append({"strategy": name + ("+pin" if pin else ""), "context": context, "depth": depth,
-                            "budget_frac": frac, "budget": pol.budget,
-                            "found": any(k in answer.lower() for k in NEEDLE_KEYS), "answer": answer.strip(),
-                            "kv_held_bytes": mem["held_bytes"], "kv_full_bf16_bytes": mem["full_bf16_bytes"]})
+    for context, depth, frac, pin, name, pol, bits, ids in tqdm(jobs, desc="needle"):
+        cache = make_cache(model, pol, bits, options, device, dtype)
+        out = list(generate_ids(model, ids, SamplingParams(max_tokens=max_tokens), cache, tok.eos_ids,
+                                options.prefill_chunk))
+        answer = tok.decode(out)
+        mem = cache.nbytes()
+        results.append({"strategy": name + ("+pin" if pin else ""), "context": context, "depth": depth,
+                        "budget_frac": frac, "budget": pol.budget,
+                        "found": any(k in answer.lower() for k in NEEDLE_KEYS), "answer": answer.strip(),
+                        "kv_held_bytes": mem["held_bytes"], "kv_full_bf16_bytes": mem["full_bf16_bytes"]})
     return results
 
 

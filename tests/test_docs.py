@@ -1,0 +1,87 @@
+"""Every `kvbound` command in README.md and RESULTS.md runs, at small sizes, from a folder with no ../shared
+beside it, so the docs cannot drift from the code. So does README's Python example."""
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = {"--max-tokens": "4", "--samples": "2", "--seq-len": "64", "--budget": "32", "--values": "16,32",
+         "--context": "300", "--depths": "0.5", "--budget-frac": "0.5", "--pin-prefix": "8", "--num-prompts": "4",
+         "--input-len": "16", "--output-len": "4", "--rate": "4", "--duration": "1", "--device": "cpu",
+         "--model": None, "--text": None}  # None: dropped (the default model and the package's text)
+ENSURE = {"generate": ["--max-tokens"], "chat": ["--max-tokens"], "ppl": ["--samples", "--seq-len"],
+          "sweep": ["--samples", "--seq-len"], "needle": ["--depths", "--budget-frac"]}  # small even where not shown
+
+
+def documented_commands():
+    """(file, command line) of each `kvbound ...` line in a bash block, continuations joined, comments and
+    optional [bracketed] parts removed."""
+    for name in ("README.md", "RESULTS.md"):
+        for block in re.findall(r"```bash\n(.*?)```", (ROOT / name).read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = re.sub(r"\[[^\]]*\]", "", line.split("  #")[0]).strip()
+                if line.startswith("kvbound "):
+                    yield name, line
+
+
+def shrink(line: str, tmp: Path) -> tuple[list[str], str | None]:
+    """The command at small sizes, writing under tmp; and what to give it on stdin."""
+    words = shlex.split(line.replace("< prompt.txt", ""))[1:]
+    out, stdin, i = [], None, 0
+    while i < len(words):
+        w = words[i]
+        if w in SMALL:
+            if SMALL[w] is not None:
+                out += [w, SMALL[w]]
+            i += 2
+            continue
+        if w in ("--json", "--plot"):
+            out += [w, str(tmp / Path(words[i + 1]).name)]
+            i += 2
+            continue
+        out.append("The capital of France is" if w == "..." else w)
+        i += 1
+    for flag in ENSURE.get(out[1] if out[0] == "eval" else out[0], []):
+        if flag not in out:
+            out += [flag, SMALL[flag]]
+    if out[:2] == ["generate", "-"]:
+        stdin = "The capital of France is"
+    if out[:1] == ["chat"]:
+        stdin = "What is the capital of France?\n"
+    return out, stdin
+
+
+COMMANDS = list(documented_commands())
+
+
+def test_docs_show_commands():
+    assert len(COMMANDS) >= 10 and any(c.startswith("kvbound chat") for _, c in COMMANDS)
+
+
+@pytest.mark.parametrize("doc, line", COMMANDS, ids=[c[:60] for _, c in COMMANDS])
+def test_documented_command_runs(doc, line, tmp_path):
+    args, stdin = shrink(line, tmp_path)
+    r = subprocess.run([sys.executable, "-m", "kvbound", *args], input=stdin, capture_output=True, text=True,
+                       timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, f"{doc}: {line}\n{r.stderr[-2000:]}"
+    assert "Traceback" not in r.stderr
+    if args[0] in ("generate", "chat"):
+        assert r.stdout.strip()
+    if args[0] == "eval":
+        assert "baseline" in r.stdout
+    for flag in ("--json", "--plot"):
+        if flag in args:
+            assert Path(args[args.index(flag) + 1]).stat().st_size > 0
+
+
+def test_readme_python_example_runs(tmp_path):
+    code = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    code = code.replace("max_tokens=32", "max_tokens=4").replace("max_tokens=16", "max_tokens=4")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip()
