@@ -139,3 +139,20 @@ def test_documented_defaults_run_on_a_fresh_machine_and_write_only_what_is_asked
             "--max-tokens", "2", cwd=tmp_path)
     assert "needle found" in r.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_generate_past_the_context_only_with_reindexed_positions(tiny):
+    """A 700-word prompt for a model of 512 positions: refused, naming both lengths, unless the user asks for
+    positions re-indexed within a bounded cache (StreamingLLM)."""
+    prompt = " ".join(WORDS[i % len(WORDS)] for i in range(700))
+
+    def gen(*args):
+        return subprocess.run([sys.executable, "-m", "kvbound", "generate", "-", "--model", str(tiny),
+                               "--max-tokens", "3", *args], input=prompt, capture_output=True, text=True, timeout=300)
+    r = gen()
+    assert r.returncode == 2 and "the prompt has 700 tokens, more than the model's context of 512" in r.stderr
+    r = gen("--policy", "window", "--budget", "64", "--prefill-chunk", "128", "--reindex-positions")
+    assert r.returncode == 0, r.stderr
+    assert "prompt: 700 tokens" in r.stderr and "generation:" in r.stderr
+    r = gen("--policy", "window", "--budget", "500", "--reindex-positions")
+    assert r.returncode == 2 and "pass the model's context of 512" in r.stderr

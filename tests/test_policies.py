@@ -192,3 +192,49 @@ def test_byte_accounting_after_the_model_grew_an_unbounded_cache():
     cache.advance(9)
     assert cache.nbytes()["tokens_held"] == 9
     assert cache.kept_positions(0, 1) == list(range(9))
+
+
+@pytest.mark.parametrize("spec", ["window:budget=8,sink=2", "h2o:sink=2,heavy=3,recent=3",
+                                  "h2o:sink=1,heavy=3,recent=2,evict_every=3"])
+def test_reindexed_positions_run_past_the_context_as_streamingllm(spec):
+    """With positions re-indexed within the cache, each head's kept keys sit at positions 0, 1, ... in stream
+    order, far past the model's context of 16: in a one-layer model (keys depend on token and position only)
+    they equal a fresh cache's keys of the same tokens, and a window cache's logits equal a fresh run on
+    its kept tokens."""
+    from kvbound.models.llama import CausalLM
+    cfg = ModelConfig(arch="LlamaForCausalLM", vocab_size=50, hidden_size=64, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=16, intermediate_size=32, max_position_embeddings=16)
+    torch.manual_seed(0)
+    model = CausalLM(cfg).eval()
+    ids = torch.randint(0, 50, (60,), generator=torch.Generator().manual_seed(1))
+    cache = KVCache(cfg, parse_policy(spec), rotate_keys=model.rerotate)
+    model(ids[:7], cache.next_positions(7), cache)
+    cache.advance(7)
+    for i in range(7, 60):
+        kept = cache.kept_positions(0, 0)
+        logits = model(ids[i:i + 1], cache.next_positions(1), cache)[0]
+        cache.advance(1)
+        if spec.startswith("window"):
+            fresh = KVCache(cfg, None)
+            want = model(ids[kept + [i]], fresh.next_positions(len(kept) + 1), fresh, logits_at=-1)[0]
+            torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+    for h in range(2):
+        kept = cache.kept_positions(0, h)
+        fresh = KVCache(cfg, None)
+        model(ids[kept], fresh.next_positions(len(kept)), fresh)
+        used = cache._slots_used(0)
+        pos = cache.pos[0, :used, h]
+        order = pos.argsort()[(pos < 0).sum():]  # live slots in stream order
+        torch.testing.assert_close(cache.store.k[0, order, h], fresh.store.k[0, :len(kept), h], atol=1e-4, rtol=1e-4)
+    assert cache.seen == 60 > cfg.max_position_embeddings
+
+
+def test_reindexed_positions_need_a_bounded_float32_dense_cache():
+    from kvbound.models.llama import CausalLM
+    cfg = ModelConfig(arch="LlamaForCausalLM", vocab_size=10, hidden_size=64, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=32, intermediate_size=8)
+    model = CausalLM(cfg)
+    for kw in (dict(policy=None), dict(policy=WindowPolicy(budget=8), kv_bits=8, kv_group_size=32),
+               dict(policy=WindowPolicy(budget=8), dtype=torch.bfloat16)):
+        with pytest.raises(KvboundError, match="re-indexed positions need"):
+            KVCache(cfg, rotate_keys=model.rerotate, **kw)

@@ -41,12 +41,16 @@ def make_store(layers, slots, heads, head_dim, device, dtype, kv_bits=None, grou
 class KVCache:
     def __init__(self, config, policy=None, device="cpu", dtype=torch.float32, kv_bits=None,
                  kv_group_size: int = 64, quantized_kv_start: int = 0, initial_slots: int = 256, store=None,
-                 stacked: tuple[StackedMeta, int] | None = None):
+                 stacked: tuple[StackedMeta, int] | None = None, rotate_keys=None):
         """dtype: the dtype unquantized K/V are stored in (bf16 for a realistic cache; the model's dtype
         for bit-exact comparisons). store: where K/V live (default: a store of this cache's own; the
         engine passes a PagedStore over its shared block pool, which grows only when `prepare` asks).
         stacked: (StackedMeta, row) whose row holds this bounded cache's positions, scores and spare slots,
-        so that the engine updates a batch of such caches in one operation."""
+        so that the engine updates a batch of such caches in one operation.
+        rotate_keys: re-index RoPE positions within the cache, as StreamingLLM does (the model's `rerotate`):
+        the kept tokens of each head sit at positions 0, 1, ... in stream order and the new tokens follow,
+        so a bounded cache can run past the model's context. Keys are re-rotated when eviction shifts them,
+        so they are kept in float32 in a dense store."""
         self.cfg = config
         self.policy = policy or FullPolicy()
         self.bounded = self.policy.bounded
@@ -76,6 +80,11 @@ class KVCache:
         self.seen = 0  # tokens processed so far: the next token's position
         self.device = device
         self.one_row = torch.zeros(1, dtype=torch.long, device=device)  # this cache as a batch of one
+        self.rotate_keys = rotate_keys
+        if rotate_keys is not None and not (self.bounded and isinstance(self.store, DenseStore)
+                                            and dtype == torch.float32):
+            raise KvboundError("re-indexed positions need a bounded policy and float32 K/V in a dense store "
+                               "(no --kv-bits): keys are re-rotated as eviction shifts them")
 
     @property
     def capacity(self) -> int:
@@ -85,7 +94,10 @@ class KVCache:
         return self.n[0]
 
     def next_positions(self, t: int) -> torch.Tensor:
-        return torch.arange(self.seen, self.seen + t, device=self.device)
+        """Positions of the next t tokens for RoPE: the tokens processed so far, or with re-indexed
+        positions the tokens held."""
+        start = self.n[0] if self.rotate_keys is not None else self.seen
+        return torch.arange(start, start + t, device=self.device)
 
     def advance(self, t: int):
         self.seen += t
@@ -169,6 +181,10 @@ class KVCache:
     def attend(self, layer: int, q, k, v, positions):
         """Attend the new tokens over the cache and themselves, then keep them (evicting if over budget)."""
         t, n = k.shape[0], self.n[layer]
+        if self.rotate_keys is not None:  # the model rotated by place in the cache; bookkeeping counts the stream
+            positions = torch.arange(self.seen, self.seen + t, device=k.device)
+            before = torch.cat([self.pos[layer, :self._slots_used(layer)], positions[:, None].expand(t, k.shape[1])
+                                .to(self.pos.dtype)])
         self._grow(self.slots_needed(t, layer))
         if self.has_spare[layer] and t > 1:
             self._densify(layer)
@@ -199,7 +215,23 @@ class KVCache:
                 self._evict_and_write(layer, k, v, cand[2][0], None if cand[3] is None else cand[3][0])
             self.n[layer] = self.budget
         self.store.after_insert(layer, self._slots_used(layer), self.pos[layer], int(positions[-1]))
+        if self.rotate_keys is not None:
+            self._reindex(layer, before)
         return out
+
+    def _reindex(self, layer, before):
+        """After a step of re-indexed positions: each kept key was rotated at its place among the step's
+        candidates `before` [M, H] (stream positions, -1 none); rotate it on to its place among the kept."""
+        pos = self.pos[layer, :self._slots_used(layer)]
+        live = pos >= 0
+        never = torch.iinfo(pos.dtype).max
+        held = torch.where(live, pos, never).T.contiguous()  # [H, S]
+        was = torch.searchsorted(torch.where(before >= 0, before, never).T.contiguous().sort(-1).values, held)
+        now = torch.searchsorted(held.sort(-1).values, held)
+        delta = (now - was).T
+        slots, heads = (live & (delta != 0)).nonzero(as_tuple=True)
+        if len(slots):
+            self.store.rotate_keys(layer, slots, heads, delta[slots, heads], self.rotate_keys)
 
     def _layer_meta(self, layer):
         """This layer's (pos, spare, score) as one row of a batch: [1, cap, H], [1, H], [1, cap, H] or None."""

@@ -89,6 +89,10 @@ class DenseStore:
     def kernel_args(self, layer):
         return self.k[layer], self.v[layer], None
 
+    def rotate_keys(self, layer, slots, heads, delta, rotate):
+        """Keys at (slots[i], heads[i]) -> rotate(keys [N, D], delta [N]), in place."""
+        self.k[layer, slots, heads] = rotate(self.k[layer, slots, heads], delta).to(self.k.dtype)
+
     def slot_table(self, n):
         """Where local slots [0, n) live in the storage: here, the same slots."""
         return torch.arange(n, device=self.k.device, dtype=torch.int32)

@@ -48,9 +48,10 @@ def cmd_generate(args):
     model, tok, dtype = load_model(args)
     prompt = tok.apply_chat_template([{"role": "user", "content": text}]) if args.chat else text
     ids = tok.encode(prompt)
-    model.config.check_length(len(ids), args.max_tokens)
+    if not args.reindex_positions:
+        model.config.check_length(len(ids), args.max_tokens)
     report = {}
-    if bits is None:
+    if bits is None and not args.reindex_positions:
         need = policy.capacity if policy.bounded else len(ids) + args.max_tokens
         engine = LLMEngine(model, tok, policy=policy, num_blocks=-(-need // 16), block_size=16,
                            prefill_chunk=args.prefill_chunk, max_num_batched_tokens=args.prefill_chunk,
@@ -58,7 +59,8 @@ def cmd_generate(args):
         tokens = engine_tokens(engine, ids, params, report)
     else:
         cache = KVCache(model.config, policy, device=args.device, dtype=kv_dtype(args, dtype), kv_bits=bits,
-                        kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start)
+                        kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start,
+                        rotate_keys=model.rerotate if args.reindex_positions else None)
         tokens = generate_ids(model, ids, params, cache, tok.eos_ids, args.prefill_chunk)
     stream = StreamDecoder(tok)
     if args.echo:
@@ -71,7 +73,7 @@ def cmd_generate(args):
         sys.stdout.flush()
     end = time.perf_counter()
     sys.stdout.write("\n")
-    kv = report["kv_bytes"] if bits is None else cache.nbytes()["held_bytes"]
+    kv = report["kv_bytes"] if "kv_bytes" in report else cache.nbytes()["held_bytes"]
     prefill_s = (first or end) - start
     print(f"prompt: {len(ids)} tokens, {len(ids) / prefill_s:.1f} tokens/s\n"
           f"generation: {n} tokens, {(n - 1) / (end - first) if n > 1 else 0.0:.1f} tokens/s\n"
@@ -91,7 +93,8 @@ def cmd_chat(args):
     model, tok, dtype = load_model(args)
     session = ChatSession(model, tok, policy, args.system, params, args.prefill_chunk, device=args.device,
                           dtype=kv_dtype(args, dtype), kv_bits=bits, kv_group_size=args.kv_group_size,
-                          quantized_kv_start=args.quantized_kv_start)
+                          quantized_kv_start=args.quantized_kv_start,
+                          rotate_keys=model.rerotate if args.reindex_positions else None)
     tty = sys.stdin.isatty()
     while True:
         try:
@@ -145,6 +148,13 @@ def cmd_info(args):
               f"{held // bf16 + 1:,} tokens")
 
 
+def add_reindex_arg(p):
+    p.add_argument("--reindex-positions", action="store_true",
+                   help="RoPE positions count the tokens held, not the tokens processed (StreamingLLM): a bounded "
+                        "cache can then run past the model's context, the evicted gaps closed. Needs a bounded "
+                        "policy and float32 K/V, no --kv-bits")
+
+
 class Parser(argparse.ArgumentParser):
     """A usage error is one line naming the bad value, and where to look (exit code 2), not the usage block."""
 
@@ -168,6 +178,7 @@ def build_parser():
     g.add_argument("--echo", action="store_true", help="print the prompt before the completion")
     add_model_args(g)
     add_cache_args(g)
+    add_reindex_arg(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="an interactive conversation whose cache persists between turns")
@@ -178,6 +189,7 @@ def build_parser():
     c.add_argument("--seed", type=int, default=None)
     add_model_args(c)
     add_cache_args(c)
+    add_reindex_arg(c)
     c.set_defaults(func=cmd_chat)
 
     i = sub.add_parser("info", help="architecture, parameters and KV bytes per token")

@@ -29,7 +29,13 @@ def generate_ids(model, prompt_ids: list[int], params: SamplingParams, cache: KV
     """Yields generated token ids one by one, stopping at EOS (not yielded) or max_tokens."""
     if not prompt_ids:
         raise KvboundError("the prompt is empty")
-    model.config.check_length(cache.seen + len(prompt_ids), params.max_tokens)
+    if cache.rotate_keys is None:
+        model.config.check_length(cache.seen + len(prompt_ids), params.max_tokens)
+    elif cache.capacity + min(prefill_chunk, len(prompt_ids)) > model.config.max_position_embeddings:
+        raise KvboundError(f"re-indexed positions reach {cache.capacity + min(prefill_chunk, len(prompt_ids)):,}: "
+                           f"the cache's {cache.capacity:,} slots plus a prefill chunk of "
+                           f"{min(prefill_chunk, len(prompt_ids)):,} pass the model's context of "
+                           f"{model.config.max_position_embeddings:,}; lower the budget or --prefill-chunk")
     gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
     logits = prefill(model, cache, prompt_ids, prefill_chunk)
     for i in range(params.max_tokens):

@@ -153,6 +153,12 @@ class CausalLM(nn.Module):
             x = x[logits_at].reshape(-1, x.shape[-1])
         return self.lm_head(self.model.norm(x)).float()
 
+    def rerotate(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Keys k [N, D] rotated by RoPE at position p, rotated on to p + delta[i] (RoPE angles add up): how a
+        cache that re-indexes positions (`KVCache(rotate_keys=...)`) moves its keys."""
+        freqs = delta.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq[None, :]
+        return apply_rope(k[:, None], freqs.cos(), freqs.sin())[:, 0]
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
 
