@@ -68,7 +68,7 @@ def test_bench_bad_input(args, needle):
     (["generate", "hi", "--policy", "h2o", "--budget", "3"], "budget 3 is too small for 'h2o'"),
     (["generate", "hi", "--policy", "h2o:bogus=1"], "unknown option 'bogus' for h2o"),
     (["generate", "hi", "--policy", "h2o", "--budget", "64", "--pin-prefix", "100"],
-     "pinned [0, 100) protect 100 tokens, which plus recent 28 = 128 exceeds budget (64)"),
+     "pinned [0, 100) protect 100 tokens, which plus recent 0 = 100 exceeds budget (64)"),
     (["generate", "hi", "--policy", "full", "--budget", "64"], "--budget has no effect with --policy full"),
     (["generate", "hi", "--quantized-kv-start", "-5"], "must be >= 0, got -5"),
     (["generate", "hi", "--quantized-kv-start", "5"], "has no effect without --kv-bits"),

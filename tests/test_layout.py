@@ -8,14 +8,16 @@ import kvbound
 
 ROOT = Path(kvbound.__file__).parent
 # what each subsystem may import from the others
+LEAVES = {"errors", "version"}  # any subsystem may import these
 ALLOWED = {
     "errors": set(),
-    "kernels": {"errors"},
-    "models": {"errors", "kernels"},
-    "cache": {"errors", "kernels"},
-    "engine": {"errors", "kernels", "models", "cache"},
-    "eval": {"errors", "kernels", "models", "cache", "engine"},
-    "cli": {"errors", "kernels", "models", "cache", "engine", "eval"},
+    "version": set(),
+    "kernels": LEAVES,
+    "models": LEAVES | {"kernels"},
+    "cache": LEAVES | {"kernels"},
+    "engine": LEAVES | {"kernels", "models", "cache"},
+    "eval": LEAVES | {"kernels", "models", "cache", "engine"},
+    "cli": LEAVES | {"kernels", "models", "cache", "engine", "eval"},
 }
 
 

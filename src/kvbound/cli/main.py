@@ -163,7 +163,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser():
-    from .. import __version__
+    from ..version import __version__
     ap = Parser(prog="kvbound", description="LLM inference with a bounded KV cache")
     ap.add_argument("--version", action="version", version=f"kvbound {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
