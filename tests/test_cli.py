@@ -1,5 +1,6 @@
 """Bad input gives a clear error and a non-zero exit, never a traceback."""
 import json
+import re
 import subprocess
 import sys
 
@@ -111,3 +112,23 @@ def test_info_reports_each_width_of_mixed_kv():
     assert "12,240 at 8 bits (older tokens)" in r.stdout and "6,480 at 4 bits (recent and sink tokens)" in r.stdout
     # 128 young tokens at 4 bits, 128 older at 8, int32 positions and fp32 scores for all 30 layers x 3 heads
     assert f"KV bytes held     {128 * 6480 + 128 * 12240 + 256 * 30 * 3 * 8:,}" in r.stdout
+
+
+def test_help_shows_defaults():
+    r = run("generate", "--help")
+    text = " ".join(r.stdout.split())
+    for flag, default in (("--max-tokens", "64"), ("--temperature", "0.0"), ("--top-p", "1.0")):
+        assert re.search(re.escape(flag) + r" \S+ [^-]*\(default: " + re.escape(default) + r"\)", text), flag
+    assert "(bounded policies; default: 256)" in " ".join(run("eval", "ppl", "--help").stdout.split())
+
+
+def test_default_threads_leave_busy_cores_alone(monkeypatch):
+    import os
+    from kvbound.cli.options import default_threads
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.0, 0.0))
+    assert default_threads() == 4
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.4, 0.0, 0.0))
+    assert default_threads() == 1
+    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 0.0, 0.0))
+    assert default_threads() == 1
