@@ -324,3 +324,32 @@ def test_preempted_forks_finish_with_the_same_outputs(model):
         if name == "tight":
             assert llm.engine.scheduler.stats["preemptions"] > 0
     assert outs["tight"] == outs["roomy"]
+
+
+def test_dropped_engine_frees_its_pool_at_once(model):
+    """No reference cycle keeps a dropped engine's pool alive until the garbage collector runs."""
+    import gc
+    import weakref
+    gc.disable()
+    try:
+        engine = LLMEngine(model, num_blocks=64, block_size=8)
+        engine.add_request(prompt(50, 20), SamplingParams(max_tokens=3, ignore_eos=True),
+                           parse_policy("h2o:sink=2,heavy=4,recent=4"))
+        while engine.has_unfinished():
+            engine.step()
+        pool = weakref.ref(engine.pool.k)
+        del engine
+        assert pool() is None
+    finally:
+        gc.enable()
+
+
+def test_close_and_context_manager_free_the_pool(model):
+    import weakref
+    with LLM(model, num_blocks=64) as llm:
+        out = llm.generate(prompt(51, 9), GREEDY, use_tqdm=False)
+        pool = weakref.ref(llm.engine.pool.k)
+    assert len(out[0].outputs[0].token_ids) == GREEDY.max_tokens
+    assert pool() is None and not llm.engine.has_unfinished()
+    with pytest.raises(KvboundError, match="this engine is closed"):
+        llm.generate(prompt(52, 9), GREEDY, use_tqdm=False)

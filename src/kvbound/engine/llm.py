@@ -24,6 +24,16 @@ class LLM:
         self.tokenizer = tokenizer
         self.engine = LLMEngine(self.model, tokenizer, **engine_args)
 
+    def close(self):
+        """Free the engine's pool, metadata and graphs now (also on leaving a `with LLM(...) as llm:` block)."""
+        self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     def generate(self, prompts, params: SamplingParams | list | None = None, policies=None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """prompts: a string, token ids, or a list of either. params / policies: one for all or one per

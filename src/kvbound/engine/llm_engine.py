@@ -42,6 +42,30 @@ class RequestOutput:
     token_times: list[float] = field(default_factory=list)
 
 
+class PoolCaches:
+    """Makes the caches of admitted sequences over the engine's pool: a paged store from the prefix-cache hit
+    blocks, and a row of the policy's stacked metadata when one is free. The scheduler holds it, and it holds
+    nothing of the engine's, so a dropped engine is freed at once (no reference cycle waiting for the gc)."""
+
+    def __init__(self, config, pool, device, kv_dtype, rows: int):
+        self.config, self.pool, self.device, self.kv_dtype, self.rows = config, pool, device, kv_dtype, rows
+        self.stacked: dict = {}  # policy -> StackedMeta of its bounded caches
+
+    def stacked_meta(self, policy) -> StackedMeta:
+        if policy not in self.stacked:
+            self.stacked[policy] = StackedMeta(policy, self.config.num_layers, self.config.num_kv_heads, self.rows,
+                                               self.device)
+        return self.stacked[policy]
+
+    def __call__(self, policy, hits: list[int]) -> KVCache:
+        stacked = None
+        if stackable(policy):
+            row = self.stacked_meta(policy).take()
+            stacked = None if row is None else (self.stacked[policy], row)
+        return KVCache(self.config, policy, device=self.device, dtype=self.kv_dtype,
+                       store=PagedStore(self.pool, hits), stacked=stacked)
+
+
 class LLMEngine:
     def __init__(self, model, tokenizer=None, policy=None, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_tokens: int = 16384, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
@@ -59,38 +83,39 @@ class LLMEngine:
         num_blocks = num_blocks or max(1, kv_cache_tokens // block_size)
         self.pool = BlockPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size,
                               self.device, self.kv_dtype)
-        self.scheduler = Scheduler(self.pool, self._make_cache, max_num_batched_tokens, max_num_seqs, prefill_chunk)
+        self.caches = PoolCaches(cfg, self.pool, self.device, self.kv_dtype, max_num_seqs + 1)
+        self.scheduler = Scheduler(self.pool, self.caches, max_num_batched_tokens, max_num_seqs, prefill_chunk)
         self.eos_ids = set(tokenizer.eos_ids) if tokenizer is not None else set()
         self.requests: dict[str, list[Sequence]] = {}
-        self.stacked: dict = {}  # policy -> StackedMeta of its bounded caches
         self._ids = itertools.count()
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.pool, max_num_seqs, graph_max_len)
             if stackable(self.default_policy):  # the default policy's evict graphs, pre-warmed too
-                self.graphs.capture_evict(self._stacked(self.default_policy))
+                self.graphs.capture_evict(self.caches.stacked_meta(self.default_policy))
 
-    def _stacked(self, policy) -> StackedMeta:
-        if policy not in self.stacked:
-            cfg = self.model.config
-            self.stacked[policy] = StackedMeta(policy, cfg.num_layers, cfg.num_kv_heads,
-                                               self.scheduler.max_num_seqs + 1, self.device)
-        return self.stacked[policy]
+    def close(self):
+        """Free the pool, the stacked metadata and the CUDA graphs now; the engine takes no more requests."""
+        self.graphs = self.pool = self.caches = self.scheduler = None
+        self.requests.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
-    def _make_cache(self, policy, hits: list[int]) -> KVCache:
-        """A cache over the pool for an admitted sequence, starting from its prefix-cache hit blocks; a row of
-        its policy's stacked metadata when one is free."""
-        stacked = None
-        if stackable(policy):
-            row = self._stacked(policy).take()
-            stacked = None if row is None else (self.stacked[policy], row)
-        return KVCache(self.model.config, policy, device=self.device, dtype=self.kv_dtype,
-                       store=PagedStore(self.pool, hits), stacked=stacked)
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _open(self):
+        if self.scheduler is None:
+            raise KvboundError("this engine is closed")
 
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, policy=None,
                     request_id: str | None = None) -> str:
         """prompt: text (needs a tokenizer) or token ids. Returns the request id."""
+        self._open()
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -119,12 +144,13 @@ class LLMEngine:
         return torch.Generator().manual_seed(params.seed + index)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler is not None and self.scheduler.has_unfinished()
 
     # --- one step -------------------------------------------------------------------------------
     def step(self, only_finished: bool = False) -> list[RequestOutput]:
         """Run one batch; returns the requests that got new tokens or finished (finished ones are dropped),
         or with `only_finished` just the finished ones (cheaper when nobody streams)."""
+        self._open()
         batch, keys = StepBatch.order(self.scheduler.schedule())
         if not batch:
             return []
