@@ -33,6 +33,8 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator |
     """logits: [vocab] float. Greedy at temperature 0; else nucleus sampling over the top-p mass."""
     if p.temperature == 0:
         return int(logits.argmax())
+    if generator is not None:  # a seeded draw happens where its generator lives (CPU), whatever the logits' device
+        logits = logits.to(generator.device)
     probs = torch.softmax(logits.float() / p.temperature, -1)
     if p.top_p < 1.0:
         sorted_p, idx = probs.sort(descending=True)
