@@ -357,8 +357,8 @@ def test_close_and_context_manager_free_the_pool(model):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA logits")
 def test_seeded_sampling_of_cuda_logits_matches_cpu():
-    from kvbound.engine.sampling import sample
-    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(3))
+    from kvbound.engine.sampling import sample_batch
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(3))
     p = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
-    draws = [sample(x, p, torch.Generator().manual_seed(5)) for x in (logits, logits.cuda())]
+    draws = [sample_batch(x, [p], [[1]], [[]], [5]) for x in (logits, logits.cuda())]
     assert draws[0] == draws[1]

@@ -184,3 +184,15 @@ def test_llm_chat_and_stream_text(smollm):
     p = "The capital of France is"
     text = "".join(llm.stream_text(p, SamplingParams(max_tokens=8)))
     assert text == tok.decode(llm.generate(p, SamplingParams(max_tokens=8), use_tqdm=False)[0].outputs[0].token_ids)
+
+
+def test_stop_strings_across_tokens_end_the_text_at_the_right_character(smollm):
+    from kvbound import LLM
+    model, tok = smollm
+    llm = LLM(model, tokenizer=tok, num_blocks=64)
+    p = "The capital of France is"
+    free = llm.generate(p, SamplingParams(max_tokens=12), use_tqdm=False)[0].outputs[0]
+    assert free.text.startswith(" Paris.\n\nThe")
+    stopped = llm.generate(p, SamplingParams(max_tokens=12, stop=("is.\n\nTh", "zzz")), use_tqdm=False)[0].outputs[0]
+    assert stopped.text == " Par" and stopped.finish_reason == "stop"
+    assert len(stopped.token_ids) < len(free.token_ids)

@@ -8,7 +8,7 @@ import torch
 
 from ..cache import KVCache
 from ..errors import KvboundError
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample_batch
 
 
 def prefill(model, cache: KVCache, ids: list[int] | torch.Tensor, chunk: int = 512) -> torch.Tensor:
@@ -36,12 +36,13 @@ def generate_ids(model, prompt_ids: list[int], params: SamplingParams, cache: KV
                            f"the cache's {cache.capacity:,} slots plus a prefill chunk of "
                            f"{min(prefill_chunk, len(prompt_ids)):,} pass the model's context of "
                            f"{model.config.max_position_embeddings:,}; lower the budget or --prefill-chunk")
-    gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
     logits = prefill(model, cache, prompt_ids, prefill_chunk)
+    out: list[int] = []
     for i in range(params.max_tokens):
-        tok = sample(logits, params, gen)
-        if tok in eos_ids and not params.ignore_eos:
+        (tok, _), = sample_batch(logits[None], [params], [list(prompt_ids)], [out], [params.seed], eos_ids)
+        if (tok in eos_ids and not params.ignore_eos) or tok in params.stop_token_ids:
             return
+        out.append(tok)
         yield tok
         if i + 1 == params.max_tokens:
             return

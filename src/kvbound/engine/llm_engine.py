@@ -18,17 +18,19 @@ from ..cache.store import PagedStore
 from ..errors import KvboundError
 from .cuda_graphs import DecodeGraphs
 from .runner import StepBatch, finish_step
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample_batch
 from .scheduler import FINISHED, RUNNING, Scheduler, Sequence
 
 
 @dataclass
 class CompletionOutput:
-    """token_ids grows while the request runs; text is set when the request is done."""
+    """token_ids grows while the request runs; text is set when the request is done. logprobs: one
+    {"logprob": ..., "top": [(token, logprob), ...]} per token when the request asked (`SamplingParams.logprobs`)."""
     index: int
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    logprobs: list[dict] | None = None
 
 
 @dataclass
@@ -131,17 +133,18 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise KvboundError(f"request id {request_id!r} is already in use")
+        if params.stop and self.tokenizer is None:
+            raise KvboundError("stop strings need a tokenizer")
         seq = Sequence(request_id, 0, prompt, params, policy or self.default_policy, arrival=time.perf_counter(),
-                       generator=self._generator(params, 0))
+                       seed=self._seed(params, 0))
         self.scheduler.add(seq)
         self.requests[request_id] = [seq]
         return request_id
 
     @staticmethod
-    def _generator(params, index):
-        if params.seed is None:
-            return None
-        return torch.Generator().manual_seed(params.seed + index)
+    def _seed(params, index):
+        """Completion `index` of a seeded request draws as a request seeded with seed + index would."""
+        return None if params.seed is None else params.seed + index
 
     def has_unfinished(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_unfinished()
@@ -158,16 +161,20 @@ class LLMEngine:
         logits = self._forward(batch, keys, sampling)
         for seq, _ in batch:
             self.scheduler.publish(seq)
-        greedy = logits.argmax(-1).tolist()  # one transfer for every greedy row
+        rows, seqs = [], []
+        for row, i in enumerate(sampling):
+            for s in [batch[i][0]] + self._fork(batch[i][0]):  # forks sample from their parent's logits
+                rows.append(row)
+                seqs.append(s)
+        if len(rows) != len(sampling):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        picked = sample_batch(logits, [s.params for s in seqs], [s.prompt for s in seqs], [s.output for s in seqs],
+                              [s.seed for s in seqs], self.eos_ids)
         now = time.perf_counter()
         touched = {}
-        for row, i in enumerate(sampling):
-            seq = batch[i][0]
-            group = [seq] + self._fork(seq)
-            for s in group:
-                tok = greedy[row] if s.params.temperature == 0 else sample(logits[row], s.params, s.generator)
-                if self._append(s, tok, now) or not only_finished:
-                    touched[s.request_id] = True
+        for s, (tok, logprob) in zip(seqs, picked):
+            if self._append(s, tok, logprob, now) or not only_finished:
+                touched[s.request_id] = True
         return [out for out in map(self._output, touched) if out.finished or not only_finished]
 
     def _forward(self, batch, keys, sampling) -> torch.Tensor:
@@ -193,33 +200,54 @@ class LLMEngine:
         kids = []
         for i in range(1, seq.params.n):
             kid = Sequence(seq.request_id, i, seq.prompt, seq.params, seq.policy, arrival=seq.arrival,
-                           status=RUNNING, cache=seq.cache.fork(), generator=self._generator(seq.params, i),
-                           forked=True)
+                           status=RUNNING, cache=seq.cache.fork(), seed=self._seed(seq.params, i), forked=True)
             self.scheduler.running.append(kid)
             self.requests[seq.request_id].append(kid)
             kids.append(kid)
         return kids
 
-    def _append(self, seq: Sequence, tok: int, now: float) -> bool:
+    def _append(self, seq: Sequence, tok: int, logprob: dict | None, now: float) -> bool:
         """Take one sampled token; returns True when the sequence finished."""
+        p = seq.params
         if seq.first_token_time is None:
             seq.first_token_time = now
-        if tok in self.eos_ids and not seq.params.ignore_eos:
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             self.scheduler.finish(seq, "stop")
             return True
         seq.output.append(tok)
         seq.token_times.append(now)
-        if len(seq.output) >= seq.params.max_tokens:
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        if p.stop and self._hit_stop_string(seq, tok):
+            self.scheduler.finish(seq, "stop")
+            return True
+        if len(seq.output) >= p.max_tokens:
             self.scheduler.finish(seq, "length")
             return True
         return False
+
+    def _hit_stop_string(self, seq: Sequence, tok: int) -> bool:
+        """Detokenize incrementally; at the first stop string the text ends before it."""
+        from ..models.tokenizer import StreamDecoder
+        if seq.decoder is None:
+            seq.decoder, seq.text = StreamDecoder(self.tokenizer), ""
+        piece = seq.decoder.push(tok)
+        if not piece:
+            return False
+        start = max(0, len(seq.text) - max(map(len, seq.params.stop)) + 1)  # a stop may begin in earlier text
+        seq.text += piece
+        hits = [at for at in (seq.text.find(stop, start) for stop in seq.params.stop) if at >= 0]
+        if hits:
+            seq.text = seq.text[:min(hits)]
+        return bool(hits)
 
     def _output(self, request_id: str) -> RequestOutput:
         seqs = self.requests[request_id]
         done = all(s.status == FINISHED for s in seqs) and len(seqs) == seqs[0].params.n
         # token lists are the sequences' own (no copy per step); text is decoded once, when the request is done
-        outs = [CompletionOutput(s.index, s.output, self.tokenizer.decode(s.output) if done and self.tokenizer
-                                 else "", s.finish_reason) for s in seqs]
+        outs = [CompletionOutput(s.index, s.output, (s.text if s.text is not None else self.tokenizer.decode(s.output))
+                                 if done and self.tokenizer else "", s.finish_reason,
+                                 s.logprobs if s.params.logprobs is not None else None) for s in seqs]
         first = seqs[0]
         out = RequestOutput(request_id, first.prompt, outs, done, first.arrival, first.first_token_time,
                             first.token_times)

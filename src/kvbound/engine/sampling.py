@@ -1,44 +1,147 @@
-"""Sampling parameters of a request, and choosing the next token from logits."""
+"""Sampling parameters of a request, and choosing every row's next token at once.
+
+`sample_batch` processes all rows of a step together on the logits' device (penalties, min_tokens, temperature,
+top-k, top-p, min-p) and moves the chosen tokens to the host in one transfer. A seeded request draws its
+uniform from (seed, step) alone (a counter-based hash), so it gets the same tokens alone or in any batch, on
+any device.
+"""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import KvboundError
 
+MASK64 = (1 << 64) - 1
+
 
 @dataclass
 class SamplingParams:
+    """vLLM's and OpenAI's fields. top_k 0 or -1: off; min_p 0: off; repetition_penalty 1: off."""
     max_tokens: int = 64
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt and output tokens
     seed: int | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop tokens are not sampled before this many tokens
+    stop_token_ids: tuple = field(default_factory=tuple)
+    stop: tuple = field(default_factory=tuple)  # strings; the output text ends before the first one (engine)
+    logprobs: int | None = None  # return the chosen token's log-probability and this many top alternatives
     n: int = 1  # completions per prompt (the engine forks them after the prompt, sharing its blocks)
 
     def __post_init__(self):
-        if not isinstance(self.n, int) or self.n < 1:
-            raise KvboundError(f"n must be a positive integer, got {self.n!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise KvboundError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        def bad(name, why):
+            raise KvboundError(f"{name} must be {why}, got {getattr(self, name)!r}")
+        for name in ("n", "max_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                bad(name, "a positive integer")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]")
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise KvboundError(f"temperature must be a finite number >= 0, got {self.temperature}")
+            bad("temperature", "a finite number >= 0")
         if not 0.0 < self.top_p <= 1.0:
-            raise KvboundError(f"top_p must be in (0, 1], got {self.top_p}")
+            bad("top_p", "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", "an integer >= 1, or 0 / -1 for off")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                bad(name, "in [-2, 2]")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            bad("repetition_penalty", "a finite number > 0")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            bad("logprobs", "an integer in [0, 20]")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop, self.stop_token_ids = tuple(self.stop), tuple(int(t) for t in self.stop_token_ids)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "non-empty strings")
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
-def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits: [vocab] float. Greedy at temperature 0; else nucleus sampling over the top-p mass."""
-    if p.temperature == 0:
-        return int(logits.argmax())
-    if generator is not None:  # a seeded draw happens where its generator lives (CPU), whatever the logits' device
-        logits = logits.to(generator.device)
-    probs = torch.softmax(logits.float() / p.temperature, -1)
-    if p.top_p < 1.0:
-        sorted_p, idx = probs.sort(descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p >= p.top_p  # keep the smallest prefix reaching top_p
-        sorted_p[drop] = 0
-        return int(idx[torch.multinomial(sorted_p, 1, generator=generator)])
-    return int(torch.multinomial(probs, 1, generator=generator))
+def seeded_uniform(seed: int, step: int) -> float:
+    """A uniform in [0, 1) from (seed, step) alone (splitmix64)."""
+    x = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xD1B54A32D192ED03) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return ((x ^ (x >> 31)) >> 11) / 2.0 ** 53
+
+
+def _penalize(x, rows, params, prompts, outputs):
+    """Presence, frequency and repetition penalties of `rows`, on x [B, V] in place."""
+    dev, vocab = x.device, x.shape[1]
+    counts = torch.zeros(len(rows), vocab, device=dev)
+    in_prompt = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)
+    for j, i in enumerate(rows):
+        if outputs[i]:
+            counts[j].index_add_(0, torch.tensor(outputs[i], device=dev), torch.ones(len(outputs[i]), device=dev))
+        if prompts[i]:
+            in_prompt[j, torch.tensor(prompts[i], device=dev)] = True
+    rep = torch.tensor([params[i].repetition_penalty for i in rows], device=dev)[:, None]
+    pres = torch.tensor([params[i].presence_penalty for i in rows], device=dev)[:, None]
+    freq = torch.tensor([params[i].frequency_penalty for i in rows], device=dev)[:, None]
+    r = torch.tensor(rows, device=dev)
+    y = x[r]
+    y = torch.where(in_prompt | (counts > 0), torch.where(y > 0, y / rep, y * rep), y)
+    x[r] = y - pres * (counts > 0) - freq * counts
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
+                 outputs: list[list[int]], seeds: list[int | None], eos_ids=()) -> list[tuple[int, dict | None]]:
+    """Row i's next token under params[i], having generated outputs[i] after prompts[i]; seeds[i] makes its draw
+    reproducible. Returns (token, logprobs) per row: logprobs is None, or {"logprob": the chosen token's, "top":
+    [(token, logprob), ...]} of the model's own distribution (log_softmax of the logits, before processing)."""
+    bsz, vocab = logits.shape
+    raw = logits.float()
+    x = raw.clone()
+    pen = [i for i, p in enumerate(params) if p.penalized]
+    if pen:
+        _penalize(x, pen, params, prompts, outputs)
+    for i, p in enumerate(params):
+        if len(outputs[i]) < p.min_tokens:
+            banned = [t for t in (*(() if p.ignore_eos else eos_ids), *p.stop_token_ids) if 0 <= t < vocab]
+            if banned:
+                x[i, banned] = float("-inf")
+    tokens = x.argmax(-1)
+    sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+    if sampled:
+        dev = x.device
+        rows = torch.tensor(sampled, device=dev)
+        ps = [params[i] for i in sampled]
+        temp = torch.tensor([p.temperature for p in ps], device=dev)[:, None]
+        probs = torch.softmax(x[rows] / temp, -1)
+        sorted_p, idx = probs.sort(-1, descending=True)
+        rank = torch.arange(vocab, device=dev)[None, :]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in ps], device=dev)[:, None]
+        top_p = torch.tensor([p.top_p for p in ps], device=dev)[:, None]
+        min_p = torch.tensor([p.min_p for p in ps], device=dev)[:, None]
+        keep = (rank < top_k) & (sorted_p.cumsum(-1) - sorted_p < top_p) & (sorted_p >= min_p * sorted_p[:, :1])
+        cdf = (sorted_p * keep).cumsum(-1)
+        u = torch.rand(len(ps), device=dev)
+        seeded = [(j, seeded_uniform(seeds[i], len(outputs[i]))) for j, i in enumerate(sampled) if seeds[i] is not None]
+        if seeded:
+            u[[j for j, _ in seeded]] = torch.tensor([v for _, v in seeded], device=dev)
+        choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1)
+        tokens[rows] = idx.gather(1, choice)[:, 0]
+    chosen = tokens.tolist()  # the step's one transfer to the host
+    want = [p.logprobs for p in params]
+    if all(w is None for w in want):
+        return [(t, None) for t in chosen]
+    lp = torch.log_softmax(raw, -1)
+    k = max(w or 0 for w in want)
+    top_v, top_i = lp.topk(k, -1) if k else (lp[:, :0], lp[:, :0].long())
+    mine = lp.gather(1, tokens[:, None])[:, 0].tolist()
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    return [(t, None if w is None else {"logprob": mine[i], "top": list(zip(top_i[i][:w], top_v[i][:w]))})
+            for i, (t, w) in enumerate(zip(chosen, want))]

@@ -39,7 +39,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     status: str = WAITING
     cache: KVCache | None = None
-    generator: torch.Generator | None = None
+    seed: int | None = None  # of this completion's draws (the request's seed + its index)
     finish_reason: str | None = None
     preemptions: int = 0
     published: int = 0  # leading blocks published to the prefix cache
@@ -48,6 +48,9 @@ class Sequence:
     hit_tokens: int = 0  # prompt tokens found in the prefix cache at the last admission
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)  # per generated token, when the request asks for them
+    text: str | None = None  # the output text so far, kept when the request has stop strings
+    decoder: object = None  # its incremental detokenizer (models.tokenizer.StreamDecoder)
 
     @property
     def tokens(self) -> list[int]:
