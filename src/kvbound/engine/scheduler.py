@@ -18,8 +18,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
 from ..cache import KVCache
 from ..cache.block_pool import block_hash
 from ..errors import KvboundError
