@@ -20,18 +20,14 @@ def engine_tokens(engine, ids, params, report):
     rid = engine.add_request(ids, params)
     seq = engine.requests[rid][0]
     block_bytes = engine.pool.block_size * engine.pool.bytes_per_token() * engine.model.config.num_layers
-    sent, peak = 0, 0
+    report["kv_bytes"] = 0
     with tqdm(total=len(ids), desc="prefill", unit="tok", file=sys.stderr, leave=False,
               disable=len(ids) <= engine.scheduler.chunk) as bar:
-        while engine.has_unfinished():
-            outs = engine.step()
-            peak = max(peak, engine.pool.num_blocks - engine.pool.num_free)
+        def on_step():
+            report["kv_bytes"] = max(report["kv_bytes"], (engine.pool.num_blocks - engine.pool.num_free) * block_bytes)
             if seq.cache is not None:
                 bar.update(min(seq.cache.seen, len(ids)) - bar.n)
-            for out in outs:
-                yield from out.outputs[0].token_ids[sent:]
-                sent = len(out.outputs[0].token_ids)
-    report["kv_bytes"] = peak * block_bytes
+        yield from engine.stream(rid, on_step)
 
 
 def cmd_generate(args):
@@ -131,10 +127,12 @@ def cmd_info(args):
     widths = {} if bits is None else ({"recent": bits["recent"], "heavy": bits["heavy"]} if isinstance(bits, dict)
                                       else {"recent": bits, "heavy": bits})
     per = {role: cache.store.bytes_per_token(b) * cfg.num_layers for role, b in widths.items()}
-    for b in sorted(set(widths.values()), reverse=True):
-        n = cache.store.bytes_per_token(b) * cfg.num_layers
-        who = "" if len(set(widths.values())) == 1 else (" (recent and sink tokens)" if b == widths["recent"]
-                                                         else " (older tokens)")
+    for role, b in sorted(widths.items(), key=lambda rb: -rb[1]):
+        if role == "heavy" and b == widths["recent"]:
+            continue  # one width: one line
+        n = per[role]
+        who = "" if b == widths["heavy"] == widths["recent"] else (
+            " (recent and sink tokens)" if role == "recent" else " (older tokens)")
         print(f"KV bytes/token    {n:,} at {b} bits{who}, group {args.kv_group_size} "
               f"(data + scales + biases; {cfg.kv_bytes_per_token(2) / n:.3f}x smaller than bf16)")
     if policy.bounded:

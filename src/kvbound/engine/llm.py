@@ -86,13 +86,4 @@ class LLM:
     def stream(self, prompt, params: SamplingParams | None = None, policy=None) -> Iterator[int]:
         """Token ids of one completion as they are generated. Requests added to `self.engine` by hand keep
         running meanwhile; their outputs are not collected here."""
-        rid = self.engine.add_request(prompt, params, policy)
-        sent = 0
-        while True:
-            for out in self.engine.step():
-                if out.request_id == rid:
-                    toks = out.outputs[0].token_ids
-                    yield from toks[sent:]
-                    sent = len(toks)
-                    if out.finished:
-                        return
+        return self.engine.stream(self.engine.add_request(prompt, params, policy))

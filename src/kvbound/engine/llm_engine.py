@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -176,6 +177,22 @@ class LLMEngine:
             if self._append(s, tok, logprob, now) or not only_finished:
                 touched[s.request_id] = True
         return [out for out in map(self._output, touched) if out.finished or not only_finished]
+
+    def stream(self, request_id: str, on_step=None) -> Iterator[int]:
+        """Token ids of the request's first completion as they are generated, stepping the engine (other
+        requests run meanwhile; their outputs are not collected here). on_step() runs after every step."""
+        sent = 0
+        while True:
+            outs = self.step()
+            if on_step is not None:
+                on_step()
+            for out in outs:
+                if out.request_id == request_id:
+                    toks = out.outputs[0].token_ids
+                    yield from toks[sent:]
+                    sent = len(toks)
+                    if out.finished:
+                        return
 
     def _forward(self, batch, keys, sampling) -> torch.Tensor:
         logits = self.graphs.run(batch, keys) if self.graphs is not None else None
