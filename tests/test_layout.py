@@ -16,8 +16,9 @@ ALLOWED = {
     "models": LEAVES | {"kernels"},
     "cache": LEAVES | {"kernels"},
     "engine": LEAVES | {"kernels", "models", "cache"},
+    "serve": LEAVES | {"kernels", "models", "cache", "engine"},
     "eval": LEAVES | {"kernels", "models", "cache", "engine"},
-    "cli": LEAVES | {"kernels", "models", "cache", "engine", "eval"},
+    "cli": LEAVES | {"kernels", "models", "cache", "engine", "eval", "serve"},
 }
 
 

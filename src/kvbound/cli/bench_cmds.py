@@ -7,24 +7,8 @@ from pathlib import Path
 from ..errors import KvboundError
 from ..eval.bench import poisson_arrivals, random_prompts, run_offline, run_open_loop, serve_report
 from ..eval.plots import serve_timeline
-from .options import (add_cache_args, add_engine_args, add_model_args, kv_dtype, load_model, make_policy,
+from .options import (add_cache_args, add_engine_args, add_model_args, engine_policy, load_model, make_engine,
                       positive_int)
-
-
-def engine_policy(args):
-    """The engine's default policy, checked before the model loads; options the engine cannot honour fail."""
-    if args.kv_bits is not None:
-        raise KvboundError(f"--kv-bits {args.kv_bits}: the engine's block pool stores K/V unquantized "
-                           "(quantized KV runs through `kvbound generate` / `kvbound eval`)")
-    return make_policy(args)
-
-
-def make_engine(args, model, tok, dtype):
-    from ..engine import LLMEngine
-    return LLMEngine(model, tok, policy=engine_policy(args), block_size=args.block_size, num_blocks=args.num_blocks,
-                     kv_cache_tokens=args.kv_cache_tokens, max_num_batched_tokens=args.max_num_batched_tokens,
-                     max_num_seqs=args.max_num_seqs, prefill_chunk=args.prefill_chunk,
-                     kv_dtype=kv_dtype(args, dtype))
 
 
 def cmd_throughput(args):

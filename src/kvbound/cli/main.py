@@ -1,4 +1,4 @@
-"""`kvbound` command line: generate, info, eval (ppl / sweep / needle), bench (throughput / serve)."""
+"""`kvbound` command line: generate, chat, info, eval (ppl / sweep / needle), bench (throughput / serve), serve."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +10,7 @@ import torch
 from ..errors import KvboundError
 from .bench_cmds import add_bench_parser
 from .eval_cmds import add_eval_parser
+from .serve_cmd import add_serve_parser
 from .options import add_cache_args, add_model_args, kv_dtype, load_model, make_policy, positive_int
 
 
@@ -197,6 +198,7 @@ def build_parser():
 
     add_eval_parser(sub)
     add_bench_parser(sub)
+    add_serve_parser(sub)
     return ap
 
 

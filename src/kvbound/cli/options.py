@@ -23,6 +23,16 @@ def int_at_least(low: int, what: str):
 
 
 positive_int = int_at_least(1, "a positive integer")
+
+
+def positive_float(s):
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}")
+    return v
 nonneg_int = int_at_least(0, "an integer >= 0")
 
 
@@ -138,11 +148,44 @@ def kv_dtype(args, model_dtype):
     return getattr(torch, args.kv_dtype) if args.kv_dtype else model_dtype
 
 
+def engine_policy(args):
+    """The engine's default policy, checked before the model loads; options the engine cannot honour fail."""
+    if args.kv_bits is not None:
+        raise KvboundError(f"--kv-bits {args.kv_bits}: the engine's block pool stores K/V unquantized "
+                           "(quantized KV runs through `kvbound generate` / `kvbound eval`)")
+    return make_policy(args)
+
+
+def pool_blocks(args, config, kv_dtype) -> int | None:
+    """--num-blocks, or the blocks that --kv-cache-memory GiB holds (None: --kv-cache-tokens decides)."""
+    if args.kv_cache_memory is None:
+        return args.num_blocks
+    if args.num_blocks is not None:
+        raise KvboundError("give --num-blocks or --kv-cache-memory, not both")
+    per_block = args.block_size * config.kv_bytes_per_token(torch.finfo(kv_dtype).bits // 8)
+    blocks = int(args.kv_cache_memory * 2**30) // per_block
+    if blocks < 1:
+        raise KvboundError(f"--kv-cache-memory {args.kv_cache_memory} GiB holds no block of {per_block:,} bytes")
+    return blocks
+
+
+def make_engine(args, model, tok, dtype):
+    from ..engine import LLMEngine
+    kv = kv_dtype(args, dtype)
+    return LLMEngine(model, tok, policy=engine_policy(args), block_size=args.block_size,
+                     num_blocks=pool_blocks(args, model.config, kv),
+                     kv_cache_tokens=args.kv_cache_tokens, max_num_batched_tokens=args.max_num_batched_tokens,
+                     max_num_seqs=args.max_num_seqs, prefill_chunk=args.prefill_chunk,
+                     kv_dtype=kv)
+
+
 def add_engine_args(p):
     g = p.add_argument_group("engine")
     g.add_argument("--block-size", type=positive_int, default=16)
     g.add_argument("--num-blocks", type=positive_int, default=None, help="KV pool blocks (default: "
                    "--kv-cache-tokens / --block-size)")
     g.add_argument("--kv-cache-tokens", type=positive_int, default=16384)
+    g.add_argument("--kv-cache-memory", type=positive_float, default=None, metavar="GiB",
+                   help="size the KV pool by memory instead: GiB of K/V (sets the number of blocks)")
     g.add_argument("--max-num-seqs", type=positive_int, default=256)
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)

@@ -26,12 +26,16 @@ from .scheduler import FINISHED, RUNNING, Scheduler, Sequence
 @dataclass
 class CompletionOutput:
     """token_ids grows while the request runs; text is set when the request is done. logprobs: one
-    {"logprob": ..., "top": [(token, logprob), ...]} per token when the request asked (`SamplingParams.logprobs`)."""
+    {"logprob": ..., "top": [(token, logprob), ...]} per token when the request asked (`SamplingParams.logprobs`).
+    tokens_evicted (tokens processed but no longer held, per layer) and peak_kv_bytes (the most pool blocks its
+    cache held at once, shared prefix blocks included) are set when it finishes."""
     index: int
     token_ids: list[int]
     text: str
     finish_reason: str | None
     logprobs: list[dict] | None = None
+    tokens_evicted: int = 0
+    peak_kv_bytes: int = 0
 
 
 @dataclass
@@ -43,6 +47,7 @@ class RequestOutput:
     arrival: float = 0.0
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class PoolCaches:
@@ -149,6 +154,21 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_unfinished()
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is (waiting, prefilling, decoding): its blocks are freed at once and its
+        unfinished completions end with finish_reason "abort". Returns its last output (None if unknown)."""
+        self._open()
+        seqs = self.requests.get(request_id)
+        if seqs is None:
+            return None
+        for s in seqs:
+            if s.status != FINISHED:
+                self.scheduler.abort(s)
+        while len(seqs) < seqs[0].params.n:  # siblings not forked yet: none will be
+            seqs.append(Sequence(request_id, len(seqs), seqs[0].prompt, seqs[0].params, seqs[0].policy,
+                                 status=FINISHED, finish_reason="abort"))
+        return self._output(request_id)
 
     # --- one step -------------------------------------------------------------------------------
     def step(self, only_finished: bool = False) -> list[RequestOutput]:
@@ -262,12 +282,14 @@ class LLMEngine:
         seqs = self.requests[request_id]
         done = all(s.status == FINISHED for s in seqs) and len(seqs) == seqs[0].params.n
         # token lists are the sequences' own (no copy per step); text is decoded once, when the request is done
+        block_bytes = self.pool.block_size * self.pool.bytes_per_token() * self.model.config.num_layers
         outs = [CompletionOutput(s.index, s.output, (s.text if s.text is not None else self.tokenizer.decode(s.output))
                                  if done and self.tokenizer else "", s.finish_reason,
-                                 s.logprobs if s.params.logprobs is not None else None) for s in seqs]
+                                 s.logprobs if s.params.logprobs is not None else None, s.tokens_evicted,
+                                 s.peak_blocks * block_bytes) for s in seqs]
         first = seqs[0]
         out = RequestOutput(request_id, first.prompt, outs, done, first.arrival, first.first_token_time,
-                            first.token_times)
+                            first.token_times, first.cached_tokens or 0)
         if done:
             del self.requests[request_id]
         return out

@@ -44,6 +44,9 @@ class Sequence:
     last_hash: int | None = None
     forked: bool = False  # the n - 1 siblings have been made
     hit_tokens: int = 0  # prompt tokens found in the prefix cache at the last admission
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache at the first admission
+    peak_blocks: int = 0  # the most pool blocks its cache held at once
+    tokens_evicted: int = 0  # tokens processed but no longer held (per layer), when its cache was last dropped
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)  # per generated token, when the request asks for them
@@ -69,6 +72,8 @@ class Sequence:
 
     def drop_cache(self):
         """Give the cache's blocks back (finished, preempted, or not admitted this step)."""
+        self.peak_blocks = max(self.peak_blocks, len(self.cache.store.blocks))
+        self.tokens_evicted = self.cache.seen - len(self.cache)
         self.cache.release()
         self.cache = None
 
@@ -170,6 +175,7 @@ class Scheduler:
             if seq.preemptions == 0:  # counted once: recomputation after a preemption is no hit (vLLM #25780)
                 self.stats["prompt_tokens"] += len(seq.prompt)
                 self.stats["prefix_hit_tokens"] += seq.hit_tokens
+                seq.cached_tokens = seq.hit_tokens
             seq.status = RUNNING
             self.running.append(seq)
             batch.append((seq, t))
@@ -227,6 +233,16 @@ class Scheduler:
         seq.status, seq.finish_reason = FINISHED, reason
         self.running.remove(seq)
         seq.drop_cache()
+
+    def abort(self, seq: Sequence):
+        """Drop a sequence wherever it is (waiting or running); its blocks are freed at once."""
+        if seq.status == RUNNING:
+            self.finish(seq, "abort")
+        elif seq.status == WAITING:
+            self.waiting.remove(seq)
+            if seq.cache is not None:
+                seq.drop_cache()
+            seq.status, seq.finish_reason = FINISHED, "abort"
 
     def publish(self, seq: Sequence):
         """Publish the sequence's full blocks that it will never write again: every full block of an

@@ -1,0 +1,342 @@
+"""`kvbound serve` with real clients against a live server on 127.0.0.1: the official `openai` package, raw
+HTTP (httpx) for disconnects, floods and fuzzed bodies, and the README's commands."""
+import asyncio
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvbound import LLM, SamplingParams, parse_policy
+from kvbound.engine import LLMEngine
+from kvbound.serve import ServerConfig, build_app
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+NAME = "smollm2"
+PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time", "The largest planet is",
+           "Water boils at", "The opposite of hot is", "import numpy as", "My favourite colour is"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Live:
+    """A uvicorn server in a thread of this process; stop() shuts it down as SIGINT would."""
+
+    def __init__(self, engine, **config):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = build_app(engine, ServerConfig(NAME, **config))
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.05)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(60)
+        assert not self.thread.is_alive()
+
+    def client(self, **kw):
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        assert m, f"{name} not in /metrics"
+        return float(m.group(1))
+
+
+def engine_of(smollm, **kw):
+    model, tok = smollm
+    args = dict(kv_cache_tokens=8192, max_num_seqs=40, max_num_batched_tokens=512, prefill_chunk=64)
+    return LLMEngine(model, tok, **{**args, **kw})
+
+
+@pytest.fixture(scope="module")
+def live(smollm):
+    server = Live(engine_of(smollm))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(smollm):
+    """Greedy reference outputs of the offline LLM, one prompt at a time."""
+    model, tok = smollm
+    with LLM(model, tokenizer=tok, kv_cache_tokens=4096) as llm:
+        def run(prompt, max_tokens=8, policy=None, chat=False):
+            params = SamplingParams(max_tokens=max_tokens)
+            if chat:
+                return llm.chat(prompt, params, [policy], use_tqdm=False)[0].outputs[0].text
+            return llm.generate(prompt, params, [policy], use_tqdm=False)[0].outputs[0].text
+        yield run
+
+
+def test_completion_and_chat_equal_the_offline_engine(live, offline):
+    async def go():
+        async with live.client() as c:
+            r = await c.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+            msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+            ch = await c.chat.completions.create(model=NAME, messages=msgs, max_tokens=8, temperature=0)
+            models = await c.models.list()
+            return r, ch, msgs, models
+    r, ch, msgs, models = asyncio.run(go())
+    assert r.choices[0].text == offline(PROMPTS[0])
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
+    assert ch.choices[0].message.content == offline(msgs, chat=True)
+    assert ch.choices[0].message.role == "assistant"
+    assert [m.id for m in models.data] == [NAME]
+
+
+def test_streaming_equals_the_whole_response_with_usage(live):
+    async def go():
+        async with live.client() as c:
+            whole = await c.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=12, temperature=0)
+            stream = await c.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=12, temperature=0,
+                                                stream=True, stream_options={"include_usage": True})
+            chunks = [ch async for ch in stream]
+            chat = await c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}],
+                                                   max_tokens=6, temperature=0, stream=True)
+            chat_chunks = [ch async for ch in chat]
+            return whole, chunks, chat_chunks
+    whole, chunks, chat_chunks = asyncio.run(go())
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chat_chunks[0].choices[0].delta.role == "assistant"
+    assert chat_chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_n_seed_and_stop(live):
+    async def go():
+        async with live.client() as c:
+            kw = dict(model=NAME, prompt=PROMPTS[2], max_tokens=10, temperature=1.0, seed=7)
+            a = await c.completions.create(n=2, **kw)
+            b = await c.completions.create(n=2, **kw)
+            stopped = await c.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                                 stop=[" is", "."])
+            streamed = await c.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                                  stop=[" is", "."], stream=True)
+            return a, b, stopped, "".join([ch.choices[0].text async for ch in streamed])
+    a, b, stopped, streamed = asyncio.run(go())
+    assert [ch.index for ch in a.choices] == [0, 1]
+    assert [ch.text for ch in a.choices] == [ch.text for ch in b.choices]  # seeded: reproducible
+    assert a.choices[0].text != a.choices[1].text  # completion i draws with seed + i
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == " Paris" and streamed == " Paris"  # the greedy text is " Paris. ..."
+
+
+def test_logprobs(live):
+    async def go():
+        async with live.client() as c:
+            r = await c.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=3)
+            ch = await c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+            return r, ch
+    r, ch = asyncio.run(go())
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 4 and "".join(lp.tokens) == r.choices[0].text
+    for mine, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and mine <= 0 and abs(mine - max(top.values())) < 1e-5  # greedy: the top token
+    content = ch.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(abs(t.logprob - t.top_logprobs[0].logprob) < 1e-5 for t in content)
+
+
+def test_per_request_kv_policy(live, offline):
+    text = " ".join(PROMPTS * 6)
+    spec = "h2o:sink=4,heavy=24,recent=36"
+
+    async def go():
+        async with live.client() as c:
+            bounded = await c.completions.create(model=NAME, prompt=text, max_tokens=6, temperature=0,
+                                                 extra_body={"kv_policy": spec})
+            full = await c.completions.create(model=NAME, prompt=text, max_tokens=6, temperature=0)
+            again = await c.completions.create(model=NAME, prompt=text, max_tokens=6, temperature=0)
+            return bounded, full, again
+    bounded, full, again = asyncio.run(go())
+    assert bounded.model_extra["kv"]["policy"] == parse_policy(spec).describe()
+    assert bounded.model_extra["kv"]["tokens_evicted"] > 0 and full.model_extra["kv"]["tokens_evicted"] == 0
+    assert bounded.model_extra["kv"]["peak_kv_bytes"] < full.model_extra["kv"]["peak_kv_bytes"]
+    assert bounded.choices[0].text == offline(text, 6, parse_policy(spec))
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # the full run's blocks, from the prefix cache
+    assert again.choices[0].text == full.choices[0].text
+
+
+def test_32_concurrent_streams_each_get_their_own_text(live, offline):
+    prompts = [f"{p} (request {i})" for i, p in enumerate(PROMPTS * 4)]
+    expected = [offline(p, 6) for p in prompts]
+
+    async def one(c, p):
+        stream = await c.completions.create(model=NAME, prompt=p, max_tokens=6, temperature=0, stream=True)
+        return "".join([ch.choices[0].text async for ch in stream])
+
+    async def go():
+        async with live.client() as c:
+            return await asyncio.gather(*(one(c, p) for p in prompts))
+    assert asyncio.run(go()) == expected
+
+
+def test_disconnected_clients_free_their_blocks(live):
+    body = {"model": NAME, "prompt": PROMPTS[3], "max_tokens": 200, "temperature": 0, "stream": True}
+
+    async def go():
+        async with httpx.AsyncClient(base_url=live.url, timeout=60) as c:
+            for _ in range(3):
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    async for _line in r.aiter_lines():
+                        break  # the first chunk arrived: the request runs; now go away
+            # a whole (non-streaming) request whose client gives up
+            with pytest.raises(httpx.ReadTimeout):
+                await c.post("/v1/completions", json={**body, "stream": False}, timeout=0.5)
+    asyncio.run(go())
+    deadline = time.time() + 30
+    while live.metric("kvbound:kv_blocks_used") or live.metric("kvbound:num_requests_running"):
+        assert time.time() < deadline, "blocks still in use after the clients went away"
+        time.sleep(0.1)
+    assert live.metric('kvbound:request_success_total{finished_reason="abort"}') >= 4
+
+
+def test_flood_past_max_waiting_gets_200_or_429_and_nothing_mixed(smollm, offline):
+    server = Live(engine_of(smollm, max_num_seqs=2), max_waiting=2)
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} #{i}" for i in range(16)]
+    try:
+        async def one(c, p):
+            r = await c.post("/v1/completions", json={"prompt": p, "max_tokens": 4, "temperature": 0})
+            return r.status_code, r.json()
+
+        async def go():
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+                return await asyncio.gather(*(one(c, p) for p in prompts))
+        results = asyncio.run(go())
+        assert server.metric("kvbound:requests_rejected_total") == sum(s == 429 for s, _ in results)
+    finally:
+        server.stop()
+    codes = [s for s, _ in results]
+    assert set(codes) <= {200, 429} and 429 in codes and 200 in codes
+    for p, (status, body) in zip(prompts, results):
+        if status == 200:
+            assert body["choices"][0]["text"] == offline(p, 4)
+        else:
+            assert body["error"]["type"] == "rate_limit_exceeded"
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "x", "max_tokens": 10 ** 30}, 400, None),
+    ({"prompt": "x" * 40000, "max_tokens": 4}, 400, None),
+    ({"prompt": [1, 2, 10 ** 9]}, 400, None),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ({"prompt": "x", "kv_policy": "h2o:sink=4,heavy=8,recnt=4"}, 400, "kv_policy"),
+    ({"prompt": "x", "kv_budget": 64}, 400, "kv_budget"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "n": 10 ** 6}, 400, "n"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, None),
+    ({"messages": []}, 400, "messages"),
+    ({"prompt": "x", "max_tokens": 4, "kv_policy": "window:budget=512", "unknown_field": 1}, 200, None),
+])
+def test_bad_fields_get_an_openai_error_naming_them(live, body, status, param):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = httpx.post(live.url + path, json=body, timeout=60)
+    assert r.status_code == status, r.text
+    if status != 200:
+        err = r.json()["error"]
+        assert err["message"] and (param is None or err["param"] == param), err
+
+
+def test_a_request_that_can_never_fit_the_pool_is_400(smollm):
+    server = Live(engine_of(smollm, kv_cache_tokens=256))
+    try:
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1000}, timeout=60)
+        ok = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1000,
+                                                             "kv_policy": "window:budget=64"}, timeout=120)
+    finally:
+        server.stop()
+    assert r.status_code == 400 and "pool" in r.json()["error"]["message"]
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] > 0
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-10 ** 30, 10 ** 30) | st.floats() | st.text(max_size=20),
+                    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
+                    max_leaves=12)
+FIELDS = st.sampled_from(["prompt", "messages", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs",
+                          "stream", "kv_policy", "kv_budget", "pin", "top_k", "min_p", "echo", "stream_options"])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=st.dictionaries(FIELDS, JSON, max_size=5), cut=st.integers(0, 200), chat=st.booleans())
+def test_fuzzed_bodies_get_4xx_and_the_server_stays_up(live, body, cut, chat):
+    raw = json.dumps({**body, "max_tokens": 2} if "prompt" in body or "messages" in body else body)
+    if cut < len(raw):
+        raw = raw[:cut]  # truncated JSON
+    r = httpx.post(live.url + ("/v1/chat/completions" if chat else "/v1/completions"), content=raw.encode(),
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code < 500, r.text
+    if r.status_code >= 400:
+        assert r.json()["error"]["message"]
+    assert httpx.get(live.url + "/health").status_code == 200
+
+
+def test_api_key(smollm):
+    server = Live(engine_of(smollm), api_key="sekrit")
+    try:
+        async def go():
+            async with server.client(api_key="wrong") as bad, server.client(api_key="sekrit") as good:
+                with pytest.raises(openai.AuthenticationError):
+                    await bad.completions.create(model=NAME, prompt="x", max_tokens=1)
+                return await good.completions.create(model=NAME, prompt="x", max_tokens=1)
+        assert asyncio.run(go()).usage.completion_tokens == 1
+        assert httpx.get(server.url + "/health").status_code == 200
+        assert httpx.get(server.url + "/metrics").status_code == 401
+    finally:
+        server.stop()
+
+
+def test_readme_serve_commands(tmp_path):
+    """README's server block: start `kvbound serve`, call it with curl and with the openai client, then SIGINT
+    ends it cleanly."""
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(kvbound serve.*?)```", readme, re.S).group(1)
+    lines = [l.split("  #")[0].strip() for l in block.replace("\\\n", " ").splitlines() if l.strip()]
+    port = str(free_port())
+    serve_line = lines[0].replace("8000", port)
+    proc = subprocess.Popen([sys.executable, "-m", "kvbound", *serve_line.split()[1:], "--device", "cpu"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() else "timeout"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.ConnectError:
+                time.sleep(0.3)
+        for line in lines[1:]:
+            r = subprocess.run(line.replace("8000", port), shell=True, capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0 and json.loads(r.stdout)["choices"][0]["text"], (line, r.stdout, r.stderr)
+        code = re.search(r"```python\n(from openai.*?)```", readme, re.S).group(1).replace("8000", port)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.strip(), r.stderr
+    finally:
+        proc.send_signal(2)
+        out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0 and "Traceback" not in out, out[-2000:]
