@@ -264,15 +264,16 @@ def test_bad_fields_get_an_openai_error_naming_them(live, body, status, param):
 
 
 def test_a_request_that_can_never_fit_the_pool_is_400(smollm):
-    server = Live(engine_of(smollm, kv_cache_tokens=256))
+    server = Live(engine_of(smollm, kv_cache_tokens=64))
     try:
-        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1000}, timeout=60)
-        ok = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1000,
-                                                             "kv_policy": "window:budget=64"}, timeout=120)
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 70}, timeout=60)
+        ok = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 70, "ignore_eos": True,
+                                                             "kv_policy": "window:budget=32"}, timeout=120)
     finally:
         server.stop()
     assert r.status_code == 400 and "pool" in r.json()["error"]["message"]
-    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] > 0
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 70
+    assert ok.json()["kv"]["tokens_evicted"] > 0
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-10 ** 30, 10 ** 30) | st.floats() | st.text(max_size=20),
