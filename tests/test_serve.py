@@ -297,6 +297,21 @@ def test_fuzzed_bodies_get_4xx_and_the_server_stays_up(live, body, cut, chat):
     assert httpx.get(live.url + "/health").status_code == 200
 
 
+def test_bench_serve_over_http(live, tmp_path):
+    out = tmp_path / "s.json"
+    r = subprocess.run([sys.executable, "-m", "kvbound", "bench", "serve", "--url", live.url, "--max-concurrency", "3",
+                        "--num-prompts", "4", "--input-len", "32", "--output-len", "4", "--policy", "window",
+                        "--budget", "64", "--goodput", "ttft:60000", "--json", str(out), "--plot",
+                        str(tmp_path / "s.png")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["requests"] == 4 and res["failed"] == 0 and res["slo_met"] == 4
+    assert all(q["tokens"] == 4 for q in res["per_request"]) and (tmp_path / "s.png").stat().st_size > 0
+    bad = subprocess.run([sys.executable, "-m", "kvbound", "bench", "serve", "--url", live.url, "--block-size", "8"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--block-size" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_api_key(smollm):
     server = Live(engine_of(smollm), api_key="sekrit")
     try:
@@ -332,8 +347,15 @@ def test_readme_serve_commands(tmp_path):
             except httpx.ConnectError:
                 time.sleep(0.3)
         for line in lines[1:]:
-            r = subprocess.run(line.replace("8000", port), shell=True, capture_output=True, text=True, timeout=120)
-            assert r.returncode == 0 and json.loads(r.stdout)["choices"][0]["text"], (line, r.stdout, r.stderr)
+            if line.startswith("kvbound bench serve"):  # the load generator, at a small size
+                line = re.sub(r"--(duration|num-prompts) \d+", r"--\1 2", line) + " --output-len 3"
+            r = subprocess.run(line.replace("8000", port), shell=True, capture_output=True, text=True, timeout=300,
+                               cwd=tmp_path)
+            assert r.returncode == 0, (line, r.stdout, r.stderr)
+            if line.startswith("curl"):
+                assert json.loads(r.stdout)["choices"][0]["text"], r.stdout
+            else:
+                assert "0 failed" in r.stdout and "Traceback" not in r.stderr, r.stdout
         code = re.search(r"```python\n(from openai.*?)```", readme, re.S).group(1).replace("8000", port)
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and r.stdout.strip(), r.stderr

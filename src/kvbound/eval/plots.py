@@ -60,19 +60,24 @@ def serve_timeline(res, steps, path):
     plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
     t = [s["t"] for s in steps]
+    name = res.get("step_name", "step")
     ax1.plot(t, [s["running"] for s in steps], lw=1)
-    ax1.set_ylabel("running sequences")
-    ax2.plot(t, [s["ms"] for s in steps], lw=0.8, label="step time")
+    ax1.set_ylabel("running sequences" if name == "step" else "requests in flight")
+    ax2.plot(t, [s["ms"] for s in steps], lw=0.8, label=f"{name} time" if name == "step" else
+             "gap between streamed pieces")
     spikes = [s for s in steps if s["ms"] > res["spike_ms"]]
     ax2.scatter([s["t"] for s in spikes], [s["ms"] for s in spikes], color="red", s=8, label="spike", zorder=3)
     ax2.axhline(res["spike_ms"], color="red", lw=0.6, ls="--")
-    ax2.set_ylabel("step ms")
+    ax2.set_ylabel(f"{name} ms")
     ax2.set_xlabel("seconds since start")
     ax2.legend(loc="upper right", fontsize=8)
-    for ax in (ax1, ax2):
-        for x in (0.2 * res["config"]["duration"], res["config"]["duration"]):
-            ax.axvline(x, color="gray", lw=0.6, ls=":")
-    ax1.set_title(f"{res['requests']} requests at {res['config']['rate']}/s (ramp | steady | tail)")
+    cfg = res["config"]
+    if cfg.get("rate"):
+        for ax in (ax1, ax2):
+            for x in (0.2 * cfg["duration"], cfg["duration"]):
+                ax.axvline(x, color="gray", lw=0.6, ls=":")
+    ax1.set_title(f"{res['requests']} requests at {cfg['rate']}/s (ramp | steady | tail)" if cfg.get("rate") else
+                  f"{res['requests']} requests, {cfg.get('concurrency')} at a time")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,0 +1,118 @@
+"""The open-loop load generator as an HTTP client of any OpenAI-compatible server (kvbound's, vLLM's,
+llama.cpp's): streaming /v1/completions requests on a Poisson clock or at a fixed concurrency, each piece's
+arrival time recorded. `bench.serve_report` turns the records into the report."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+from ..errors import KvboundError
+from .data import PACKAGE_TEXT, read_text, text_files
+
+
+def text_prompts(n: int, input_len: int, seed: int = 0) -> list[str]:
+    """n prompts of about input_len tokens: runs of words from the package's text at random places (a client
+    may have no tokenizer; the server's usage gives the true counts)."""
+    words = " ".join(read_text(p) for p in text_files([PACKAGE_TEXT])).split()
+    count = max(1, input_len * 3 // 4)  # about 4/3 tokens per English word
+    if len(words) <= count:
+        raise KvboundError(f"--input-len {input_len}: the package text has only {len(words)} words")
+    rng = random.Random(seed)
+    return [" ".join(words[s:s + count]) for s in (rng.randrange(len(words) - count) for _ in range(n))]
+
+
+def file_prompts(path: str, n: int | None) -> list[str]:
+    """A file of prompts: JSON lines with a "prompt" field, or one prompt per line."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    try:
+        prompts = [json.loads(line)["prompt"] if line.lstrip().startswith("{") else line for line in lines]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise KvboundError(f"{path}: a JSON line without a \"prompt\" field") from None
+    if not prompts:
+        raise KvboundError(f"{path}: no prompts")
+    return (prompts * (-(-n // len(prompts))))[:n] if n else prompts
+
+
+def server_model(client: httpx.Client) -> str:
+    r = client.get("/v1/models")
+    if r.status_code != 200:
+        raise KvboundError(f"GET /v1/models: {r.status_code} {r.text[:200]}")
+    return r.json()["data"][0]["id"]
+
+
+def run_http(url: str, prompts: list[str], body: dict, arrivals: list[float] | None = None,
+             concurrency: int | None = None, api_key: str | None = None, model: str | None = None):
+    """Send every prompt (with the fields of `body`) on the given arrival clock, or `concurrency` at a time.
+    Returns (per request: {"arrival", "token_times", "tokens", "error"}; one record per gap between two
+    streamed pieces: {"t", "ms", "running"})."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with httpx.Client(base_url=url, headers=headers, timeout=30) as c:
+            model = model or server_model(c)
+    except httpx.HTTPError as e:
+        raise KvboundError(f"--url {url}: {e}") from None
+    return asyncio.run(_run(url, headers, prompts, {**body, "model": model}, arrivals, concurrency))
+
+
+async def _run(url, headers, prompts, body, arrivals, concurrency):
+    reqs = [{"arrival": 0.0, "token_times": [], "tokens": None} for _ in prompts]
+    gaps, inflight = [], [0]
+    bar = tqdm(total=len(prompts), desc="serve", unit="req")
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=None, limits=limits) as client:
+        t0 = time.perf_counter()
+
+        async def one(i):
+            rec = reqs[i]
+            rec["arrival"] = time.perf_counter() - t0
+            inflight[0] += 1
+            try:
+                await _stream(client, {**body, "prompt": prompts[i]}, rec, gaps, inflight, t0)
+            except httpx.HTTPError as e:
+                rec["error"] = f"{type(e).__name__}: {e}"
+            finally:
+                inflight[0] -= 1
+                bar.update(1)
+
+        if concurrency:
+            sem = asyncio.Semaphore(concurrency)
+
+            async def gated(i):
+                async with sem:
+                    await one(i)
+            await asyncio.gather(*(gated(i) for i in range(len(prompts))))
+        else:
+            tasks = []
+            for i, a in enumerate(arrivals):
+                await asyncio.sleep(max(0.0, t0 + a - time.perf_counter()))
+                tasks.append(asyncio.create_task(one(i)))
+            await asyncio.gather(*tasks)
+    bar.close()
+    return reqs, sorted(gaps, key=lambda g: g["t"])
+
+
+async def _stream(client, body, rec, gaps, inflight, t0):
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            rec["error"] = f"HTTP {r.status_code}: {(await r.aread())[:200].decode(errors='replace')}"
+            return
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                rec["tokens"] = chunk["usage"].get("completion_tokens")
+            choices = chunk.get("choices") or [{}]
+            if choices[0].get("text"):
+                now = time.perf_counter() - t0
+                if rec["token_times"]:
+                    gaps.append({"t": now, "ms": 1000 * (now - rec["token_times"][-1]), "running": inflight[0]})
+                rec["token_times"].append(now)
+            if "error" in chunk:
+                rec["error"] = str(chunk["error"])
