@@ -196,3 +196,18 @@ def test_stop_strings_across_tokens_end_the_text_at_the_right_character(smollm):
     stopped = llm.generate(p, SamplingParams(max_tokens=12, stop=("is.\n\nTh", "zzz")), use_tqdm=False)[0].outputs[0]
     assert stopped.text == " Par" and stopped.finish_reason == "stop"
     assert len(stopped.token_ids) < len(free.token_ids)
+
+
+def test_stream_decoder_pieces_add_up_to_the_whole_decode(smollm):
+    """The incremental decoder (a short window per token) gives the text decode() gives, piece by piece."""
+    import random
+    from kvbound.models.tokenizer import StreamDecoder
+    _, tok = smollm
+    rng = random.Random(0)
+    cases = [tok.encode("Hello, wörld! 日本語 🎉🎉  two  spaces\n\nend"), tok.encode("def f(x):\n    return x**2")]
+    cases += [[rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))] for _ in range(100)]
+    for ids in cases:
+        d = StreamDecoder(tok)
+        pieces = "".join(d.push(i) for i in ids)
+        whole = tok.decode(ids)
+        assert whole.startswith(pieces) and (pieces == whole or whole.endswith("\ufffd")), ids

@@ -297,6 +297,30 @@ def test_fuzzed_bodies_get_4xx_and_the_server_stays_up(live, body, cut, chat):
     assert httpx.get(live.url + "/health").status_code == 200
 
 
+def test_shutdown_lets_in_flight_requests_finish(smollm):
+    """Stopping (what SIGINT / SIGTERM do) refuses new connections but finishes the streams under way."""
+    server = Live(engine_of(smollm))
+    stopper = threading.Thread(target=server.stop)
+    body = {"prompt": PROMPTS[4], "max_tokens": 12, "ignore_eos": True, "temperature": 0, "stream": True}
+
+    async def go():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = []
+                async for line in r.aiter_lines():
+                    if not lines:
+                        stopper.start()
+                    lines.append(line)
+                return lines
+    lines = asyncio.run(go())
+    stopper.join(60)
+    chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url + "/health")
+
+
 def test_bench_serve_over_http(live, tmp_path):
     out = tmp_path / "s.json"
     r = subprocess.run([sys.executable, "-m", "kvbound", "bench", "serve", "--url", live.url, "--max-concurrency", "3",

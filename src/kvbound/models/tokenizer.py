@@ -125,18 +125,24 @@ class Tokenizer:
 
 
 class StreamDecoder:
-    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 sequences."""
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 sequences.
+
+    Each push decodes a short window, not the whole list (vLLM's incremental detokenization): the tokens
+    from `prefix` on, against the same window without the new tokens, so that a decoder which treats a
+    leading token specially (a stripped leading space) does so on both sides of the difference."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.emitted = 0
+        self.prefix = 0  # the window's first token
+        self.read = 0  # tokens already turned into text
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix:self.read])
+        text = decode(self.ids[self.prefix:])
+        if len(text) <= len(before) or text.endswith("\ufffd"):
             return ""
-        delta = text[self.emitted:]
-        self.emitted = len(text)
-        return delta
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]
