@@ -362,3 +362,31 @@ def test_seeded_sampling_of_cuda_logits_matches_cpu():
     p = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
     draws = [sample_batch(x, [p], [[1]], [[]], [5]) for x in (logits, logits.cuda())]
     assert draws[0] == draws[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_greedy_at_20k_context_alone_equals_batched_and_replays_wide_graphs():
+    """Past the start-up graphs' 8,192 tokens, decode steps replay graphs of a wider table (captured when first
+    needed), and a long request's greedy tokens do not depend on what runs beside it."""
+    cfg = ModelConfig(arch="LlamaForCausalLM", vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, intermediate_size=96, max_position_embeddings=32768)
+    torch.manual_seed(0)
+    m = CausalLM(cfg).eval().cuda()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(8)
+    long_prompt = prompt(60, 20000)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    def run(prompts):
+        with LLMEngine(m, None, kv_cache_tokens=65536, max_num_seqs=8, max_num_batched_tokens=4096,
+                       prefill_chunk=4096) as engine:
+            ids = [engine.add_request(p, params) for p in prompts]
+            outs = {}
+            while engine.has_unfinished():
+                outs.update({o.request_id: o for o in engine.step(only_finished=True)})
+            widths = {w for (_, _, w) in engine.graphs.graphs if w is not None}
+            return [outs[i].outputs[0].token_ids for i in ids], widths
+    (alone_tokens,), widths = run([long_prompt])
+    batched, _ = run([prompt(61, 40), long_prompt, prompt(62, 3000)])
+    assert batched[1] == alone_tokens
+    assert max(widths) * 16 >= 20000 + 12  # the long row's steps replayed a graph wide enough for it

@@ -7,16 +7,23 @@ from .runner import AppendGroup, EvictGroup, GroupKey, append_rows, bounded_tabl
 
 
 class DecodeGraphs:
-    """CUDA graphs of whole decode steps, one per (group, batch size): steps whose rows all append
-    (unbounded caches), captured at start-up, and steps whose rows all evict under one policy, captured
-    when first seen. Batch sizes are 1, 2, 4, ... up to max_seqs; a step is padded to the next size with
-    rows that write and read one scratch slot (and a scratch metadata row). Unbounded sequences longer
-    than `max_len` tokens, and every other step, run eagerly."""
+    """CUDA graphs of whole decode steps, one per (group, batch size[, table width]): steps whose rows all
+    append (unbounded caches), and steps whose rows all evict under one policy. Batch sizes are 1, 2, 4, ...
+    up to max_seqs; a step is padded to the next size with rows that write and read one scratch slot (and a
+    scratch metadata row). Append graphs come in table widths max_len, 2 max_len, 4 max_len, ... up to the
+    longest row there can be (the model's context, or the pool's tokens if fewer): the kernel splits each
+    graph's width over the GPU, so a step runs in the narrowest width that holds its longest row, as an
+    eager step would. Width max_len is captured at start-up, wider ones and evict graphs when first used.
+    Only the slot table grows with the longest row (4 bytes per token per batch row). Other steps run
+    eagerly."""
 
-    def __init__(self, model, pool, max_seqs: int, max_len: int):
+    def __init__(self, model, pool, max_seqs: int, max_len: int, context_len: int | None = None):
         self.model, self.pool = model, pool
         bs, dev = pool.block_size, pool.k.device
-        self.width = -(-max_len // bs)  # append table width in blocks
+        longest = min(context_len or max_len, pool.num_blocks * bs)
+        self.widths = [-(-min(max_len, longest) // bs)]  # append table widths in blocks
+        while self.widths[-1] * bs < longest:
+            self.widths.append(self.widths[-1] * 2)
         self.sizes = [1]
         while self.sizes[-1] < max_seqs:
             self.sizes.append(self.sizes[-1] * 2)
@@ -26,22 +33,30 @@ class DecodeGraphs:
         self.pos = torch.zeros(top, dtype=torch.long, device=dev)
         self.new = torch.full((top,), self.scratch, dtype=torch.long, device=dev)
         self.lens = torch.ones(top, dtype=torch.int32, device=dev)
-        self.table = torch.full((top, self.width * bs), self.scratch, dtype=torch.int32, device=dev)
+        self.table = torch.full((top, self.widths[-1] * bs), self.scratch, dtype=torch.int32, device=dev)
         self.evict_buffers = {}  # StackedMeta -> (rows, table)
         self.graphs, self.logits, self.attn = {}, {}, {}
         self.mempool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
-            self._capture(GroupKey("append"), size)
+            self._capture(GroupKey("append"), size, self.widths[0])
 
-    def _group(self, key, size):
+    def _group(self, key, size, width):
         if key.kind == "append":
-            return AppendGroup(self.pool, self.new[:size], self.lens[:size], self.table[:size])
+            return AppendGroup(self.pool, self.new[:size], self.lens[:size],
+                               self.table[:size, :width * self.pool.block_size])
         rows, table = self.evict_buffers[key.meta]
         return EvictGroup(self.pool, key.meta, rows[:size], table[:size])
 
-    def _capture(self, key, size):
-        attn = self._group(key, size)
-        self.attn[key, size] = attn  # the graph reads its tensors (EvictGroup's lens): keep them alive
+    def capture_append(self, size, width):
+        """An append graph captured while serving: its warm-up runs execute, so every row points at the
+        scratch slot first (the buffers still hold the last step's slots, whose K/V must not be overwritten)."""
+        self.new[:size], self.lens[:size], self.table[:size, 0] = self.scratch, 1, self.scratch
+        self._capture(GroupKey("append"), size, width)
+
+    def _capture(self, key, size, width=None):
+        key = (key, size, width)
+        attn = self._group(*key)
+        self.attn[key] = attn  # the graph reads its tensors (EvictGroup's lens): keep them alive
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -50,8 +65,8 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.mempool):
-            self.logits[key, size] = self.model(self.ids[:size], self.pos[:size], attn)
-        self.graphs[key, size] = g
+            self.logits[key] = self.model(self.ids[:size], self.pos[:size], attn)
+        self.graphs[key] = g
 
     def capture_evict(self, meta, sizes=None):
         """Capture the evict graphs of one policy's stacked metadata (all batch sizes by default). Their
@@ -74,19 +89,24 @@ class DecodeGraphs:
         if key is None or key.kind not in ("append", "evict") or b > self.sizes[-1]:
             return None
         seqs = [s for s, _ in batch]
-        if key.kind == "append" and any(len(s.cache) >= self.width * self.pool.block_size for s in seqs):
-            return None
         size = next(x for x in self.sizes if x >= b)
         dev = self.ids.device
-        if key.kind == "evict" and (key, size) not in self.graphs:
+        width = None
+        if key.kind == "append":
+            new, lens, need = append_rows(self.pool, seqs)
+            width = next((w for w in self.widths if w >= need), None)
+            if width is None:
+                return None
+            if (key, size, width) not in self.graphs:
+                self.capture_append(size, width)
+        elif (key, size, None) not in self.graphs:
             self.capture_evict(key.meta, [size])
         ids = [s.token_slice(s.cache.seen, s.cache.seen + 1)[0] for s in seqs]
         if key.kind == "append":
-            new, lens, width = append_rows(self.pool, seqs)
             host = torch.tensor([ids, [s.cache.seen for s in seqs], new, lens]).to(dev, non_blocking=True)
             self.new[:b], self.lens[:b] = host[2], host[3].to(torch.int32)
             self.new[b:size], self.lens[b:size], self.table[b:size, 0] = self.scratch, 1, self.scratch
-            self.table[:b, :width * self.pool.block_size] = self.pool.slot_tables(pool_rows(self.pool, seqs), width)
+            self.table[:b, :need * self.pool.block_size] = self.pool.slot_tables(pool_rows(self.pool, seqs), need)
         else:
             rows, table = self.evict_buffers[key.meta]
             host = torch.tensor([ids, [s.cache.seen for s in seqs], [s.cache.stacked[1] for s in seqs]])
@@ -94,5 +114,5 @@ class DecodeGraphs:
             rows[:b], rows[b:size], table[b:size] = host[2], key.meta.scratch_row, self.scratch
             table[:b] = bounded_tables(self.pool, seqs, table.shape[1])
         self.ids[:b], self.pos[:b] = host[0], host[1]
-        self.graphs[key, size].replay()
-        return self.logits[key, size][:b]
+        self.graphs[key, size, width].replay()
+        return self.logits[key, size, width][:b]

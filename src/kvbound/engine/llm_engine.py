@@ -81,8 +81,9 @@ class LLMEngine:
         """policy: the default eviction policy of a request (a policy object; FullPolicy when None).
         The pool holds `num_blocks` blocks of `block_size` tokens (default: kv_cache_tokens / block_size).
         On CUDA, whole decode steps replay CUDA graphs for batch sizes up to max_num_seqs: those of unbounded
-        caches (up to `graph_max_len` tokens) and of the default policy are captured here, those of other
-        bounded policies when first seen (`cuda_graphs=False` runs them eagerly)."""
+        caches up to `graph_max_len` tokens and of the default policy are captured here, those of longer
+        unbounded caches (in doubling table widths, up to the model's context) and of other bounded policies
+        when first seen (`cuda_graphs=False` runs them eagerly)."""
         cfg = model.config
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
@@ -98,7 +99,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
-            self.graphs = DecodeGraphs(model, self.pool, max_num_seqs, graph_max_len)
+            self.graphs = DecodeGraphs(model, self.pool, max_num_seqs, graph_max_len, cfg.max_position_embeddings)
             if stackable(self.default_policy):  # the default policy's evict graphs, pre-warmed too
                 self.graphs.capture_evict(self.caches.stacked_meta(self.default_policy))
 

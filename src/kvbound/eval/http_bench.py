@@ -98,6 +98,14 @@ async def _run(url, headers, prompts, body, arrivals, concurrency):
 
 
 async def _stream(client, body, rec, gaps, inflight, t0):
+    if not body.get("stream"):  # one whole response: its time is the only one
+        r = await client.post("/v1/completions", json=body)
+        if r.status_code != 200:
+            rec["error"] = f"HTTP {r.status_code}: {r.text[:200]}"
+            return
+        rec["token_times"].append(time.perf_counter() - t0)
+        rec["tokens"] = r.json()["usage"]["completion_tokens"]
+        return
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             rec["error"] = f"HTTP {r.status_code}: {(await r.aread())[:200].decode(errors='replace')}"

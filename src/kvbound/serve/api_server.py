@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 from ..cache import parse_policy
 from ..engine.chat import with_pinned_system
 from ..errors import KvboundError
-from .engine_loop import EngineLoop, QueueFull
+from .engine_loop import EngineLoop, Mailbox, QueueFull
 from .metrics import ServerMetrics
 from .protocol import BadField, ChatRequest, CompletionRequest, RequestBase
 from .responses import Choice, chat_logprobs, completion_logprobs, kv_report, usage
@@ -97,9 +97,9 @@ class Server:
             raise HTTPException(404, f"The model `{name}` does not exist (this server serves "
                                      f"`{self.config.model_name}`)")
 
-    async def submit(self, prompts: list[list[int]], params_of, policy) -> tuple[asyncio.Queue, list[str]]:
+    async def submit(self, prompts: list[list[int]], params_of, policy) -> tuple[Mailbox, list[str]]:
         """Hand every prompt to the engine (as requests of their own); on a refusal, withdraw the others."""
-        updates: asyncio.Queue = asyncio.Queue()
+        updates = Mailbox()
         ids = []
         try:
             for i, ids_i in enumerate(prompts):
@@ -246,23 +246,27 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     async def collect(updates, choices, state) -> str | None:
         """Fold updates until every prompt's request finished; returns an engine error, if one came."""
         while state["left"]:
-            up = await updates.get()
-            if up.error:
-                return up.error
-            fold(up, choices, state)
+            ups = await updates.take()
+            error = next((up.error for up in ups if up.error), None)
+            if error:
+                return error
+            fold(ups, choices, state)
         return None
 
-    def fold(up, choices, state) -> list[tuple[Choice, str, list[int], list[dict]]]:
-        """Apply one update; returns (choice, new text, new tokens, new logprob entries) per completion."""
-        out = []
-        for d in up.completions:
-            c = choices[(up.tag, d.index)]
-            n_lp = len(c.logprobs)
-            out.append((c, c.take(d), d.token_ids, c.logprobs[n_lp:]))
-        if up.finished:
-            state["left"] -= 1
-            state["cached"] += up.cached_tokens
-        return out
+    def fold(ups, choices, state) -> list[tuple[Choice, str, list[int], list[dict]]]:
+        """Apply updates; returns (choice, new text, new tokens, new logprob entries) per completion that
+        changed, merged over the updates (one streamed piece each)."""
+        news: dict = {}
+        for up in ups:
+            for d in up.completions:
+                c = choices[(up.tag, d.index)]
+                _, text, toks, lps = news.get(c.index, (c, "", [], []))
+                n_lp = len(c.logprobs)
+                news[c.index] = (c, text + c.take(d), toks + d.token_ids, lps + c.logprobs[n_lp:])
+            if up.finished:
+                state["left"] -= 1
+                state["cached"] += up.cached_tokens
+        return list(news.values())
 
     async def disconnected(request: Request):
         while True:
@@ -288,11 +292,12 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
                     if c.prefix:
                         yield chunk([{"index": c.index, "text": c.prefix, "logprobs": None, "finish_reason": None}])
             while state["left"]:
-                up = await updates.get()
-                if up.error:
-                    yield f"data: {json.dumps(error_body(up.error, 'server_error'))}\n\n"
+                ups = await updates.take()
+                error = next((up.error for up in ups if up.error), None)
+                if error:
+                    yield f"data: {json.dumps(error_body(error, 'server_error'))}\n\n"
                     return
-                for c, text, toks, lps in fold(up, choices, state):
+                for c, text, toks, lps in fold(ups, choices, state):
                     if not (text or c.finish_reason or lps):
                         continue
                     if chat:

@@ -1,0 +1,160 @@
+"""`kvbound serve` on the lent GPU against the offline engine, side by side in one run (issue #16).
+
+Random weights in SmolLM2's shape, written as a Hugging Face directory (serve_gpu.py), so the server is
+started exactly as a user would start it (`python -m kvbound serve --model DIR`, its own process), and
+the load comes from `kvbound bench serve`'s HTTP client (eval/http_bench.py) in this process.
+
+  saturation  N requests of random token-id prompts, all at once: the offline engine (LLMEngine in this
+              process, the same flags) against the server, whole responses and streamed. Output tok/s.
+  long        Poisson arrivals of short requests; in a second run one in --long-every is a long prompt.
+              Inter-token latency p50 / p99 of the streams in both, and the timeline plot of the second:
+              decode-first chunked prefill keeps p99 bounded while long prompts keep arriving.
+
+PYTHONPATH=src:benchmarks python benchmarks/serve_http.py --out $OUT
+Prints a table last; writes serve_http_<shape>.json and serve_http_<shape>_long.png under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import torch
+
+from serve_gpu import random_model_dir  # benchmarks/ is on the path as the script's folder
+from kvbound.engine import LLMEngine, SamplingParams
+from kvbound.eval.bench import poisson_arrivals, random_prompts, run_offline, serve_report
+from kvbound.eval.http_bench import run_http
+from kvbound.eval.plots import serve_timeline
+from kvbound.models import load
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_flags(args) -> list[str]:
+    return ["--max-num-seqs", str(args.max_num_seqs), "--kv-cache-tokens", str(args.kv_cache_tokens),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+
+
+def start_server(model_dir, args):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvbound", "serve", "--model", model_dir, "--port", str(port),
+                             "--log-level", "warning", *engine_flags(args)], stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while True:
+        if proc.poll() is not None or time.time() > deadline:
+            raise SystemExit("the server did not start")
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.5)
+
+
+def offline_tok_s(model_dir, prompts, args) -> float:
+    model, tok = load(model_dir, device="cuda", dtype=torch.bfloat16)
+    with LLMEngine(model, tok, max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens,
+                   max_num_batched_tokens=args.max_num_batched_tokens) as engine:
+        params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+        run_offline(engine, prompts[:16], params)  # warm-up: kernels compiled
+        res = run_offline(engine, prompts, params)
+    del model
+    torch.cuda.empty_cache()
+    return res["output_tokens_per_s"]
+
+
+def served_tok_s(url, prompts, args, stream: bool) -> float:
+    body = {"max_tokens": args.output_len, "temperature": 0, "ignore_eos": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    run_http(url, prompts[:16], body, concurrency=16)  # warm-up
+    t0 = time.perf_counter()
+    reqs, _ = run_http(url, prompts, body, concurrency=len(prompts))
+    elapsed = time.perf_counter() - t0
+    failed = [r for r in reqs if r.get("error")]
+    assert not failed, failed[:3]
+    return sum(r["tokens"] for r in reqs) / elapsed
+
+
+def long_prompt_runs(url, vocab, args, out):
+    """Short streamed requests on a Poisson clock, without and then with long prompts among them."""
+    arrivals = poisson_arrivals(args.rate, args.duration, 1)
+    short = random_prompts(len(arrivals), args.input_len, vocab, 1)
+    long_ = random_prompts(len(arrivals), args.long_len, vocab, 2)
+    body = {"max_tokens": args.output_len, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    results = {}
+    for name, prompts in (("short only", short),
+                          ("with long", [long_[i] if i % args.long_every == 0 else p for i, p in enumerate(short)])):
+        reqs, gaps = run_http(url, prompts, body, arrivals)
+        config = {"rate": args.rate, "duration": args.duration, "input_len": args.input_len,
+                  "output_len": args.output_len, "long_len": args.long_len if name == "with long" else None,
+                  "long_every": args.long_every}
+        res = serve_report(reqs, gaps, config, None, None, "gap")
+        results[name] = res
+        if name == "with long":
+            serve_timeline(res, gaps, os.path.join(out, f"serve_http_{args.shape}_long.png"))
+    return results
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--shape", default="smollm2")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--kv-cache-tokens", type=int, default=131072)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--rate", type=float, default=8.0)
+    ap.add_argument("--duration", type=float, default=20.0)
+    ap.add_argument("--long-len", type=int, default=4096)
+    ap.add_argument("--long-every", type=int, default=10)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    with tempfile.TemporaryDirectory() as d:
+        random_model_dir(d)
+        vocab = json.load(open(os.path.join(d, "config.json")))["vocab_size"]
+        prompts = random_prompts(args.num_prompts, args.input_len, vocab, 0)
+        rows = {"offline": offline_tok_s(d, prompts, args)}
+        proc, url = start_server(d, args)
+        try:
+            rows["served, whole responses"] = served_tok_s(url, prompts, args, stream=False)
+            rows["served, streamed"] = served_tok_s(url, prompts, args, stream=True)
+            long_runs = long_prompt_runs(url, vocab, args, args.out)
+        finally:
+            proc.send_signal(2)
+            proc.wait(60)
+    res = {"config": vars(args), "output_tok_s": rows,
+           "long": {k: {m: v[m] for m in ("itl_p50", "itl_p99", "ttft_p50", "ttft_p99", "spikes", "failed",
+                                          "output_tokens_per_s")} for k, v in long_runs.items()}}
+    with open(os.path.join(args.out, f"serve_http_{args.shape}.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    print(f"\n{args.num_prompts} requests x ({args.input_len} in, {args.output_len} out), all at once, "
+          f"{args.shape} shape, random weights, bf16")
+    print(f"{'':<26} {'output tok/s':>12} {'x offline':>10}")
+    for name, v in rows.items():
+        print(f"{name:<26} {v:>12.0f} {v / rows['offline']:>10.3f}")
+    print(f"\nPoisson {args.rate}/s for {args.duration} s, {args.input_len} in / {args.output_len} out; "
+          f"'with long': every {args.long_every}th prompt has {args.long_len} tokens")
+    print(f"{'':<12} {'ITL p50':>8} {'ITL p99':>8} {'p99/p50':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'failed':>7}")
+    for name, v in res["long"].items():
+        print(f"{name:<12} {v['itl_p50']:>6.1f}ms {v['itl_p99']:>6.1f}ms {v['itl_p99'] / v['itl_p50']:>8.2f} "
+              f"{1000 * v['ttft_p50']:>7.0f}ms {1000 * v['ttft_p99']:>7.0f}ms {v['failed']:>7}")
+
+
+if __name__ == "__main__":
+    main()
