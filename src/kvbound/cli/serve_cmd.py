@@ -18,17 +18,23 @@ def served_name(args) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+def build_engine(args):
+    """The engine of the server's flags (in the engine's own process)."""
+    model, tok, dtype = load_model(args)
+    return make_engine(args, model, tok, dtype)
+
+
 def cmd_serve(args):
-    from ..serve import ServerConfig, serve
+    from ..serve import EngineClient, ServerConfig, serve
     if not 0 < args.port < 65536:
         raise KvboundError(f"--port must be in 1..65535, got {args.port}")
     if args.pin_prefix:
         raise KvboundError("--pin-prefix: a server pins per request (the `pin` field, or pin_system_prompt)")
     engine_policy(args)
-    model, tok, dtype = load_model(args)
-    engine = make_engine(args, model, tok, dtype)
     config = ServerConfig(served_name(args), args.api_key, args.policy, args.budget, policy_defaults(args),
                           args.max_waiting)
+    print("kvbound: loading the model in the engine process", file=sys.stderr)
+    engine = EngineClient.process(build_engine, args, args.max_waiting)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"kvbound: serving on {args.host}, reachable from other machines"
               + ("" if args.api_key else " without an --api-key"), file=sys.stderr)

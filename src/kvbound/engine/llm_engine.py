@@ -153,6 +153,13 @@ class LLMEngine:
         """Completion `index` of a seeded request draws as a request seeded with seed + index would."""
         return None if params.seed is None else params.seed + index
 
+    def progress(self, request_id: str) -> list[tuple[int, list[int], list[dict] | None]]:
+        """(index, token ids, logprobs) of an unfinished request's completions so far, without building a
+        RequestOutput: the lists are the engine's own, to be read (not kept) before the next step. With
+        step(only_finished=True) this lets a caller follow just the requests it streams."""
+        return [(s.index, s.output, s.logprobs if s.params.logprobs is not None else None)
+                for s in self.requests.get(request_id, ())]
+
     def has_unfinished(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_unfinished()
 

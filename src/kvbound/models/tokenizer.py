@@ -137,8 +137,9 @@ class StreamDecoder:
         self.prefix = 0  # the window's first token
         self.read = 0  # tokens already turned into text
 
-    def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
+    def push(self, *token_ids: int) -> str:
+        """The text that the new token(s) complete ("" while a character is still incomplete)."""
+        self.ids.extend(token_ids)
         decode = self.tokenizer.decode
         before = decode(self.ids[self.prefix:self.read])
         text = decode(self.ids[self.prefix:])

@@ -15,14 +15,13 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from ..cache import parse_policy
 from ..engine.chat import with_pinned_system
 from ..errors import KvboundError
-from .engine_loop import EngineLoop, Mailbox, QueueFull
-from .metrics import ServerMetrics
+from .engine_loop import EngineClient, Mailbox, QueueFull
 from .protocol import BadField, ChatRequest, CompletionRequest, RequestBase
 from .responses import Choice, chat_logprobs, completion_logprobs, kv_report, usage
 
@@ -55,12 +54,10 @@ def _field_of(loc) -> str | None:
 class Server:
     """The state behind the routes: the engine's loop, its tokenizer and model config, the defaults."""
 
-    def __init__(self, engine, config: ServerConfig):
-        self.engine, self.config = engine, config
-        self.tokenizer, self.model_config = engine.tokenizer, engine.model.config
-        self.metrics = ServerMetrics()
-        self.loop = EngineLoop(engine, self.metrics, config.max_waiting)
-        self.default_policy = parse_policy(config.policy_spec, config.budget, **config.policy_defaults)
+    def __init__(self, client: EngineClient, config: ServerConfig):
+        self.loop, self.config = client, config
+        self.tokenizer, self.model_config = client.info["tokenizer"], client.info["config"]
+        self.default_policy = client.info["default_policy"]
         self.created = int(time.time())
 
     # --- request -> engine ----------------------------------------------------------------------
@@ -85,8 +82,7 @@ class Server:
             return asked
         room = self.model_config.max_position_embeddings - prompt_len
         if not policy.bounded:
-            pool = self.engine.pool
-            room = min(room, (pool.num_blocks - pool.reserved) * pool.block_size - prompt_len)
+            room = min(room, self.loop.info["pool_tokens"] - prompt_len)
         if room < 1:
             raise BadField("messages", f"the prompt ({prompt_len} tokens) leaves no room to generate in the model's "
                                        f"context ({self.model_config.max_position_embeddings}) or the KV pool")
@@ -97,7 +93,7 @@ class Server:
             raise HTTPException(404, f"The model `{name}` does not exist (this server serves "
                                      f"`{self.config.model_name}`)")
 
-    async def submit(self, prompts: list[list[int]], params_of, policy) -> tuple[Mailbox, list[str]]:
+    async def submit(self, prompts: list[list[int]], params_of, policy, stream: bool) -> tuple[Mailbox, list[str]]:
         """Hand every prompt to the engine (as requests of their own); on a refusal, withdraw the others."""
         updates = Mailbox()
         ids = []
@@ -105,7 +101,7 @@ class Server:
             for i, ids_i in enumerate(prompts):
                 rid = uuid.uuid4().hex
                 ids.append(rid)
-                await self.loop.submit(rid, ids_i, params_of(len(ids_i)), policy, updates, tag=i)
+                await self.loop.submit(rid, ids_i, params_of(len(ids_i)), policy, updates, tag=i, stream=stream)
         except BaseException:
             for rid in ids:
                 self.loop.abort(rid)
@@ -114,11 +110,14 @@ class Server:
 
 
 def build_app(engine, config: ServerConfig) -> FastAPI:
-    server = Server(engine, config)
+    """engine: an EngineClient (`kvbound serve` starts the engine in a process of its own), or an LLMEngine
+    to be stepped by a thread of this process."""
+    client = engine if isinstance(engine, EngineClient) else EngineClient.thread(engine, config.max_waiting)
+    server = Server(client, config)
 
     @asynccontextmanager
     async def lifespan(app):
-        server.loop.start()
+        server.loop.start(asyncio.get_running_loop())
         yield
         await asyncio.get_running_loop().run_in_executor(None, server.loop.stop)
 
@@ -159,11 +158,11 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return Response(status_code=200 if server.loop.thread.is_alive() else 503)
+        return Response(status_code=200 if server.loop.alive() else 503)
 
     @app.get("/metrics")
     async def metrics():
-        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await server.loop.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
@@ -204,11 +203,12 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     async def run(request, body, prompts, params_of, policy, echoes, chat: bool):
         for n in map(len, prompts):  # refuse bad parameters before anything reaches the engine
             params_of(n)
-        updates, ids = await server.submit(prompts, params_of, policy)
+        updates, ids = await server.submit(prompts, params_of, policy, body.stream)
         longest_stop = max(map(len, params_of(len(prompts[0])).stop), default=0)
         from ..models.tokenizer import StreamDecoder
-        choices = {(i, j): Choice(i * body.n + j, StreamDecoder(server.tokenizer), max(0, longest_stop - 1),
-                                  echoes[i]) for i in range(len(prompts)) for j in range(body.n)}
+        choices = {(i, j): Choice(i * body.n + j, StreamDecoder(server.tokenizer) if body.stream else None,
+                                  max(0, longest_stop - 1), echoes[i]) for i in range(len(prompts))
+                   for j in range(body.n)}
         state = {"cached": 0, "left": len(prompts)}
         meta = {"id": ("chatcmpl-" if chat else "cmpl-") + ids[0], "created": int(time.time()),
                 "model": config.model_name}
@@ -259,7 +259,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         news: dict = {}
         for up in ups:
             for d in up.completions:
-                c = choices[(up.tag, d.index)]
+                c = choices[(up.key, d.index)]
                 _, text, toks, lps = news.get(c.index, (c, "", [], []))
                 n_lp = len(c.logprobs)
                 news[c.index] = (c, text + c.take(d), toks + d.token_ids, lps + c.logprobs[n_lp:])

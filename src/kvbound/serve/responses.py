@@ -12,7 +12,7 @@ class Choice:
     """One completion as it accumulates. Streamed text holds back what could still turn out to be the start
     of a stop string; once finished, the text is the engine's (cut before the stop string)."""
     index: int
-    decoder: StreamDecoder
+    decoder: StreamDecoder | None  # None: not streamed, the text comes whole at the end
     holdback: int  # the longest stop string's length - 1
     prefix: str = ""  # echoed prompt text
     token_ids: list[int] = field(default_factory=list)
@@ -28,8 +28,8 @@ class Choice:
         """Fold in one CompletionDelta; returns the text that may be streamed now."""
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs or []
-        for t in delta.token_ids:
-            self.decoded += self.decoder.push(t)
+        if self.decoder is not None and delta.token_ids:
+            self.decoded += self.decoder.push(*delta.token_ids)
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.final = delta.text if delta.text is not None else self.decoded
