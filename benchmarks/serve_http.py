@@ -4,8 +4,9 @@ Random weights in SmolLM2's shape, written as a Hugging Face directory (serve_gp
 started exactly as a user would start it (`python -m kvbound serve --model DIR`, its own process), and
 the load comes from `kvbound bench serve`'s HTTP client (eval/http_bench.py) in this process.
 
-  saturation  N requests of random token-id prompts, all at once: the offline engine (LLMEngine in this
-              process, the same flags) against the server, whole responses and streamed. Output tok/s.
+  saturation  N requests of random token-id prompts: the offline engine (LLMEngine in this process, the
+              same flags, all N added at once) against the server with --max-num-seqs requests in flight
+              (a closed loop), whole responses and streamed. Output tok/s.
   long        Poisson arrivals of short requests; in a second run one in --long-every is a long prompt.
               Inter-token latency p50 / p99 of the streams in both, and the timeline plot of the second:
               decode-first chunked prefill keeps p99 bounded while long prompts keep arriving.
@@ -63,16 +64,43 @@ def start_server(model_dir, args):
             time.sleep(0.5)
 
 
-def offline_tok_s(model_dir, prompts, args) -> float:
+def closed_loop(engine, prompts, params, concurrency, delay_s=0.0) -> float:
+    """In process: `concurrency` requests in flight, the next added `delay_s` after one ends (a client's round
+    trip: arrivals then spread out, so that steps mix prefill pieces with decodes, as a server's do)."""
+    it, due = iter(prompts), []
+    for p in list(zip(range(concurrency), it)):
+        engine.add_request(p[1], params)
+    start = time.perf_counter()
+    while engine.has_unfinished() or due:
+        now = time.perf_counter()
+        while due and due[0][0] <= now:
+            engine.add_request(due.pop(0)[1], params)
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, due[0][0] - now))
+            continue
+        for _ in engine.step(only_finished=True):
+            p = next(it, None)
+            if p is not None:
+                due.append((time.perf_counter() + delay_s * (0.5 + random.random()), p))
+        due.sort(key=lambda x: x[0])
+    torch.cuda.synchronize()
+    return len(prompts) * params.max_tokens / (time.perf_counter() - start)
+
+
+def offline_tok_s(model_dir, prompts, args) -> tuple[float, float, float]:
+    """(all added at once, a closed loop of --max-num-seqs, the same with 2-6 ms round trips) output tok/s of
+    the engine in this process."""
     model, tok = load(model_dir, device="cuda", dtype=torch.bfloat16)
     with LLMEngine(model, tok, max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens,
                    max_num_batched_tokens=args.max_num_batched_tokens) as engine:
         params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
         run_offline(engine, prompts[:16], params)  # warm-up: kernels compiled
         res = run_offline(engine, prompts, params)
+        loop = closed_loop(engine, prompts, params, args.max_num_seqs)
+        spread = closed_loop(engine, prompts, params, args.max_num_seqs, 0.004)
     del model
     torch.cuda.empty_cache()
-    return res["output_tokens_per_s"]
+    return res["output_tokens_per_s"], loop, spread
 
 
 def served_tok_s(url, prompts, args, stream: bool) -> float:
@@ -81,7 +109,7 @@ def served_tok_s(url, prompts, args, stream: bool) -> float:
         body["stream_options"] = {"include_usage": True}
     run_http(url, prompts[:16], body, concurrency=16)  # warm-up
     t0 = time.perf_counter()
-    reqs, _ = run_http(url, prompts, body, concurrency=len(prompts))
+    reqs, _ = run_http(url, prompts, body, concurrency=args.max_num_seqs)
     elapsed = time.perf_counter() - t0
     failed = [r for r in reqs if r.get("error")]
     assert not failed, failed[:3]
@@ -113,7 +141,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--shape", default="smollm2")
-    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--num-prompts", type=int, default=1024)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -129,11 +157,15 @@ def main():
         random_model_dir(d)
         vocab = json.load(open(os.path.join(d, "config.json")))["vocab_size"]
         prompts = random_prompts(args.num_prompts, args.input_len, vocab, 0)
-        rows = {"offline": offline_tok_s(d, prompts, args)}
+        rows = dict(zip(("offline", "offline, closed loop", "offline, 2-6 ms round trip"),
+                        offline_tok_s(d, prompts, args)))
         proc, url = start_server(d, args)
         try:
             rows["served, whole responses"] = served_tok_s(url, prompts, args, stream=False)
             rows["served, streamed"] = served_tok_s(url, prompts, args, stream=True)
+            steps = [line for line in httpx.get(url + "/metrics").text.splitlines()
+                     if line.startswith("kvbound:engine_step_seconds")]
+            print("\n".join(steps))
             long_runs = long_prompt_runs(url, vocab, args, args.out)
         finally:
             proc.send_signal(2)
@@ -143,11 +175,11 @@ def main():
                                           "output_tokens_per_s")} for k, v in long_runs.items()}}
     with open(os.path.join(args.out, f"serve_http_{args.shape}.json"), "w") as f:
         json.dump(res, f, indent=2)
-    print(f"\n{args.num_prompts} requests x ({args.input_len} in, {args.output_len} out), all at once, "
-          f"{args.shape} shape, random weights, bf16")
-    print(f"{'':<26} {'output tok/s':>12} {'x offline':>10}")
+    print(f"\n{args.num_prompts} requests x ({args.input_len} in, {args.output_len} out), {args.max_num_seqs} at "
+          f"a time, {args.shape} shape, random weights, bf16")
+    print(f"{'':<26} {'output tok/s':>12} {'x offline':>10} {'x closed loop':>14}")
     for name, v in rows.items():
-        print(f"{name:<26} {v:>12.0f} {v / rows['offline']:>10.3f}")
+        print(f"{name:<26} {v:>12.0f} {v / rows['offline']:>10.3f} {v / rows['offline, closed loop']:>14.3f}")
     print(f"\nPoisson {args.rate}/s for {args.duration} s, {args.input_len} in / {args.output_len} out; "
           f"'with long': every {args.long_every}th prompt has {args.long_len} tokens")
     print(f"{'':<12} {'ITL p50':>8} {'ITL p99':>8} {'p99/p50':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'failed':>7}")

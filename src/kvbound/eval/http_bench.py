@@ -9,7 +9,7 @@ import random
 import time
 from pathlib import Path
 
-import httpx
+import aiohttp
 from tqdm import tqdm
 
 from ..errors import KvboundError
@@ -39,33 +39,34 @@ def file_prompts(path: str, n: int | None) -> list[str]:
     return (prompts * (-(-n // len(prompts))))[:n] if n else prompts
 
 
-def server_model(client: httpx.Client) -> str:
-    r = client.get("/v1/models")
-    if r.status_code != 200:
-        raise KvboundError(f"GET /v1/models: {r.status_code} {r.text[:200]}")
-    return r.json()["data"][0]["id"]
-
-
-def run_http(url: str, prompts: list[str], body: dict, arrivals: list[float] | None = None,
+def run_http(url: str, prompts: list, body: dict, arrivals: list[float] | None = None,
              concurrency: int | None = None, api_key: str | None = None, model: str | None = None):
     """Send every prompt (with the fields of `body`) on the given arrival clock, or `concurrency` at a time.
     Returns (per request: {"arrival", "token_times", "tokens", "error"}; one record per gap between two
-    streamed pieces: {"t", "ms", "running"})."""
+    streamed pieces: {"t", "ms", "running"}). aiohttp, as vLLM's benchmark: httpx's connection pool spends
+    time quadratic in the connections open, and at 256 it, not the server, set the pace."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return asyncio.run(_run(url.rstrip("/"), headers, prompts, body, model, arrivals, concurrency))
+
+
+async def _server_model(session, url) -> str:
     try:
-        with httpx.Client(base_url=url, headers=headers, timeout=30) as c:
-            model = model or server_model(c)
-    except httpx.HTTPError as e:
+        async with session.get(url + "/v1/models") as r:
+            if r.status != 200:
+                raise KvboundError(f"GET {url}/v1/models: {r.status} {(await r.text())[:200]}")
+            return (await r.json())["data"][0]["id"]
+    except aiohttp.ClientError as e:
         raise KvboundError(f"--url {url}: {e}") from None
-    return asyncio.run(_run(url, headers, prompts, {**body, "model": model}, arrivals, concurrency))
 
 
-async def _run(url, headers, prompts, body, arrivals, concurrency):
+async def _run(url, headers, prompts, body, model, arrivals, concurrency):
     reqs = [{"arrival": 0.0, "token_times": [], "tokens": None} for _ in prompts]
     gaps, inflight = [], [0]
     bar = tqdm(total=len(prompts), desc="serve", unit="req")
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=None, limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
+    async with aiohttp.ClientSession(headers=headers, connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=None)) as session:
+        body = {**body, "model": model or await _server_model(session, url)}
         t0 = time.perf_counter()
 
         async def one(i):
@@ -73,8 +74,15 @@ async def _run(url, headers, prompts, body, arrivals, concurrency):
             rec["arrival"] = time.perf_counter() - t0
             inflight[0] += 1
             try:
-                await _stream(client, {**body, "prompt": prompts[i]}, rec, gaps, inflight, t0)
-            except httpx.HTTPError as e:
+                for attempt in (1, 2):  # a kept-alive connection the server has just closed: once more, anew
+                    try:
+                        await _request(session, url, {**body, "prompt": prompts[i]}, rec, gaps, inflight, t0)
+                        break
+                    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+                        if rec["token_times"] or attempt == 2:
+                            raise
+                        rec["retried"] = f"{type(e).__name__}: {e}"
+            except aiohttp.ClientError as e:
                 rec["error"] = f"{type(e).__name__}: {e}"
             finally:
                 inflight[0] -= 1
@@ -97,20 +105,18 @@ async def _run(url, headers, prompts, body, arrivals, concurrency):
     return reqs, sorted(gaps, key=lambda g: g["t"])
 
 
-async def _stream(client, body, rec, gaps, inflight, t0):
-    if not body.get("stream"):  # one whole response: its time is the only one
-        r = await client.post("/v1/completions", json=body)
-        if r.status_code != 200:
-            rec["error"] = f"HTTP {r.status_code}: {r.text[:200]}"
+async def _request(session, url, body, rec, gaps, inflight, t0):
+    async with session.post(url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            rec["error"] = f"HTTP {r.status}: {(await r.text())[:200]}"
             return
-        rec["token_times"].append(time.perf_counter() - t0)
-        rec["tokens"] = r.json()["usage"]["completion_tokens"]
-        return
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            rec["error"] = f"HTTP {r.status_code}: {(await r.aread())[:200].decode(errors='replace')}"
+        if not body.get("stream"):  # one whole response: its time is the only one
+            data = await r.json()
+            rec["token_times"].append(time.perf_counter() - t0)
+            rec["tokens"] = data["usage"]["completion_tokens"]
             return
-        async for line in r.aiter_lines():
+        async for raw in r.content:  # one SSE line at a time
+            line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])

@@ -124,13 +124,13 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="kvbound", lifespan=lifespan)
     app.state.server = server
 
-    @app.middleware("http")
     async def require_key(request: Request, call_next):
-        if config.api_key and request.url.path != "/health":
-            if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
-                return error_response(401, "invalid or missing API key (send Authorization: Bearer KEY)",
-                                      code="invalid_api_key")
+        if request.url.path != "/health" and request.headers.get("authorization", "") != f"Bearer {config.api_key}":
+            return error_response(401, "invalid or missing API key (send Authorization: Bearer KEY)",
+                                  code="invalid_api_key")
         return await call_next(request)
+    if config.api_key:  # (a middleware costs every request a little, so only where it has work)
+        app.middleware("http")(require_key)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc: RequestValidationError):

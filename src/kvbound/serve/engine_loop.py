@@ -15,6 +15,7 @@ import logging
 import multiprocessing
 import queue
 import signal
+import sys
 import threading
 import time
 from typing import Callable, NamedTuple
@@ -115,7 +116,9 @@ class EngineLoop:
 
     def _step(self, out):
         try:
+            start = time.perf_counter()
             finished = self.engine.step(only_finished=True)
+            self.metrics.step_time.observe(time.perf_counter() - start)
         except Exception as e:  # a bug or an out-of-memory: fail the running requests, keep serving
             log.exception("engine step failed")
             self._abort_all(f"the engine failed: {type(e).__name__}: {e}", out)
@@ -178,6 +181,23 @@ def _conn_receive(conn):
     return receive
 
 
+def _sender(conn) -> tuple[Callable, threading.Thread]:
+    """send(message) that never blocks: a thread writes to the pipe, however slowly the other side reads. A
+    full pipe (64 KiB) would otherwise stall the engine's step, or the server's whole event loop while the
+    engine is busy stepping."""
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def write():
+        while (msg := outbox.get()) is not None:
+            try:
+                conn.send(msg)
+            except (BrokenPipeError, OSError):  # the server went away
+                return
+    thread = threading.Thread(target=write, name="kvbound-engine-sender", daemon=True)
+    thread.start()
+    return outbox.put, thread
+
+
 def _engine_process(make_engine, make_args, commands, answers, max_waiting):
     """The engine process: build the engine, say it is ready (or why not), then loop. Ctrl-C reaches the
     whole process group; the server decides (it lets in-flight requests finish), so this one ignores it."""
@@ -187,12 +207,15 @@ def _engine_process(make_engine, make_args, commands, answers, max_waiting):
     except BaseException as e:  # the parent prints it: a bad --model path is one line, not a traceback
         answers.send(("failed", f"{type(e).__name__}: {e}" if not isinstance(e, KvboundError) else str(e)))
         return
-    loop = EngineLoop(engine, _conn_receive(commands), answers.send, max_waiting)
-    answers.send(("ready", loop.info()))
+    send, sender = _sender(answers)
+    loop = EngineLoop(engine, _conn_receive(commands), send, max_waiting)
+    send(("ready", loop.info()))
     try:
         loop.run()
     except (KeyboardInterrupt, EOFError, BrokenPipeError):  # the server went away
         pass
+    send(None)
+    sender.join(30)
 
 
 # --- the server's side ------------------------------------------------------------------------------
@@ -256,10 +279,14 @@ class EngineClient:
         if kind == "failed":
             proc.join(5)
             raise KvboundError(info)
-        return cls(cmd_write.send, ans_read.recv, info, proc.is_alive, proc.join)
+        send, _ = _sender(cmd_write)
+        return cls(send, ans_read.recv, info, proc.is_alive, proc.join)
 
     def start(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
+        # the reader thread must not wait 5 ms (Python's default) for the GIL while responses are written,
+        # or the engine's answers pile up unread
+        sys.setswitchinterval(0.0005)
         self.reader.start()
 
     def stop(self, timeout: float = 60):

@@ -31,6 +31,10 @@ class ServerMetrics:
                               registry=r, buckets=LATENCY_BUCKETS)
         self.e2e = Histogram("kvbound:e2e_request_latency_seconds", "Arrival to finish", registry=r,
                              buckets=LATENCY_BUCKETS)
+        self.step_time = Histogram("kvbound:engine_step_seconds", "Host time of one engine step (schedule, "
+                                   "forward, sample)", registry=r, buckets=(0.001, 0.002, 0.004, 0.006, 0.008,
+                                                                           0.01, 0.015, 0.02, 0.03, 0.05, 0.1,
+                                                                           0.2, 0.5, 1.0))
         self.requests = Counter("kvbound:request_success", "Finished requests by finish reason",
                                 ["finished_reason"], registry=r)
         self.rejected = Counter("kvbound:requests_rejected", "Requests refused because the queue was full",
