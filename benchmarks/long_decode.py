@@ -58,6 +58,8 @@ def main():
     ap.add_argument("--shape", default="smollm2")
     ap.add_argument("--contexts", default="16384,32768")
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--no-eager", action="store_true", help="time the graphs only")
+    ap.add_argument("--tag", default="", help="appended to the JSON file's name")
     args = ap.parse_args()
     m = model(args.shape)
     bw = copy_bandwidth() * 1e9  # bytes/s (read + write)
@@ -67,12 +69,12 @@ def main():
     for context in map(int, args.contexts.split(",")):
         for batch in map(int, args.batches.split(",")):
             floor_ms = 1000 * (weight_bytes + batch * (context + 16) * kv_token) / bw
-            eager = decode_step_ms(m, batch, context, graphs=False)
+            eager = float("nan") if args.no_eager else decode_step_ms(m, batch, context, graphs=False)
             graph = decode_step_ms(m, batch, context, graphs=True)
             rows.append(dict(context=context, batch=batch, floor_ms=floor_ms, eager_ms=eager, graph_ms=graph))
             print(rows[-1], flush=True)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"long_decode_{args.shape}.json"), "w") as f:
+    with open(os.path.join(args.out, f"long_decode_{args.shape}{args.tag}.json"), "w") as f:
         json.dump({"copy_bandwidth_GBs": bw / 1e9, "weight_bytes": weight_bytes, "rows": rows}, f, indent=2)
     print(f"\n{args.shape} shape, random weights, bf16, full caches; copy bandwidth {bw / 1e12:.2f} TB/s")
     print(f"{'context':>8} {'batch':>6} {'floor ms':>9} {'eager ms':>9} {'graph ms':>9} {'eager/floor':>12} "
