@@ -51,7 +51,8 @@ def engine_flags(args) -> list[str]:
 def start_server(model_dir, args):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvbound", "serve", "--model", model_dir, "--port", str(port),
-                             "--log-level", "warning", *engine_flags(args)], stderr=subprocess.STDOUT)
+                             "--log-level", "warning", "--max-waiting", str(4 * args.num_prompts),
+                             *engine_flags(args)], stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while True:
@@ -103,13 +104,18 @@ def offline_tok_s(model_dir, prompts, args) -> tuple[float, float, float]:
     return res["output_tokens_per_s"], loop, spread
 
 
-def served_tok_s(url, prompts, args, stream: bool) -> float:
+def served_tok_s(url, prompts, args, stream: bool, burst: bool = False) -> float:
+    """Output tok/s of the server: --max-num-seqs requests in flight, or (burst) all sent at once, as vLLM's
+    benchmark does with --request-rate inf (the server's queue then keeps every batch full)."""
     body = {"max_tokens": args.output_len, "temperature": 0, "ignore_eos": True, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
     run_http(url, prompts[:16], body, concurrency=16)  # warm-up
     t0 = time.perf_counter()
-    reqs, _ = run_http(url, prompts, body, concurrency=args.max_num_seqs)
+    if burst:
+        reqs, _ = run_http(url, prompts, body, arrivals=[0.0] * len(prompts))
+    else:
+        reqs, _ = run_http(url, prompts, body, concurrency=args.max_num_seqs)
     elapsed = time.perf_counter() - t0
     failed = [r for r in reqs if r.get("error")]
     assert not failed, failed[:3]
@@ -163,6 +169,7 @@ def main():
         try:
             rows["served, whole responses"] = served_tok_s(url, prompts, args, stream=False)
             rows["served, streamed"] = served_tok_s(url, prompts, args, stream=True)
+            rows["served, streamed, burst"] = served_tok_s(url, prompts, args, stream=True, burst=True)
             steps = [line for line in httpx.get(url + "/metrics").text.splitlines()
                      if line.startswith("kvbound:engine_step_seconds")]
             print("\n".join(steps))
