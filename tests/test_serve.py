@@ -387,3 +387,47 @@ def test_readme_serve_commands(tmp_path):
         proc.send_signal(2)
         out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0 and "Traceback" not in out, out[-2000:]
+
+
+def test_serve_cli_bad_input_is_one_line_and_exit_2(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        cases = [(["--port", port], "cannot listen on 127.0.0.1:" + port),
+                 (["--port", "0"], "--port"),
+                 (["--model", str(tmp_path / "missing.gguf"), "--port", str(free_port())], "does not exist")]
+        for args, words in cases:
+            r = subprocess.run([sys.executable, "-m", "kvbound", "serve", *args], capture_output=True, text=True,
+                               timeout=120, cwd=tmp_path)
+            assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+
+
+def test_prompt_forms_echo_pins_and_length_fields(live, offline, smollm):
+    _, tok = smollm
+    ids = tok.encode(PROMPTS[0])
+
+    def post(path, **body):
+        r = httpx.post(live.url + path, json={"temperature": 0, **body}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+    by_ids = post("/v1/completions", prompt=ids, max_tokens=5)
+    assert by_ids["choices"][0]["text"] == offline(PROMPTS[0], 5)
+    many = post("/v1/completions", prompt=[PROMPTS[0], PROMPTS[2]], max_tokens=4, n=2)
+    assert [c["index"] for c in many["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in many["choices"]] == [offline(PROMPTS[0], 4)] * 2 + [offline(PROMPTS[2], 4)] * 2
+    assert many["usage"]["prompt_tokens"] == len(ids) + len(tok.encode(PROMPTS[2]))
+    echoed = post("/v1/completions", prompt=PROMPTS[0], max_tokens=3, echo=True)
+    assert echoed["choices"][0]["text"] == PROMPTS[0] + offline(PROMPTS[0], 3)
+    first = tok.encode(offline(PROMPTS[0], 1))[0]  # the greedy first token
+    stopped = post("/v1/completions", prompt=ids, max_tokens=8, stop_token_ids=[first])
+    assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] == 0
+    pinned = post("/v1/completions", prompt=" ".join(PROMPTS * 4), max_tokens=3, kv_policy="window:budget=40,sink=4",
+                  pin=[[0, 20]])
+    assert pinned["kv"]["pinned"] == [[0, 20]] and pinned["kv"]["tokens_evicted"] > 0
+    msgs = [{"role": "system", "content": "You answer briefly. " * 6}, {"role": "user", "content": "Hi"}]
+    chat = post("/v1/chat/completions", messages=msgs, max_completion_tokens=3, kv_policy="window:budget=48,sink=4")
+    unpinned = post("/v1/chat/completions", messages=msgs, max_completion_tokens=3,
+                    kv_policy="window:budget=48,sink=4", pin_system_prompt=False)
+    assert chat["usage"]["completion_tokens"] <= 3
+    assert chat["kv"]["pinned"] and chat["kv"]["pinned"][0][0] == 0 and unpinned["kv"]["pinned"] == []

@@ -1,6 +1,7 @@
 """`kvbound serve`: the OpenAI-compatible server over one engine."""
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
@@ -18,6 +19,21 @@ def served_name(args) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+def check_address(host: str, port: int):
+    """Fail before the model loads if the address cannot be bound (a port in use, a host not here)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise KvboundError(f"--host {host}: {e.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise KvboundError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
 def build_engine(args):
     """The engine of the server's flags (in the engine's own process)."""
     model, tok, dtype = load_model(args)
@@ -31,6 +47,7 @@ def cmd_serve(args):
     if args.pin_prefix:
         raise KvboundError("--pin-prefix: a server pins per request (the `pin` field, or pin_system_prompt)")
     engine_policy(args)
+    check_address(args.host, args.port)
     config = ServerConfig(served_name(args), args.api_key, args.policy, args.budget, policy_defaults(args),
                           args.max_waiting)
     print("kvbound: loading the model in the engine process", file=sys.stderr)

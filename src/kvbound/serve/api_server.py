@@ -233,7 +233,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         return {**meta, "object": "chat.completion" if chat else "text_completion",
                 "choices": [whole_choice(c, chat) for c in ordered],
                 "usage": usage(list(map(len, prompts)), ordered, state["cached"]),
-                "kv": kv_report([policy.describe()], ordered)}
+                "kv": kv_report(policy, ordered)}
 
     def whole_choice(c: Choice, chat: bool) -> dict:
         if chat:
@@ -311,7 +311,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
             ordered = [choices[k] for k in sorted(choices)]
             if body.include_usage:
                 yield chunk([], usage=usage(list(map(len, prompts)), ordered, state["cached"]),
-                            kv=kv_report([policy.describe()], ordered))
+                            kv=kv_report(policy, ordered))
             yield "data: [DONE]\n\n"
         finally:  # a client that went away: its requests stop and free their blocks
             for rid in ids:

@@ -76,8 +76,9 @@ def usage(prompt_lens: list[int], choices: list[Choice], cached: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def kv_report(policy_names: list[str], choices: list[Choice]) -> dict:
-    """kvbound's extension: the policy, tokens evicted and peak KV bytes of the request's completions together."""
-    return {"policy": policy_names[0] if len(set(policy_names)) == 1 else policy_names,
+def kv_report(policy, choices: list[Choice]) -> dict:
+    """kvbound's extension: the policy, its pinned token spans (a chat's system prompt included), and the tokens
+    evicted and peak KV bytes of the request's completions together."""
+    return {"policy": policy.describe(), "pinned": [list(span) for span in getattr(policy, "pinned", ())],
             "tokens_evicted": sum(c.tokens_evicted for c in choices),
             "peak_kv_bytes": sum(c.peak_kv_bytes for c in choices)}
