@@ -156,3 +156,44 @@ def test_generate_past_the_context_only_with_reindexed_positions(tiny):
     assert "prompt: 700 tokens" in r.stderr and "generation:" in r.stderr
     r = gen("--policy", "window", "--budget", "500", "--reindex-positions")
     assert r.returncode == 2 and "pass the model's context of 512" in r.stderr
+
+
+def test_ruler_samples_hold_their_answers(smollm):
+    """Every task's prompt fits its context and holds what a correct reply must say; the question is placed
+    as asked; the same seed gives the same prompts."""
+    import random
+    import re
+    from collections import Counter
+    from kvbound.eval.ruler import TASKS, score, sized_prompt
+    _, tok = smollm
+    for task in TASKS:
+        for i in range(3):
+            sample, ids = sized_prompt(tok, task, 600, "after", random.Random(i))
+            again = sized_prompt(tok, task, 600, "after", random.Random(i))[1]
+            before = sized_prompt(tok, task, 600, "before", random.Random(i))[1]
+            assert ids == again and 0.8 * 600 <= len(ids) <= 600, (task, len(ids))
+            text = tok.decode(ids)
+            assert text.count(sample.question) == 1 and tok.decode(before).count(sample.question) == 2
+            if sample.needles is not None:
+                assert all(a in text for a in sample.answers), task
+            else:  # the answers are the list's most frequent words, strictly ahead of the rest
+                body = text[text.index("Text:\n") + 6:text.index("\n\nQuestion:")]
+                counts = Counter(re.findall(r"[a-z]+", body)).most_common()
+                k = len(sample.answers)
+                assert {w for w, _ in counts[:k]} == set(sample.answers) and counts[k - 1][1] > counts[k][1], task
+            assert score(" ".join(sample.answers), sample.answers) == 1.0 and score("", sample.answers) == 0.0
+
+
+def test_eval_ruler_cli(tiny, tmp_path):
+    r = run("ruler", "--model", str(tiny), "--context", "160", "--samples", "1", "--tasks", "niah_single,cwe,qa",
+            "--budget-frac", "0.25,0.5", "--max-tokens", "3", "--haystack", "noise", "--json",
+            str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"), cwd=tmp_path)
+    res = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert len(res) == 3 * 3 * 2 and all(0 <= x["score"] <= 1 for x in res)
+    assert {x["strategy"] for x in res} == {"baseline", "window", "h2o-heavy"}
+    full = [x["reply"] for x in res if x["strategy"] == "baseline"]
+    assert full[0::2] == full[1::2]  # the full cache ran once per sample, whatever the budget
+    assert "ruler score" in r.stdout and (tmp_path / "r.png").stat().st_size > 1000
+    bad = subprocess.run([sys.executable, "-m", "kvbound.cli", "eval", "ruler", "--tasks", "niah_doubles",
+                          "--model", str(tiny)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "niah_doubles" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,4 +1,4 @@
-"""`kvbound eval`: perplexity, sweeps and needle retrieval under bounded caches."""
+"""`kvbound eval`: perplexity, sweeps, needle and RULER-style retrieval under bounded caches."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 from ..eval.data import token_samples
 from ..eval.needle import needle_grid, needle_runs
 from ..eval.perplexity import perplexity, print_ppl_table
-from ..eval.plots import needle_heatmap, ppl_bars, sweep_lines
+from ..eval.plots import heatmap, needle_heatmap, ppl_bars, sweep_lines
 from ..eval.strategies import DEFAULT_STRATEGIES, parse_strategies, with_baseline
 from ..errors import KvboundError
 from .options import (add_cache_args, add_model_args, cache_options, float_list, int_list, load_model,
@@ -80,8 +80,32 @@ def cmd_needle(args):
     return results
 
 
+def cmd_ruler(args):
+    from ..eval.ruler import TASKS, ruler_runs, ruler_table
+    tasks = TASKS if args.tasks == ["all"] else args.tasks
+    if args.text:
+        raise KvboundError("eval ruler: give the haystack with --haystack FILE ... (or --haystack noise)")
+    model, tok, dtype = load_model(args)
+    results = ruler_runs(model, tok, with_baseline(args.strategies), args.context, tasks, args.budget_frac,
+                         cache_options(args), args.samples, args.query, args.haystack, args.max_tokens, args.device,
+                         dtype, **policy_defaults(args))
+    rows, tasks, grid = ruler_table(results)
+    print(f"\nruler score (mean of {args.samples} samples per task; contexts {', '.join(map(str, args.context))}; "
+          f"question {args.query} the context)")
+    print(f"{'strategy@budget':<26} " + " ".join(f"{t:>15}" for t in tasks) + f" {'mean':>6}")
+    for row, cells in zip(rows, grid):
+        print(f"{row:<26} " + " ".join(f"{v:>15.0%}" for v in cells) + f" {sum(cells) / len(cells):>6.0%}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": results}, indent=2))
+        print(f"json: {args.json}")
+    if args.plot:
+        heatmap(rows, tasks, grid, args.plot, "score")
+        print(f"plot: {args.plot}")
+    return results
+
+
 def add_eval_parser(sub):
-    ev = sub.add_parser("eval", help="quality under a bounded cache: ppl, sweep, needle")
+    ev = sub.add_parser("eval", help="quality under a bounded cache: ppl, sweep, needle, ruler")
     esub = ev.add_subparsers(dest="eval_cmd", required=True)
 
     def common(p):
@@ -123,3 +147,18 @@ def add_eval_parser(sub):
                    "instruction+question span pinned")
     p.add_argument("--max-tokens", type=positive_int, default=24)
     p.set_defaults(func=cmd_needle, strategies=["baseline", "window", "h2o-heavy"])
+
+    p = esub.add_parser("ruler", help="RULER-style retrieval, tracking and extraction tasks, generated locally")
+    common(p)
+    p.add_argument("--context", type=int_list, default=[2048, 4096])
+    p.add_argument("--tasks", type=lambda s: [x for x in s.split(",") if x], default=["all"],
+                   help="comma-separated of niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt, cwe, "
+                        "fwe, qa (default: all)")
+    p.add_argument("--samples", type=positive_int, default=20, help="instances per task (default: %(default)s)")
+    p.add_argument("--budget-frac", type=float_list, default=[0.25, 0.5])
+    p.add_argument("--query", choices=["after", "before"], default="after", help="the question only after the "
+                   "context, or also before it (a query-aware policy sees it) (default: %(default)s)")
+    p.add_argument("--haystack", nargs="+", default=None, help="text files or folders to hide facts in, or "
+                   "'noise' for RULER's repeated sentences (default: the package's text)")
+    p.add_argument("--max-tokens", type=positive_int, default=32)
+    p.set_defaults(func=cmd_ruler, strategies=["baseline", "window", "h2o-heavy"])

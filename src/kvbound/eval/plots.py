@@ -40,19 +40,25 @@ def sweep_lines(rows: dict, names, over: str, path, title: str):
     plt.close(fig)
 
 
-def needle_heatmap(strategies, cols, grid, path):
+def heatmap(rows, cols, grid, path, label):
+    """Fractions in [0, 1] per (row, column), printed in the cells."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(cols), 1 + 0.45 * len(strategies)))
+    fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(cols), 1 + 0.45 * len(rows)))
     im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-    ax.set_xticks(range(len(cols)), [f"{c} tok\nbudget {f:g}" for c, f in cols])
-    ax.set_yticks(range(len(strategies)), strategies)
+    long_labels = max(map(len, cols), default=0) > 10
+    ax.set_xticks(range(len(cols)), cols, rotation=30 if long_labels else 0, ha="right" if long_labels else "center")
+    ax.set_yticks(range(len(rows)), rows)
     for i, row in enumerate(grid):
         for j, v in enumerate(row):
             ax.text(j, i, f"{v:.0%}", ha="center", va="center", fontsize=8)
-    fig.colorbar(im, ax=ax, label="retrieved")
+    fig.colorbar(im, ax=ax, label=label)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def needle_heatmap(strategies, cols, grid, path):
+    heatmap(strategies, [f"{c} tok\nbudget {f:g}" for c, f in cols], grid, path, "retrieved")
 
 
 def serve_timeline(res, steps, path):

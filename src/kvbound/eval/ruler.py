@@ -1,0 +1,244 @@
+"""RULER-style synthetic tasks, generated here (no downloads): what a bounded cache loses first is retrieval.
+
+Each task builds a prompt of about `context` tokens and the answers a correct reply contains; a reply
+scores the fraction of its answers it contains (case-insensitive). The question goes after the context
+("after": compression cannot see it coming) or also before it ("before": a query-aware policy can), as
+kvpress's query_aware does. Haystacks: the package's text, files (`--haystack`), or RULER's repeated
+noise sentences ("noise").
+
+Tasks (RULER's families): niah_single, niah_multikey, niah_multivalue, niah_multiquery (needles in a
+haystack), vt (variable tracking over chained assignments), cwe / fwe (common and frequent words
+extraction), qa (a fact among distractor passages).
+"""
+from __future__ import annotations
+
+import random
+import zlib
+from collections import Counter
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from ..engine import SamplingParams, generate_ids
+from ..errors import KvboundError
+from .data import read_text, text_files
+from .strategies import CacheOptions, make_cache, parse_strategies
+
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+WORDS = ("apple river stone cloud maple tiger silver garden candle harbor violet meadow falcon copper lantern "
+         "orchard pebble thunder willow saddle canyon ember glacier hollow island jasmine kettle lagoon marble "
+         "nectar oyster prairie quartz rocket shadow tulip umbrella velvet walnut yonder zephyr anchor bramble "
+         "cobalt dune fennel grotto heron ivory juniper kelp").split()
+NAMES = ("Alma Bruno Celia Dario Edith Felix Greta Hugo Irene Jonas Kira Lorenzo Mara Nils Olga Pavel Quinn Rosa "
+         "Soren Tilda Ugo Vera Wim Xenia Yusuf Zora").split()
+CITIES = ("Lisbon Oslo Quito Hanoi Dakar Lima Perth Tunis Riga Bergen Cusco Malmo Ghent Split Porto Turku "
+          "Lyon Graz Brno Cork").split()
+TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa")
+
+
+@dataclass
+class Sample:
+    """A task instance: the context's pieces to scatter in the haystack (None: the context is `body`),
+    the question, the reply's opening words, and the answers a correct reply contains."""
+    needles: list[str] | None
+    body: str | None
+    question: str
+    answer_prefix: str
+    answers: list[str]
+
+
+def _number(rng) -> str:
+    return str(rng.randint(1_000_000, 9_999_999))
+
+
+def _keys(rng, n) -> list[str]:
+    return [f"{rng.choice(WORDS)}-{rng.choice(WORDS)}-{rng.randint(10, 99)}" for _ in range(n)]
+
+
+def make_sample(task: str, rng: random.Random, words_budget: int) -> Sample:
+    """One instance of `task`; words_budget sizes the word-list tasks (cwe, fwe) to the context."""
+    if task == "niah_single":
+        key, value = _keys(rng, 1)[0], _number(rng)
+        return Sample([f"The special magic number for {key} is: {value}."], None,
+                      f"What is the special magic number for {key}?", f"The special magic number for {key} is",
+                      [value])
+    if task == "niah_multikey":
+        keys = _keys(rng, 4)
+        values = [_number(rng) for _ in keys]
+        return Sample([f"The special magic number for {k} is: {v}." for k, v in zip(keys, values)], None,
+                      f"What is the special magic number for {keys[0]}?",
+                      f"The special magic number for {keys[0]} is", [values[0]])
+    if task == "niah_multivalue":
+        key, values = _keys(rng, 1)[0], [_number(rng) for _ in range(3)]
+        return Sample([f"One of the special magic numbers for {key} is: {v}." for v in values], None,
+                      f"What are all the special magic numbers for {key}?",
+                      f"The special magic numbers for {key} are", values)
+    if task == "niah_multiquery":
+        keys = _keys(rng, 3)
+        values = [_number(rng) for _ in keys]
+        return Sample([f"The special magic number for {k} is: {v}." for k, v in zip(keys, values)], None,
+                      f"What are the special magic numbers for {', '.join(keys)}?",
+                      f"The special magic numbers for {', '.join(keys)} are", values)
+    if task == "vt":
+        names = [f"{rng.choice('QWXYZ')}{rng.choice('JKLMN')}{rng.randint(100, 999)}" for _ in range(4)]
+        value = str(rng.randint(10000, 99999))
+        chain = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
+        return Sample(chain, None, f"Find all variables that are assigned the value {value}.",
+                      f"Variables assigned the value {value}:", names)
+    if task == "cwe":
+        common = rng.sample(WORDS, 5)
+        rare = [w for w in WORDS if w not in common]
+        each = max(3, words_budget // 10)
+        items = common * each + [rng.choice(rare) for _ in range(max(0, words_budget - 5 * each))]
+        rng.shuffle(items)
+        answers = _most_common(items, 5)  # (may add to the list: first)
+        body = " ".join(f"{i + 1}. {w}" for i, w in enumerate(items))
+        return Sample(None, body, "What are the 5 most common words in the list above?",
+                      "The 5 most common words in the list are", answers)
+    if task == "fwe":
+        vocab = rng.sample(WORDS, 12)
+        weights = [1 / (r + 1) ** 1.2 for r in range(len(vocab))]  # Zipf-like: the first three dominate
+        items = rng.choices(vocab, weights, k=max(30, words_budget))
+        answers = _most_common(items, 3)
+        return Sample(None, " ".join(items), "What are the 3 most frequently used words in the text above?",
+                      "The 3 most frequently used words are", answers)
+    if task == "qa":
+        people = rng.sample(NAMES, 6)
+        cities = rng.sample(CITIES, 6)
+        facts = [f"{p} was born in {c} and still lives there." for p, c in zip(people, cities)]
+        return Sample(facts, None, f"In which city was {people[0]} born?", f"{people[0]} was born in",
+                      [cities[0]])
+    raise KvboundError(f"unknown ruler task {task!r} (choose from {', '.join(TASKS)})")
+
+
+def _most_common(items: list[str], k: int) -> list[str]:
+    """The k most frequent items; a tie across the k-th place makes the question ambiguous, so it is broken
+    by adding one more of the k-th (the list stays a fair count of what it asks)."""
+    counts = Counter(items)
+    ranked = counts.most_common()
+    while len(ranked) > k and ranked[k - 1][1] == ranked[k][1]:
+        items.append(ranked[k - 1][0])
+        counts = Counter(items)
+        ranked = counts.most_common()
+    return [w for w, _ in ranked[:k]]
+
+
+class TooLong(KvboundError):
+    """A word-list context longer than the prompt's room: make a shorter one."""
+
+    def __init__(self, have: int, room: int):
+        super().__init__(f"{have} tokens for a room of {room}")
+        self.have, self.room = have, room
+
+
+def haystack_ids(tok, haystack, need: int) -> list[int]:
+    """At least `need` tokens of filler: "noise" (RULER's repeated sentences), or text files (default: the
+    package's text), repeated if short."""
+    if haystack == ["noise"]:
+        text = NOISE * (need // 8 + 2)
+    else:
+        text = " ".join(read_text(f) for f in text_files(haystack))
+    ids = tok.encode(text)
+    if not ids:
+        raise KvboundError("ruler: the haystack is empty")
+    return (ids * (need // len(ids) + 1))[:need]
+
+
+def build_prompt(tok, sample: Sample, context: int, query: str, rng, haystack=None) -> list[int]:
+    """The chat prompt of about `context` tokens: instruction (+ question when query="before"), the context
+    with the needles at random sentence ends, the question, then the answer's opening words."""
+    head, end = tok.apply_chat_template([{"role": "user", "content": "\u0000"}]).split("\u0000")
+    ask = f"Answer the question: {sample.question}\n\n" if query == "before" else ""
+    pre = tok.encode(head + f"Read the text below and answer the question after it. {ask}Text:\n")
+    post = tok.encode(f"\n\nQuestion: {sample.question}{end}{sample.answer_prefix}")
+    room = context - len(pre) - len(post)
+    if sample.needles is None:
+        body = tok.encode(sample.body)
+        if len(body) > room:
+            raise TooLong(len(body), room)
+    else:
+        needles = [tok.encode(" " + n + " ") for n in sample.needles]
+        fill = room - sum(map(len, needles))
+        if fill < 16:
+            raise KvboundError(f"ruler: context {context} is too short for its needles")
+        hay = haystack_ids(tok, haystack, fill)
+        period = tok.encode(".")[0]
+        cuts = sorted(rng.randrange(len(hay)) for _ in needles)
+        body, last = [], 0
+        for cut, needle in zip(cuts, needles):
+            while cut < len(hay) and cut > 0 and hay[cut - 1] != period and cut - last < 64:
+                cut += 1  # to a sentence end: a needle glued into a word is no fair test
+            body += hay[last:cut] + needle
+            last = cut
+        body += hay[last:]
+    return pre + body + post
+
+
+def sized_prompt(tok, task, context, query, rng, haystack=None) -> tuple[Sample, list[int]]:
+    """A sample of `task` and its prompt; word-list tasks shrink until their list fits the context whole."""
+    words = context
+    while True:
+        sample = make_sample(task, rng, words)
+        try:
+            return sample, build_prompt(tok, sample, context, query, rng, haystack)
+        except TooLong as e:
+            if words <= 8:
+                raise KvboundError(f"ruler: context {context} is too short for {task}") from None
+            words = min(words - 1, int(words * e.room / e.have * 0.97))
+
+
+def score(reply: str, answers: list[str]) -> float:
+    low = reply.lower()
+    return sum(a.lower() in low for a in answers) / len(answers)
+
+
+def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheOptions, samples=20,
+               query="after", haystack=None, max_tokens=32, device="cpu", dtype=None, seed=0,
+               **policy_defaults) -> list[dict]:
+    """Every strategy on `samples` instances of every task, context and budget fraction (the same instances
+    for every strategy). One record per run: its score, the reply, the budget."""
+    if query not in ("before", "after"):
+        raise KvboundError(f"--query must be before or after, got {query!r}")
+    for task in tasks:
+        make_sample(task, random.Random(0), 10)  # unknown names fail before any run
+    jobs = []
+    for context in contexts:
+        model.config.check_length(context, max_tokens)
+        for task in tasks:
+            for i in range(samples):
+                rng = random.Random(zlib.crc32(f"{seed}/{task}/{context}/{i}".encode()))  # same in every run
+                sample, ids = sized_prompt(tok, task, context, query, rng, haystack)
+                for frac in budget_fracs:
+                    strategies = parse_strategies(names, max(16, int(frac * context)), options, **policy_defaults)
+                    jobs += [(context, task, i, frac, name, pol, bits, ids, sample)
+                             for name, (pol, bits) in strategies.items()]
+    results, done = [], {}
+    for context, task, i, frac, name, pol, bits, ids, sample in tqdm(jobs, desc="ruler"):
+        key = (context, task, i, name) if not pol.bounded else None
+        if key in done:  # the full cache does not depend on the budget: run it once
+            reply = done[key]
+        else:
+            cache = make_cache(model, pol, bits, options, device, dtype)
+            out = generate_ids(model, ids, SamplingParams(max_tokens=max_tokens), cache, tok.eos_ids,
+                               options.prefill_chunk)
+            reply = tok.decode(list(out))
+            if key is not None:
+                done[key] = reply
+        results.append({"strategy": name, "context": context, "task": task, "sample": i, "budget_frac": frac,
+                        "budget": pol.budget, "query": query, "score": score(reply, sample.answers),
+                        "answers": sample.answers, "reply": reply.strip()})
+    return results
+
+
+def ruler_table(results) -> tuple[list[str], list[str], list[list[float]]]:
+    """(rows: strategy@budget fraction, tasks, mean score of each cell)."""
+    rows = list(dict.fromkeys(f"{r['strategy']}@{r['budget_frac']:g}" for r in results))
+    tasks = list(dict.fromkeys(r["task"] for r in results))
+    grid = []
+    for row in rows:
+        cells = []
+        for t in tasks:
+            xs = [r["score"] for r in results if f"{r['strategy']}@{r['budget_frac']:g}" == row and r["task"] == t]
+            cells.append(sum(xs) / len(xs) if xs else float("nan"))
+        grid.append(cells)
+    return rows, tasks, grid
