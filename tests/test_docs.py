@@ -15,7 +15,8 @@ SMALL = {"--max-tokens": "4", "--samples": "2", "--seq-len": "64", "--budget": "
          "--input-len": "16", "--output-len": "4", "--rate": "4", "--duration": "1", "--device": "cpu",
          "--model": None, "--text": None}  # None: dropped (the default model and the package's text)
 ENSURE = {"generate": ["--max-tokens"], "chat": ["--max-tokens"], "ppl": ["--samples", "--seq-len"],
-          "sweep": ["--samples", "--seq-len"], "needle": ["--depths", "--budget-frac"]}  # small even where not shown
+          "sweep": ["--samples", "--seq-len"], "needle": ["--depths", "--budget-frac"],
+          "ruler": ["--samples", "--budget-frac"]}  # small even where not shown
 
 
 def documented_commands():

@@ -197,3 +197,23 @@ def test_eval_ruler_cli(tiny, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "kvbound.cli", "eval", "ruler", "--tasks", "niah_doubles",
                           "--model", str(tiny)], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "niah_doubles" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_needle_of_ones_own_with_samples_over_depths(smollm, tmp_path):
+    from kvbound.eval.needle import Needle, needle_prompt, spread_depths
+    _, tok = smollm
+    needle = Needle.custom("The secret password of the blue door is mandolin.", "What opens the blue door?",
+                           "mandolin")
+    ids, _ = needle_prompt(tok, 400, 0.5, None, needle)
+    text = tok.decode(ids)
+    assert "mandolin" in text and text.count("What opens the blue door?") == 2 and "San Francisco" not in text
+    assert spread_depths(3) == [0.1, 0.5, 0.9] and spread_depths(1) == [0.5]
+    r = run("needle", "--context", "300", "--samples", "2", "--budget-frac", "0.5", "--max-tokens", "4",
+            "--needle", needle.text, "--question", needle.question, "--answer", "mandolin", "--strategies", "window",
+            "--json", str(tmp_path / "n.json"), cwd=tmp_path)
+    found = json.loads((tmp_path / "n.json").read_text())["found"]
+    assert set(found) == {"baseline", "window"} and all(len(v) == 2 for v in found.values())
+    for bad in (["--needle", "x"], ["--samples", "2", "--depths", "0.5"]):
+        b = subprocess.run([sys.executable, "-m", "kvbound.cli", "eval", "needle", *bad], capture_output=True,
+                           text=True, timeout=120)
+        assert b.returncode == 2 and "Traceback" not in b.stderr, b.stderr

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from ..eval.data import token_samples
-from ..eval.needle import needle_grid, needle_runs
+from ..eval.needle import Needle, found_lists, needle_grid, needle_runs, spread_depths
 from ..eval.perplexity import perplexity, print_ppl_table
 from ..eval.plots import heatmap, needle_heatmap, ppl_bars, sweep_lines
 from ..eval.strategies import DEFAULT_STRATEGIES, parse_strategies, with_baseline
@@ -59,20 +59,33 @@ def cmd_sweep(args):
     return rows
 
 
+class depth_list(list):
+    """--depths: comma-separated numbers; a list of this type tells that the flag was given."""
+
+    def __init__(self, s):
+        super().__init__(float_list(s))
+
+
 def cmd_needle(args):
     if args.pin_prefix:
         raise KvboundError("eval needle: --pin-prefix has no effect; --pin-question pins the instruction span")
+    if args.text and args.haystack:
+        raise KvboundError("eval needle: --haystack and --text name the same thing; give one")
+    if args.samples is not None and isinstance(args.depths, depth_list):
+        raise KvboundError("eval needle: give --depths or --samples (depths spread evenly), not both")
+    depths = spread_depths(args.samples) if args.samples is not None else args.depths
+    needle = Needle.custom(args.needle, args.question, args.answer)
     model, tok, dtype = load_model(args)
-    results = needle_runs(model, tok, with_baseline(args.strategies), args.context, args.depths, args.budget_frac,
-                          cache_options(args), args.pin_question, args.max_tokens, args.device, dtype, args.text,
-                          **policy_defaults(args))
+    results = needle_runs(model, tok, with_baseline(args.strategies), args.context, depths, args.budget_frac,
+                          cache_options(args), args.pin_question, args.max_tokens, args.device, dtype,
+                          args.haystack or args.text, needle, **policy_defaults(args))
     strategies, cols, grid = needle_grid(results)
-    print(f"\nneedle found (of {len(args.depths)} depths) per context / budget fraction")
+    print(f"\nneedle found (of {len(depths)} depths) per context / budget fraction")
     print(f"{'strategy':<22} " + " ".join(f"{f'{c}@{f:g}':>10}" for c, f in cols))
     for s, row in zip(strategies, grid):
-        print(f"{s:<22} " + " ".join(f"{v * len(args.depths):>8.0f}/{len(args.depths)}" for v in row))
+        print(f"{s:<22} " + " ".join(f"{v * len(depths):>8.0f}/{len(depths)}" for v in row))
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": results}, indent=2))
+        Path(args.json).write_text(json.dumps({"found": found_lists(results), "results": results}, indent=2))
         print(f"json: {args.json}")
     if args.plot:
         needle_heatmap(strategies, cols, grid, args.plot)
@@ -141,7 +154,13 @@ def add_eval_parser(sub):
     p = esub.add_parser("needle", help="needle-in-a-haystack retrieval")
     common(p)
     p.add_argument("--context", type=int_list, default=[2048, 4096])
-    p.add_argument("--depths", type=float_list, default=[0.1, 0.5, 0.9])
+    p.add_argument("--depths", type=depth_list, default=[0.1, 0.5, 0.9])
+    p.add_argument("--samples", type=positive_int, default=None, help="N depths spread evenly (instead of --depths)")
+    p.add_argument("--haystack", nargs="+", default=None, help="text files or folders to hide the needle in "
+                   "(default: the package's text)")
+    p.add_argument("--needle", default=None, help="the fact to hide (with --question and --answer)")
+    p.add_argument("--question", default=None, help="the question that asks for --needle")
+    p.add_argument("--answer", default=None, help="a word of the answer: found = the reply contains it")
     p.add_argument("--budget-frac", type=float_list, default=[0.25, 0.5])
     p.add_argument("--pin-question", action="store_true", help="also run each bounded strategy with the "
                    "instruction+question span pinned")

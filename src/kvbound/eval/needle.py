@@ -1,6 +1,8 @@
 """Needle in a haystack: a fact hidden at a depth of an essay context, asked for at the end."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tqdm import tqdm
 
 from ..engine import SamplingParams, generate_ids
@@ -13,7 +15,28 @@ QUESTION = "What is the best thing to do in San Francisco?"
 NEEDLE_KEYS = ("dolores park", "sandwich")
 
 
-def needle_prompt(tok, context: int, depth: float, haystack=None) -> tuple[list[int], int]:
+@dataclass(frozen=True)
+class Needle:
+    """The fact to hide, the question that asks for it, the words a reply opens with, and the words that count
+    as finding it (any one, case-insensitive)."""
+    text: str = NEEDLE
+    question: str = QUESTION
+    answer_prefix: str = "The best thing to do in San Francisco is"
+    answers: tuple = NEEDLE_KEYS
+
+    @classmethod
+    def custom(cls, text=None, question=None, answer=None) -> "Needle":
+        """--needle / --question / --answer: all three or none (a needle of one's own needs its question and
+        the word that shows it was found)."""
+        given = [x is not None for x in (text, question, answer)]
+        if not any(given):
+            return cls()
+        if not all(given):
+            raise KvboundError("--needle, --question and --answer go together: give all three")
+        return cls(text, question, "", (answer,))
+
+
+def needle_prompt(tok, context: int, depth: float, haystack=None, needle: Needle = Needle()) -> tuple[list[int], int]:
     """Chat prompt of about `context` tokens: instruction + question, the haystack text (files or folders,
     default the package's text) with the needle at `depth`, then the question again. Returns (ids, length
     of the instruction span to pin)."""
@@ -23,12 +46,12 @@ def needle_prompt(tok, context: int, depth: float, haystack=None) -> tuple[list[
         if len(text_ids) > context:
             break
     head = tok.apply_chat_template([{"role": "user", "content": "\u0000"}]).split("\u0000")[0]
-    instruction = (f"Read the document below, then answer this question: {QUESTION}\n\nDocument:\n")
-    tail_text = f"\n\nAnswer the question using the document. {QUESTION}"
+    instruction = (f"Read the document below, then answer this question: {needle.question}\n\nDocument:\n")
+    tail_text = f"\n\nAnswer the question using the document. {needle.question}"
     end = tok.apply_chat_template([{"role": "user", "content": "\u0000"}]).split("\u0000")[1]
     pre_ids = tok.encode(head + instruction)
-    post_ids = tok.encode(tail_text + end + "The best thing to do in San Francisco is")
-    needle_ids = tok.encode(" " + NEEDLE + " ")
+    post_ids = tok.encode(tail_text + end + needle.answer_prefix)
+    needle_ids = tok.encode(" " + needle.text + " ")
     room = context - len(pre_ids) - len(post_ids) - len(needle_ids)
     if room < 16:
         raise KvboundError(f"needle: context {context} is too short")
@@ -45,7 +68,8 @@ def needle_prompt(tok, context: int, depth: float, haystack=None) -> tuple[list[
 
 
 def needle_runs(model, tok, names, contexts, depths, budget_fracs, options: CacheOptions, pin_question=False,
-                max_tokens=24, device="cpu", dtype=None, haystack=None, **policy_defaults) -> list[dict]:
+                max_tokens=24, device="cpu", dtype=None, haystack=None, needle: Needle = Needle(),
+                **policy_defaults) -> list[dict]:
     """Every strategy on every (context, budget fraction, depth), and with `pin_question` each bounded one
     again with the instruction + question span pinned. One record per run: found or not, the answer, KV bytes."""
     for context in contexts:
@@ -55,7 +79,7 @@ def needle_runs(model, tok, names, contexts, depths, budget_fracs, options: Cach
     for context in contexts:  # every prompt and policy first, so bad settings fail before any run
         for frac in budget_fracs:
             for depth in depths:
-                ids, pin_len = needle_prompt(tok, context, depth, haystack)
+                ids, pin_len = needle_prompt(tok, context, depth, haystack, needle)
                 for pin in variants:
                     strategies = parse_strategies(names, max(16, int(frac * context)), options,
                                                   pinned=((0, pin_len),) if pin else (), **policy_defaults)
@@ -70,9 +94,22 @@ def needle_runs(model, tok, names, contexts, depths, budget_fracs, options: Cach
         mem = cache.nbytes()
         results.append({"strategy": name + ("+pin" if pin else ""), "context": context, "depth": depth,
                         "budget_frac": frac, "budget": pol.budget,
-                        "found": any(k in answer.lower() for k in NEEDLE_KEYS), "answer": answer.strip(),
+                        "found": any(k.lower() in answer.lower() for k in needle.answers), "answer": answer.strip(),
                         "kv_held_bytes": mem["held_bytes"], "kv_full_bf16_bytes": mem["full_bf16_bytes"]})
     return results
+
+
+def spread_depths(samples: int) -> list[float]:
+    """`samples` depths spread evenly over the haystack, ends excluded (0.1, 0.5, 0.9 for 3)."""
+    return [round(0.1 + 0.8 * i / (samples - 1), 4) for i in range(samples)] if samples > 1 else [0.5]
+
+
+def found_lists(results) -> dict:
+    """Per strategy, whether each of its runs found the needle (in run order)."""
+    out: dict = {}
+    for r in results:
+        out.setdefault(r["strategy"], []).append(r["found"])
+    return out
 
 
 def needle_grid(results) -> tuple[list[str], list[tuple], list[list[float]]]:
