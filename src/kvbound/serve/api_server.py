@@ -230,10 +230,10 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
             for rid in ids:
                 server.loop.abort(rid)
         ordered = [choices[k] for k in sorted(choices)]
-        return {**meta, "object": "chat.completion" if chat else "text_completion",
-                "choices": [whole_choice(c, chat) for c in ordered],
-                "usage": usage(list(map(len, prompts)), ordered, state["cached"]),
-                "kv": kv_report(policy, ordered)}
+        return JSONResponse({**meta, "object": "chat.completion" if chat else "text_completion",  # plain JSON
+                             "choices": [whole_choice(c, chat) for c in ordered],  # types: no encoder pass
+                             "usage": usage(list(map(len, prompts)), ordered, state["cached"]),
+                             "kv": kv_report(policy, ordered)})
 
     def whole_choice(c: Choice, chat: bool) -> dict:
         if chat:
