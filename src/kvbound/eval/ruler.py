@@ -144,9 +144,10 @@ def haystack_ids(tok, haystack, need: int) -> list[int]:
     return (ids * (need // len(ids) + 1))[:need]
 
 
-def build_prompt(tok, sample: Sample, context: int, query: str, rng, haystack=None) -> list[int]:
+def build_prompt(tok, sample: Sample, context: int, query: str, rng, filler: list[int]) -> list[int]:
     """The chat prompt of about `context` tokens: instruction (+ question when query="before"), the context
-    with the needles at random sentence ends, the question, then the answer's opening words."""
+    with the needles at random sentence ends of `filler` (haystack tokens), the question, then the answer's
+    opening words."""
     head, end = tok.apply_chat_template([{"role": "user", "content": "\u0000"}]).split("\u0000")
     ask = f"Answer the question: {sample.question}\n\n" if query == "before" else ""
     pre = tok.encode(head + f"Read the text below and answer the question after it. {ask}Text:\n")
@@ -161,7 +162,7 @@ def build_prompt(tok, sample: Sample, context: int, query: str, rng, haystack=No
         fill = room - sum(map(len, needles))
         if fill < 16:
             raise KvboundError(f"ruler: context {context} is too short for its needles")
-        hay = haystack_ids(tok, haystack, fill)
+        hay = filler[:fill]
         period = tok.encode(".")[0]
         cuts = sorted(rng.randrange(len(hay)) for _ in needles)
         body, last = [], 0
@@ -174,13 +175,15 @@ def build_prompt(tok, sample: Sample, context: int, query: str, rng, haystack=No
     return pre + body + post
 
 
-def sized_prompt(tok, task, context, query, rng, haystack=None) -> tuple[Sample, list[int]]:
-    """A sample of `task` and its prompt; word-list tasks shrink until their list fits the context whole."""
+def sized_prompt(tok, task, context, query, rng, filler=None) -> tuple[Sample, list[int]]:
+    """A sample of `task` and its prompt; word-list tasks shrink until their list fits the context whole.
+    filler: haystack tokens (default: the package's text)."""
+    filler = filler if filler is not None else haystack_ids(tok, None, context)
     words = context
     while True:
         sample = make_sample(task, rng, words)
         try:
-            return sample, build_prompt(tok, sample, context, query, rng, haystack)
+            return sample, build_prompt(tok, sample, context, query, rng, filler)
         except TooLong as e:
             if words <= 8:
                 raise KvboundError(f"ruler: context {context} is too short for {task}") from None
@@ -202,12 +205,13 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
     for task in tasks:
         make_sample(task, random.Random(0), 10)  # unknown names fail before any run
     jobs = []
+    filler = haystack_ids(tok, haystack, max(contexts))  # tokenized once for every prompt
     for context in contexts:
         model.config.check_length(context, max_tokens)
         for task in tasks:
             for i in range(samples):
                 rng = random.Random(zlib.crc32(f"{seed}/{task}/{context}/{i}".encode()))  # same in every run
-                sample, ids = sized_prompt(tok, task, context, query, rng, haystack)
+                sample, ids = sized_prompt(tok, task, context, query, rng, filler)
                 for frac in budget_fracs:
                     strategies = parse_strategies(names, max(16, int(frac * context)), options, **policy_defaults)
                     jobs += [(context, task, i, frac, name, pol, bits, ids, sample)

@@ -93,7 +93,7 @@ class Server:
             raise HTTPException(404, f"The model `{name}` does not exist (this server serves "
                                      f"`{self.config.model_name}`)")
 
-    async def submit(self, prompts: list[list[int]], params_of, policy, stream: bool) -> tuple[Mailbox, list[str]]:
+    async def submit(self, prompts: list[list[int]], params: list, policy, stream: bool) -> tuple[Mailbox, list[str]]:
         """Hand every prompt to the engine (as requests of their own); on a refusal, withdraw the others."""
         updates = Mailbox()
         ids = []
@@ -101,7 +101,7 @@ class Server:
             for i, ids_i in enumerate(prompts):
                 rid = uuid.uuid4().hex
                 ids.append(rid)
-                await self.loop.submit(rid, ids_i, params_of(len(ids_i)), policy, updates, tag=i, stream=stream)
+                await self.loop.submit(rid, ids_i, params[i], policy, updates, tag=i, stream=stream)
         except BaseException:
             for rid in ids:
                 self.loop.abort(rid)
@@ -201,10 +201,9 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         return await run(request, body, [prompt], params_of, policy, [""], chat=True)
 
     async def run(request, body, prompts, params_of, policy, echoes, chat: bool):
-        for n in map(len, prompts):  # refuse bad parameters before anything reaches the engine
-            params_of(n)
-        updates, ids = await server.submit(prompts, params_of, policy, body.stream)
-        longest_stop = max(map(len, params_of(len(prompts[0])).stop), default=0)
+        params = [params_of(len(p)) for p in prompts]  # bad parameters fail before anything reaches the engine
+        updates, ids = await server.submit(prompts, params, policy, body.stream)
+        longest_stop = max(map(len, params[0].stop), default=0)
         from ..models.tokenizer import StreamDecoder
         choices = {(i, j): Choice(i * body.n + j, StreamDecoder(server.tokenizer) if body.stream else None,
                                   max(0, longest_stop - 1), echoes[i]) for i in range(len(prompts))
