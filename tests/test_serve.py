@@ -321,6 +321,17 @@ def test_shutdown_lets_in_flight_requests_finish(smollm):
         httpx.get(server.url + "/health")
 
 
+def test_a_stopped_engine_answers_503_at_once(smollm):
+    server = Live(engine_of(smollm))
+    try:
+        server.app.state.server.loop.stop()  # the engine's loop ends (as if its process died)
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["message"]
+        assert httpx.get(server.url + "/health").status_code == 503
+    finally:
+        server.stop()
+
+
 def test_bench_serve_over_http(live, tmp_path):
     out = tmp_path / "s.json"
     r = subprocess.run([sys.executable, "-m", "kvbound", "bench", "serve", "--url", live.url, "--max-concurrency", "3",

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 from ..cache import parse_policy
 from ..engine.chat import with_pinned_system
 from ..errors import KvboundError
-from .engine_loop import EngineClient, Mailbox, QueueFull
+from .engine_loop import EngineClient, EngineGone, Mailbox, QueueFull
 from .protocol import BadField, ChatRequest, CompletionRequest, RequestBase
 from .responses import Choice, chat_logprobs, completion_logprobs, kv_report, usage
 
@@ -147,6 +147,10 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     @app.exception_handler(QueueFull)
     async def full(request, exc: QueueFull):
         return error_response(429, str(exc), kind="rate_limit_exceeded", code="rate_limit_exceeded")
+
+    @app.exception_handler(EngineGone)
+    async def gone(request, exc: EngineGone):
+        return error_response(503, str(exc), kind="service_unavailable")
 
     @app.exception_handler(KvboundError)
     async def refused(request, exc: KvboundError):

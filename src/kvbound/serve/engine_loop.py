@@ -32,6 +32,10 @@ class QueueFull(KvboundError):
     """More requests wait than --max-waiting allows (429)."""
 
 
+class EngineGone(KvboundError):
+    """The engine's loop has stopped (shutting down, or its process died): 503."""
+
+
 class CompletionDelta(NamedTuple):
     """What one completion gained since the last update. text and the kv figures come once it finishes."""
     index: int
@@ -303,6 +307,8 @@ class EngineClient:
                      stream: bool = True):
         """Hand a request to the engine; returns once it is queued there. Raises QueueFull, or KvboundError
         for what the engine refuses (a prompt past the context, a request that can never fit the pool)."""
+        if not self.alive():
+            raise EngineGone("the engine is not running (the server is shutting down or its engine process died)")
         accepted = self.loop.create_future()
         self.pending[request_id] = accepted
         self.mailboxes[request_id] = (mailbox, tag)
@@ -344,6 +350,9 @@ class EngineClient:
             for box, tag in self.mailboxes.values():
                 box.deliver(Update(tag, [], True, error="the engine stopped"))
             self.mailboxes.clear()
+            for fut in self.pending.values():
+                if not fut.done():
+                    fut.set_exception(EngineGone("the engine stopped"))
             return
         for rid, kind, why in msg["accepted"]:
             fut = self.pending.get(rid)
