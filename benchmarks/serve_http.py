@@ -88,6 +88,31 @@ def closed_loop(engine, prompts, params, concurrency, delay_s=0.0) -> float:
     return len(prompts) * params.max_tokens / (time.perf_counter() - start)
 
 
+def offline_random_tok_s(model_dir, prompts, outs, args) -> float:
+    """All requests at once, each with its own output length (nano-vllm's workload)."""
+    model, tok = load(model_dir, device="cuda", dtype=torch.bfloat16)
+    with LLMEngine(model, tok, max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens,
+                   max_num_batched_tokens=args.max_num_batched_tokens) as engine:
+        for p, n in list(zip(prompts, outs))[:16]:  # warm-up
+            engine.add_request(p, SamplingParams(max_tokens=min(n, 8), ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step(only_finished=True)
+        start = sync_time()
+        for p, n in zip(prompts, outs):
+            engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step(only_finished=True)
+        elapsed = sync_time() - start
+    del model
+    torch.cuda.empty_cache()
+    return sum(outs) / elapsed
+
+
+def sync_time():
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def offline_tok_s(model_dir, prompts, args) -> tuple[float, float, float]:
     """(all added at once, a closed loop of --max-num-seqs, the same with 2-6 ms round trips) output tok/s of
     the engine in this process."""
@@ -116,6 +141,16 @@ def served_tok_s(url, prompts, args, stream: bool, burst: bool = False) -> float
         reqs, _ = run_http(url, prompts, body, arrivals=[0.0] * len(prompts))
     else:
         reqs, _ = run_http(url, prompts, body, concurrency=args.max_num_seqs)
+    elapsed = time.perf_counter() - t0
+    failed = [r for r in reqs if r.get("error")]
+    assert not failed, failed[:3]
+    return sum(r["tokens"] for r in reqs) / elapsed
+
+
+def served_random_tok_s(url, prompts, outs) -> float:
+    body = {"temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    reqs, _ = run_http(url, prompts, body, arrivals=[0.0] * len(prompts), max_tokens=outs)
     elapsed = time.perf_counter() - t0
     failed = [r for r in reqs if r.get("error")]
     assert not failed, failed[:3]
@@ -157,6 +192,8 @@ def main():
     ap.add_argument("--duration", type=float, default=20.0)
     ap.add_argument("--long-len", type=int, default=4096)
     ap.add_argument("--long-every", type=int, default=10)
+    ap.add_argument("--random-lengths", action="store_true", help="also 256 requests of prompt and output lengths "
+                    "U[100, 1024] (nano-vllm's bench), offline and served, all sent at once")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     with tempfile.TemporaryDirectory() as d:
@@ -165,11 +202,19 @@ def main():
         prompts = random_prompts(args.num_prompts, args.input_len, vocab, 0)
         rows = dict(zip(("offline", "offline, closed loop", "offline, 2-6 ms round trip"),
                         offline_tok_s(d, prompts, args)))
+        random_in = random_outs = None
+        if args.random_lengths:  # nano-vllm's bench: prompt and output lengths U[100, 1024]
+            rng = random.Random(0)
+            random_in = [[rng.randrange(1, vocab) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
+            random_outs = [rng.randint(100, 1024) for _ in random_in]
+            rows["offline, random lengths"] = offline_random_tok_s(d, random_in, random_outs, args)
         proc, url = start_server(d, args)
         try:
             rows["served, whole responses"] = served_tok_s(url, prompts, args, stream=False)
             rows["served, streamed"] = served_tok_s(url, prompts, args, stream=True)
             rows["served, streamed, burst"] = served_tok_s(url, prompts, args, stream=True, burst=True)
+            if random_outs is not None:
+                rows["served, random lengths, streamed, burst"] = served_random_tok_s(url, random_in, random_outs)
             steps = [line for line in httpx.get(url + "/metrics").text.splitlines()
                      if line.startswith("kvbound:engine_step_seconds")]
             print("\n".join(steps))
@@ -184,9 +229,10 @@ def main():
         json.dump(res, f, indent=2)
     print(f"\n{args.num_prompts} requests x ({args.input_len} in, {args.output_len} out), {args.max_num_seqs} at "
           f"a time, {args.shape} shape, random weights, bf16")
-    print(f"{'':<26} {'output tok/s':>12} {'x offline':>10} {'x closed loop':>14}")
+    print(f"{'':<40} {'output tok/s':>12} {'x offline':>10} {'x closed loop':>14}")
     for name, v in rows.items():
-        print(f"{name:<26} {v:>12.0f} {v / rows['offline']:>10.3f} {v / rows['offline, closed loop']:>14.3f}")
+        base = rows["offline, random lengths"] if "random" in name else rows["offline"]
+        print(f"{name:<40} {v:>12.0f} {v / base:>10.3f} {v / rows['offline, closed loop']:>14.3f}")
     print(f"\nPoisson {args.rate}/s for {args.duration} s, {args.input_len} in / {args.output_len} out; "
           f"'with long': every {args.long_every}th prompt has {args.long_len} tokens")
     print(f"{'':<12} {'ITL p50':>8} {'ITL p99':>8} {'p99/p50':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'failed':>7}")

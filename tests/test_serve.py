@@ -342,6 +342,11 @@ def test_bench_serve_over_http(live, tmp_path):
     res = json.loads(out.read_text())
     assert res["requests"] == 4 and res["failed"] == 0 and res["slo_met"] == 4
     assert all(q["tokens"] == 4 for q in res["per_request"]) and (tmp_path / "s.png").stat().st_size > 0
+    from kvbound.eval.http_bench import run_http
+    reqs, _ = run_http(live.url, [PROMPTS[0], PROMPTS[1]], {"temperature": 0, "ignore_eos": True, "stream": True,
+                                                           "stream_options": {"include_usage": True}},
+                       arrivals=[0.0, 0.0], max_tokens=[2, 3])  # a burst, each request with its own length
+    assert [r["tokens"] for r in reqs] == [2, 3] and not any(r.get("error") for r in reqs)
     bad = subprocess.run([sys.executable, "-m", "kvbound", "bench", "serve", "--url", live.url, "--block-size", "8"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--block-size" in bad.stderr and "Traceback" not in bad.stderr

@@ -40,13 +40,15 @@ def file_prompts(path: str, n: int | None) -> list[str]:
 
 
 def run_http(url: str, prompts: list, body: dict, arrivals: list[float] | None = None,
-             concurrency: int | None = None, api_key: str | None = None, model: str | None = None):
-    """Send every prompt (with the fields of `body`) on the given arrival clock, or `concurrency` at a time.
+             concurrency: int | None = None, api_key: str | None = None, model: str | None = None,
+             max_tokens: list[int] | None = None):
+    """Send every prompt (with the fields of `body`; max_tokens[i] for prompt i where given) on the given
+    arrival clock, or `concurrency` at a time.
     Returns (per request: {"arrival", "token_times", "tokens", "error"}; one record per gap between two
     streamed pieces: {"t", "ms", "running"}). aiohttp, as vLLM's benchmark: httpx's connection pool spends
     time quadratic in the connections open, and at 256 it, not the server, set the pace."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return asyncio.run(_run(url.rstrip("/"), headers, prompts, body, model, arrivals, concurrency))
+    return asyncio.run(_run(url.rstrip("/"), headers, prompts, body, model, arrivals, concurrency, max_tokens))
 
 
 async def _server_model(session, url) -> str:
@@ -59,7 +61,7 @@ async def _server_model(session, url) -> str:
         raise KvboundError(f"--url {url}: {e}") from None
 
 
-async def _run(url, headers, prompts, body, model, arrivals, concurrency):
+async def _run(url, headers, prompts, body, model, arrivals, concurrency, max_tokens):
     reqs = [{"arrival": 0.0, "token_times": [], "tokens": None} for _ in prompts]
     gaps, inflight = [], [0]
     bar = tqdm(total=len(prompts), desc="serve", unit="req")
@@ -76,7 +78,8 @@ async def _run(url, headers, prompts, body, model, arrivals, concurrency):
             try:
                 for attempt in (1, 2):  # a kept-alive connection the server has just closed: once more, anew
                     try:
-                        await _request(session, url, {**body, "prompt": prompts[i]}, rec, gaps, inflight, t0)
+                        own = {"prompt": prompts[i], **({} if max_tokens is None else {"max_tokens": max_tokens[i]})}
+                        await _request(session, url, {**body, **own}, rec, gaps, inflight, t0)
                         break
                     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
                         if rec["token_times"] or attempt == 2:
