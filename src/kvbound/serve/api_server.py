@@ -69,7 +69,8 @@ class Server:
         try:
             policy = parse_policy(spec, budget, pinned=tuple(map(tuple, body.pin or ())), **self.config.policy_defaults)
         except KvboundError as e:
-            raise BadField("kv_policy" if body.kv_policy else "kv_budget", str(e)) from None
+            field = ("pin" if body.pin and "pinned" in str(e) else "kv_policy" if body.kv_policy else "kv_budget")
+            raise BadField(field, str(e)) from None
         if not policy.bounded and (body.kv_budget or body.pin):
             name = "kv_budget" if body.kv_budget else "pin"
             raise BadField(name, f"{name} has no effect with the unbounded policy {spec!r}: ask for a bounded "
