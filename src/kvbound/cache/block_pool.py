@@ -102,6 +102,11 @@ class BlockPool:
         """Bytes one token takes in one layer (K and V, all KV heads)."""
         return 2 * self.k.shape[2] * self.k.shape[3] * self.k.element_size()
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block takes over all layers."""
+        return self.block_size * self.bytes_per_token() * self.k.shape[0]
+
     # --- accounting -----------------------------------------------------------------------------
     @property
     def num_free(self) -> int:

@@ -20,12 +20,12 @@ def engine_tokens(engine, ids, params, report):
     from tqdm import tqdm
     rid = engine.add_request(ids, params)
     seq = engine.requests[rid][0]
-    block_bytes = engine.pool.block_size * engine.pool.bytes_per_token() * engine.model.config.num_layers
     report["kv_bytes"] = 0
     with tqdm(total=len(ids), desc="prefill", unit="tok", file=sys.stderr, leave=False,
               disable=len(ids) <= engine.scheduler.chunk) as bar:
         def on_step():
-            report["kv_bytes"] = max(report["kv_bytes"], (engine.pool.num_blocks - engine.pool.num_free) * block_bytes)
+            held = engine.pool.num_blocks - engine.pool.num_free
+            report["kv_bytes"] = max(report["kv_bytes"], held * engine.pool.block_bytes)
             if seq.cache is not None:
                 bar.update(min(seq.cache.seen, len(ids)) - bar.n)
         yield from engine.stream(rid, on_step)

@@ -23,9 +23,11 @@ def int_at_least(low: int, what: str):
 
 
 positive_int = int_at_least(1, "a positive integer")
+nonneg_int = int_at_least(0, "an integer >= 0")
 
 
 def positive_float(s):
+    """An argparse type: a finite number > 0."""
     try:
         v = float(s)
     except ValueError:
@@ -33,7 +35,6 @@ def positive_float(s):
     if not v > 0 or v == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}")
     return v
-nonneg_int = int_at_least(0, "an integer >= 0")
 
 
 def int_list(s):

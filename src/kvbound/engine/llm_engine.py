@@ -290,11 +290,10 @@ class LLMEngine:
         seqs = self.requests[request_id]
         done = all(s.status == FINISHED for s in seqs) and len(seqs) == seqs[0].params.n
         # token lists are the sequences' own (no copy per step); text is decoded once, when the request is done
-        block_bytes = self.pool.block_size * self.pool.bytes_per_token() * self.model.config.num_layers
         outs = [CompletionOutput(s.index, s.output, (s.text if s.text is not None else self.tokenizer.decode(s.output))
                                  if done and self.tokenizer else "", s.finish_reason,
                                  s.logprobs if s.params.logprobs is not None else None, s.tokens_evicted,
-                                 s.peak_blocks * block_bytes) for s in seqs]
+                                 s.peak_blocks * self.pool.block_bytes) for s in seqs]
         first = seqs[0]
         out = RequestOutput(request_id, first.prompt, outs, done, first.arrival, first.first_token_time,
                             first.token_times, first.cached_tokens or 0)
