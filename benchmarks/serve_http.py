@@ -29,7 +29,8 @@ import time
 import httpx
 import torch
 
-from serve_gpu import random_model_dir  # benchmarks/ is on the path as the script's folder
+from engine_throughput import sync_time  # benchmarks/ is on the path as the script's folder
+from serve_gpu import random_model_dir
 from kvbound.engine import LLMEngine, SamplingParams
 from kvbound.eval.bench import poisson_arrivals, random_prompts, run_offline, serve_report
 from kvbound.eval.http_bench import run_http
@@ -106,11 +107,6 @@ def offline_random_tok_s(model_dir, prompts, outs, args) -> float:
     del model
     torch.cuda.empty_cache()
     return sum(outs) / elapsed
-
-
-def sync_time():
-    torch.cuda.synchronize()
-    return time.perf_counter()
 
 
 def offline_tok_s(model_dir, prompts, args) -> tuple[float, float, float]:

@@ -46,6 +46,18 @@ def read_text(path: Path) -> str:
         raise KvboundError(f"--text: {path} is not a UTF-8 text file") from None
 
 
+def joined_text(paths=None) -> str:
+    """The text of every file under `paths` (default: the package's), one after another."""
+    return " ".join(read_text(f) for f in text_files(paths))
+
+
+def chat_frame(tok) -> tuple[str, str]:
+    """The model's chat template around one user turn: (the text before its content, the text after it, up to
+    where the reply begins)."""
+    head, end = tok.apply_chat_template([{"role": "user", "content": "\u0000"}]).split("\u0000")
+    return head, end
+
+
 def token_samples(tok, paths, n: int, seq_len: int) -> tuple[list[list[int]], list[str]]:
     """n samples of seq_len tokens: consecutive, non-overlapping windows of each file, taken round-robin
     across the files (the first window of every file, then the second, ...). Returns (samples, names)."""

@@ -13,13 +13,13 @@ import aiohttp
 from tqdm import tqdm
 
 from ..errors import KvboundError
-from .data import PACKAGE_TEXT, read_text, text_files
+from .data import joined_text
 
 
 def text_prompts(n: int, input_len: int, seed: int = 0) -> list[str]:
     """n prompts of about input_len tokens: runs of words from the package's text at random places (a client
     may have no tokenizer; the server's usage gives the true counts)."""
-    words = " ".join(read_text(p) for p in text_files([PACKAGE_TEXT])).split()
+    words = joined_text().split()
     count = max(1, input_len * 3 // 4)  # about 4/3 tokens per English word
     if len(words) <= count:
         raise KvboundError(f"--input-len {input_len}: the package text has only {len(words)} words")

@@ -7,7 +7,7 @@ from tqdm import tqdm
 
 from ..engine import SamplingParams, generate_ids
 from ..errors import KvboundError
-from .data import read_text, text_files
+from .data import chat_frame, read_text, text_files
 from .strategies import CacheOptions, make_cache, parse_strategies
 
 NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
@@ -45,10 +45,9 @@ def needle_prompt(tok, context: int, depth: float, haystack=None, needle: Needle
         text_ids += tok.encode(read_text(f))
         if len(text_ids) > context:
             break
-    head = tok.apply_chat_template([{"role": "user", "content": "\u0000"}]).split("\u0000")[0]
+    head, end = chat_frame(tok)
     instruction = (f"Read the document below, then answer this question: {needle.question}\n\nDocument:\n")
     tail_text = f"\n\nAnswer the question using the document. {needle.question}"
-    end = tok.apply_chat_template([{"role": "user", "content": "\u0000"}]).split("\u0000")[1]
     pre_ids = tok.encode(head + instruction)
     post_ids = tok.encode(tail_text + end + needle.answer_prefix)
     needle_ids = tok.encode(" " + needle.text + " ")

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from ..engine import SamplingParams, generate_ids
 from ..errors import KvboundError
-from .data import read_text, text_files
+from .data import chat_frame, joined_text
 from .strategies import CacheOptions, make_cache, parse_strategies
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -137,7 +137,7 @@ def haystack_ids(tok, haystack, need: int) -> list[int]:
     if haystack == ["noise"]:
         text = NOISE * (need // 8 + 2)
     else:
-        text = " ".join(read_text(f) for f in text_files(haystack))
+        text = joined_text(haystack)
     ids = tok.encode(text)
     if not ids:
         raise KvboundError("ruler: the haystack is empty")
@@ -148,7 +148,7 @@ def build_prompt(tok, sample: Sample, context: int, query: str, rng, filler: lis
     """The chat prompt of about `context` tokens: instruction (+ question when query="before"), the context
     with the needles at random sentence ends of `filler` (haystack tokens), the question, then the answer's
     opening words."""
-    head, end = tok.apply_chat_template([{"role": "user", "content": "\u0000"}]).split("\u0000")
+    head, end = chat_frame(tok)
     ask = f"Answer the question: {sample.question}\n\n" if query == "before" else ""
     pre = tok.encode(head + f"Read the text below and answer the question after it. {ask}Text:\n")
     post = tok.encode(f"\n\nQuestion: {sample.question}{end}{sample.answer_prefix}")
