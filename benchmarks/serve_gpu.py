@@ -18,16 +18,23 @@ import tempfile
 import torch
 from tokenizers import Tokenizer, models
 
-SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-               num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=1e5,
-               max_position_embeddings=8192)
+SHAPES = {  # transformers config class, its arguments
+    "smollm2": ("LlamaConfig", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                    num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                                    tie_word_embeddings=True, rope_theta=1e5, max_position_embeddings=8192)),
+    "qwen3-0.6b": ("Qwen3Config", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                       tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960)),
+}
 
 
-def random_model_dir(path: str) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def random_model_dir(path: str, shape: str = "smollm2") -> str:
+    import transformers
+    config_class, kwargs = SHAPES[shape]
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**SMOLLM2)).to(torch.bfloat16).save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(SMOLLM2["vocab_size"])}
+    config = getattr(transformers, config_class)(**kwargs)
+    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(kwargs["vocab_size"])}
     Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"eos_token": "t2"}, f)

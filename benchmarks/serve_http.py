@@ -1,6 +1,6 @@
 """`kvbound serve` on the lent GPU against the offline engine, side by side in one run (issue #16).
 
-Random weights in SmolLM2's shape, written as a Hugging Face directory (serve_gpu.py), so the server is
+Random weights in SmolLM2's (or Qwen3-0.6B's) shape, written as a Hugging Face directory (serve_gpu.py), so the server is
 started exactly as a user would start it (`python -m kvbound serve --model DIR`, its own process), and
 the load comes from `kvbound bench serve`'s HTTP client (eval/http_bench.py) in this process.
 
@@ -11,7 +11,12 @@ the load comes from `kvbound bench serve`'s HTTP client (eval/http_bench.py) in 
               Inter-token latency p50 / p99 of the streams in both, and the timeline plot of the second:
               decode-first chunked prefill keeps p99 bounded while long prompts keep arriving.
 
-PYTHONPATH=src:benchmarks python benchmarks/serve_http.py --out $OUT
+  random      (--random-lengths) nano-vllm's 256 requests of U[100, 1024] tokens in and out, offline and
+              served in a burst.
+Each served run prints the server's engine steps and the time per step spent outside them (from /metrics);
+--profile samples the server and its engine process with py-spy (if installed) during the streamed burst.
+
+PYTHONPATH=src:benchmarks python benchmarks/serve_http.py --out $OUT [--shape smollm2|qwen3-0.6b] [--random-lengths]
 Prints a table last; writes serve_http_<shape>.json and serve_http_<shape>_long.png under --out.
 """
 from __future__ import annotations
@@ -30,7 +35,7 @@ import httpx
 import torch
 
 from engine_throughput import sync_time  # benchmarks/ is on the path as the script's folder
-from serve_gpu import random_model_dir
+from serve_gpu import SHAPES, random_model_dir
 from kvbound.engine import LLMEngine, SamplingParams
 from kvbound.eval.bench import poisson_arrivals, random_prompts, run_offline, serve_report
 from kvbound.eval.http_bench import run_http
@@ -117,12 +122,39 @@ def offline_tok_s(model_dir, prompts, args) -> tuple[float, float, float]:
                    max_num_batched_tokens=args.max_num_batched_tokens) as engine:
         params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
         run_offline(engine, prompts[:16], params)  # warm-up: kernels compiled
+        steps = engine.scheduler.stats["steps"]
         res = run_offline(engine, prompts, params)
+        steps = engine.scheduler.stats["steps"] - steps
+        print(f"[offline] wall {res['elapsed_s']:.2f} s, {steps} engine steps, "
+              f"{len(prompts) * args.output_len / steps:.0f} tokens a step", flush=True)
         loop = closed_loop(engine, prompts, params, args.max_num_seqs)
         spread = closed_loop(engine, prompts, params, args.max_num_seqs, 0.004)
     del model
     torch.cuda.empty_cache()
     return res["output_tokens_per_s"], loop, spread
+
+
+def engine_counters(url) -> dict:
+    """The server's engine steps, their host seconds and the tokens generated so far (from /metrics)."""
+    names = {"kvbound:engine_step_seconds_count": "steps", "kvbound:engine_step_seconds_sum": "step_s",
+             "kvbound:generation_tokens_total": "tokens"}
+    found = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            found[names[name]] = float(value)
+    return found
+
+
+def profiled(proc, seconds: float, out: str, name: str):
+    """py-spy (when installed) samples the server and its engine process for `seconds`: collapsed stacks
+    in out/name.txt, to read where a served step's time goes."""
+    try:
+        return subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--subprocesses", "--duration",
+                                 str(int(seconds)), "--format", "raw", "--rate", "200", "--nonblocking",
+                                 "-o", os.path.join(out, name + ".txt")], stdout=subprocess.DEVNULL)
+    except FileNotFoundError:
+        return None
 
 
 def served_tok_s(url, prompts, args, stream: bool, burst: bool = False) -> float:
@@ -132,6 +164,7 @@ def served_tok_s(url, prompts, args, stream: bool, burst: bool = False) -> float
     if stream:
         body["stream_options"] = {"include_usage": True}
     run_http(url, prompts[:16], body, concurrency=16)  # warm-up
+    before = engine_counters(url)
     t0 = time.perf_counter()
     if burst:
         reqs, _ = run_http(url, prompts, body, arrivals=[0.0] * len(prompts))
@@ -140,7 +173,16 @@ def served_tok_s(url, prompts, args, stream: bool, burst: bool = False) -> float
     elapsed = time.perf_counter() - t0
     failed = [r for r in reqs if r.get("error")]
     assert not failed, failed[:3]
+    report_engine(url, before, elapsed, f"stream={stream} burst={burst}")
     return sum(r["tokens"] for r in reqs) / elapsed
+
+
+def report_engine(url, before, elapsed, name):
+    after = engine_counters(url)
+    d = {k: after[k] - before[k] for k in after}
+    print(f"[{name}] wall {elapsed:.2f} s, {d['steps']:.0f} engine steps ({d['step_s']:.2f} s in step, "
+          f"{d['step_s'] / elapsed:.0%} of wall), {d['tokens'] / max(d['steps'], 1):.0f} tokens a step, "
+          f"{1000 * (elapsed - d['step_s']) / max(d['steps'], 1):.2f} ms a step outside it", flush=True)
 
 
 def served_random_tok_s(url, prompts, outs) -> float:
@@ -177,7 +219,7 @@ def long_prompt_runs(url, vocab, args, out):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--shape", default="smollm2")
+    ap.add_argument("--shape", default="smollm2", choices=list(SHAPES))
     ap.add_argument("--num-prompts", type=int, default=1024)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
@@ -190,10 +232,11 @@ def main():
     ap.add_argument("--long-every", type=int, default=10)
     ap.add_argument("--random-lengths", action="store_true", help="also 256 requests of prompt and output lengths "
                     "U[100, 1024] (nano-vllm's bench), offline and served, all sent at once")
+    ap.add_argument("--profile", action="store_true", help="py-spy the server during the streamed burst")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     with tempfile.TemporaryDirectory() as d:
-        random_model_dir(d)
+        random_model_dir(d, args.shape)
         vocab = json.load(open(os.path.join(d, "config.json")))["vocab_size"]
         prompts = random_prompts(args.num_prompts, args.input_len, vocab, 0)
         rows = dict(zip(("offline", "offline, closed loop", "offline, 2-6 ms round trip"),
@@ -208,7 +251,11 @@ def main():
         try:
             rows["served, whole responses"] = served_tok_s(url, prompts, args, stream=False)
             rows["served, streamed"] = served_tok_s(url, prompts, args, stream=True)
+            rows["served, whole responses, burst"] = served_tok_s(url, prompts, args, stream=False, burst=True)
+            spy = profiled(proc, 5, args.out, f"serve_http_{args.shape}_profile") if args.profile else None
             rows["served, streamed, burst"] = served_tok_s(url, prompts, args, stream=True, burst=True)
+            if spy is not None:
+                spy.wait(30)
             if random_outs is not None:
                 rows["served, random lengths, streamed, burst"] = served_random_tok_s(url, random_in, random_outs)
             steps = [line for line in httpx.get(url + "/metrics").text.splitlines()

@@ -97,6 +97,7 @@ class LLMEngine:
         self.eos_ids = set(tokenizer.eos_ids) if tokenizer is not None else set()
         self.requests: dict[str, list[Sequence]] = {}
         self._ids = itertools.count()
+        self._sampled: list[Sequence] = []  # the sequences that took a token in the last step
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.pool, max_num_seqs, graph_max_len, cfg.max_position_embeddings)
@@ -153,12 +154,12 @@ class LLMEngine:
         """Completion `index` of a seeded request draws as a request seeded with seed + index would."""
         return None if params.seed is None else params.seed + index
 
-    def progress(self, request_id: str) -> list[tuple[int, list[int], list[dict] | None]]:
-        """(index, token ids, logprobs) of an unfinished request's completions so far, without building a
-        RequestOutput: the lists are the engine's own, to be read (not kept) before the next step. With
-        step(only_finished=True) this lets a caller follow just the requests it streams."""
-        return [(s.index, s.output, s.logprobs if s.params.logprobs is not None else None)
-                for s in self.requests.get(request_id, ())]
+    def new_tokens(self, request_ids) -> list[tuple[str, int, int, dict | None]]:
+        """(request id, completion index, token, logprob) for each unfinished completion of `request_ids` that
+        took a token in the last step: what a streaming caller sends on, in one flat list, without building
+        RequestOutputs (a finished completion's last tokens come with its output from step())."""
+        return [(s.request_id, s.index, s.output[-1], s.logprobs[-1] if s.params.logprobs is not None else None)
+                for s in self._sampled if s.status != FINISHED and s.request_id in request_ids]
 
     def has_unfinished(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_unfinished()
@@ -184,6 +185,7 @@ class LLMEngine:
         or with `only_finished` just the finished ones (cheaper when nobody streams)."""
         self._open()
         batch, keys = StepBatch.order(self.scheduler.schedule())
+        self._sampled = []
         if not batch:
             return []
         sampling = [i for i, (seq, t) in enumerate(batch) if seq.to_feed() == t]
@@ -200,6 +202,7 @@ class LLMEngine:
         picked = sample_batch(logits, [s.params for s in seqs], [s.prompt for s in seqs], [s.output for s in seqs],
                               [s.seed for s in seqs], self.eos_ids)
         now = time.perf_counter()
+        self._sampled = seqs
         touched = {}
         for s, (tok, logprob) in zip(seqs, picked):
             if self._append(s, tok, logprob, now) or not only_finished:

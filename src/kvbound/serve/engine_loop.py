@@ -4,8 +4,8 @@ a thread of the server's process (an engine built by the caller, e.g. sharing a 
 
 The server's side (`EngineClient`) sends commands (add, abort, metrics, stop); the loop answers with one
 message per iteration: the adds it accepted or refused, every request's news of that step (streamed
-requests get their new tokens each step, the others one update when they finish) and, when asked, the
-Prometheus text. A reader thread hands each message to the event loop in one call, where each request's
+requests' new tokens each step as one flat list, and one update for each request that finished) and, when
+asked, the Prometheus text. A reader thread hands each message to the event loop in one call, where each request's
 updates wait in its mailbox; a handler takes everything waiting as one piece, so a busy server sends
 fewer, larger pieces instead of falling behind (vLLM merges outputs the same way)."""
 from __future__ import annotations
@@ -77,7 +77,7 @@ class EngineLoop:
             msgs = [] if self.engine.has_unfinished() else [self.receive(True)]
             while (msg := self.receive(False)) is not None:
                 msgs.append(msg)
-            out = {"accepted": [], "updates": []}
+            out = {"accepted": [], "updates": [], "tokens": []}
             for msg in msgs:
                 if msg[0] == "stop":
                     self._abort_all("the server is shutting down", out)
@@ -87,8 +87,7 @@ class EngineLoop:
                 getattr(self, "_" + msg[0])(out, *msg[1:])
             if self.engine.has_unfinished():
                 self._step(out)
-            self._gauges()
-            if out["accepted"] or out["updates"] or "metrics" in out:
+            if out["accepted"] or out["updates"] or out["tokens"] or "metrics" in out:
                 self.send(out)
 
     def _add(self, out, request_id, prompt, params, policy, stream, arrival):
@@ -116,6 +115,7 @@ class EngineLoop:
             out["updates"].append(self._last(done))
 
     def _metrics(self, out):
+        self._gauges()  # read when scraped: nothing per step
         out["metrics"] = generate_latest(self.metrics.registry)
 
     def _step(self, out):
@@ -128,13 +128,13 @@ class EngineLoop:
             self._abort_all(f"the engine failed: {type(e).__name__}: {e}", out)
             return
         news = [self._last(o) for o in finished if o.request_id in self.routes]
-        for rid in self.streaming:
+        fresh = self.engine.new_tokens(self.streaming)  # one flat tuple per streamed token: cheap to pickle
+        for rid, index, _, _ in fresh:
             sent = self.routes[rid][2]
-            deltas = [_delta(sent, index, toks, lps) for index, toks, lps in self.engine.progress(rid)]
-            if any(d.token_ids for d in deltas):
-                news.append(Update(rid, deltas, False))
-        self.metrics.generation_tokens.inc(sum(len(d.token_ids) for up in news for d in up.completions))
+            sent[index] = sent.get(index, 0) + 1
+        self.metrics.generation_tokens.inc(len(fresh) + sum(len(d.token_ids) for up in news for d in up.completions))
         out["updates"] += news
+        out["tokens"] += fresh
 
     def _last(self, done) -> Update:
         """A finished (or aborted) request's last news; it leaves the routes."""
@@ -161,7 +161,7 @@ class EngineLoop:
             return
         running = {s.request_id for s in sched.running}
         waiting = {s.request_id for s in sched.waiting} - running
-        self.metrics.after_step(self.engine, len(running), len(waiting))
+        self.metrics.read_engine(self.engine, len(running), len(waiting))
 
 
 def _delta(sent: dict, index, token_ids, logprobs, *end) -> CompletionDelta:
@@ -361,6 +361,11 @@ class EngineClient:
             if fut is not None and not fut.done():
                 fut.set_result(None) if kind is None else fut.set_exception(
                     QueueFull(why) if kind == "queue_full" else KvboundError(why))
+        for rid, index, token, logprob in msg["tokens"]:  # a streamed token of an unfinished completion
+            entry = self.mailboxes.get(rid)
+            if entry is not None:
+                entry[0].deliver(Update(entry[1], [CompletionDelta(index, [token], None if logprob is None
+                                                                   else [logprob])], False))
         for up in msg["updates"]:
             entry = self.mailboxes.get(up.key)
             if entry is not None:

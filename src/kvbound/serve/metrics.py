@@ -41,8 +41,8 @@ class ServerMetrics:
                                 registry=r)
         self._seen = {"preemptions": 0, "prompt_tokens": 0, "prefix_hit_tokens": 0}
 
-    def after_step(self, engine, running_requests: int, waiting_requests: int):
-        """Gauges and the scheduler's counters, read after each engine step (from the engine's thread)."""
+    def read_engine(self, engine, running_requests: int, waiting_requests: int):
+        """Gauges and the scheduler's counters, read from the engine's thread when /metrics is scraped."""
         pool, stats = engine.pool, engine.scheduler.stats
         usable = pool.num_blocks - pool.reserved
         used = usable - pool.num_free
