@@ -128,7 +128,7 @@ class EngineLoop:
             self._abort_all(f"the engine failed: {type(e).__name__}: {e}", out)
             return
         news = [self._last(o) for o in finished if o.request_id in self.routes]
-        fresh = self.engine.new_tokens(self.streaming)  # one flat tuple per streamed token: cheap to pickle
+        fresh = self.engine.new_tokens(self.streaming) if self.streaming else []  # a flat tuple per token
         for rid, index, _, _ in fresh:
             sent = self.routes[rid][2]
             sent[index] = sent.get(index, 0) + 1
