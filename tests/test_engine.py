@@ -308,7 +308,10 @@ def test_forked_bounded_completions_equal_separate_seeded_runs(model):
 
 
 @pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=10,recent=12", "h2o:sink=2,heavy=10,recent=12,score=ema",
-                                  "h2o:sink=1,heavy=11,recent=12,score=normalized", "window:budget=24,sink=3"])
+                                  "h2o:sink=1,heavy=11,recent=12,score=normalized", "window:budget=24,sink=3",
+                                  "h2o:sink=2,heavy=10,recent=12,score=observed", "tova:sink=2,heavy=22",
+                                  "knorm:sink=2,heavy=10,recent=12", "snapkv:sink=2,heavy=12,recent=10,window=6",
+                                  "snapkv:sink=2,heavy=12,recent=10,window=6,kernel=3,score=ema"])
 def test_bounded_prefill_pieces_evict_as_one_batch(model, monkeypatch, spec):
     """Later prefill pieces of full bounded caches with one policy keep-and-rewrite together ("chunk" group),
     with the same outputs as each sequence alone; a pinned prefix is honoured."""

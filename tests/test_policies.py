@@ -9,7 +9,8 @@ import torch
 from kvbound.cache import KVCache
 from kvbound.errors import KvboundError
 from kvbound.models import ModelConfig
-from kvbound.cache.policies import H2OPolicy, WindowPolicy, parse_policy
+from kvbound.cache.policies import (H2OPolicy, KeyNormPolicy, SnapKVPolicy, TOVAPolicy, WindowPolicy,
+                                    parse_policy)
 
 HQ, HKV, D = 4, 2, 8
 
@@ -38,6 +39,7 @@ class Reference:
         out = torch.zeros(t, HQ, D, dtype=torch.float64)
         contrib = [dict() for _ in range(HKV)]
         g = HQ // HKV
+        window = p.window if isinstance(p, SnapKVPolicy) and t > 1 else t  # queries that score keys
         for h in range(HKV):
             for i in range(t):
                 visible = self.kept[h] + new[:i + 1]
@@ -47,6 +49,8 @@ class Reference:
                     probs = torch.softmax(keys @ q[i, qh].double() / math.sqrt(D), 0)
                     out[i, qh] = probs @ vals
                     w = len(visible) if p.score == "normalized" else 1.0
+                    if i < t - window:
+                        continue
                     for j, pr in zip(visible, probs.tolist()):
                         contrib[h][j] = contrib[h].get(j, 0.0) + pr * w
         if p.score and p.granularity == "layer":
@@ -56,9 +60,20 @@ class Reference:
                     total[j] = total.get(j, 0.0) + c
             contrib = [total] * HKV
         for h in range(HKV):
+            if isinstance(p, SnapKVPolicy) and t > 1:  # the window's attention, averaged over neighbours
+                cand = self.kept[h] + new
+                c = [contrib[h].get(j, 0.0) for j in cand]
+                r = p.kernel // 2
+                contrib[h] = {j: sum(c[max(0, i - r):i + r + 1]) / len(c[max(0, i - r):i + r + 1])
+                              for i, j in enumerate(cand)}
             for j in self.kept[h] + new:
                 c = contrib[h].get(j, 0.0)
-                if p.score == "ema":
+                if p.score == "key-norm":
+                    heads = range(HKV) if p.granularity == "layer" else [h]
+                    self.score[h].setdefault(j, -sum(float(self.K[j][x].norm()) for x in heads))
+                elif p.score == "last" or (isinstance(p, SnapKVPolicy) and t > 1):
+                    self.score[h][j] = c
+                elif p.score == "ema":
                     self.score[h][j] = p.ema_decay * self.score[h].get(j, 0.0) + (1 - p.ema_decay) * c
                 elif p.score:
                     self.score[h][j] = self.score[h].get(j, 0.0) + c
@@ -75,7 +90,8 @@ class Reference:
         pinned = lambda j: j < p.sink or any(a <= j < b for a, b in p.pinned)  # noqa: E731
         if isinstance(p, H2OPolicy):
             protected = [j for j in cand if pinned(j) or j > last - p.recent]
-            rank = lambda j: (self.score[h][j], j)  # noqa: E731  (ties: newer wins)
+            age = (lambda j: last - j + 1) if p.score == "observed" else (lambda j: 1)  # noqa: E731
+            rank = lambda j: (self.score[h][j] / age(j), j)  # noqa: E731  (ties: newer wins)
         else:
             protected = [j for j in cand if pinned(j)]
             rank = lambda j: (j, j)  # noqa: E731
@@ -89,6 +105,13 @@ for score, gran, every, pinned in itertools.product(["cumulative", "ema", "norma
                                                     [1, 4], [(), ((6, 9),)]):
     POLICIES.append(H2OPolicy(sink=2, heavy=5, recent=5, score=score, granularity=gran, evict_every=every,
                               pinned=pinned, ema_decay=0.8))
+for gran, every, pinned in itertools.product(["kv-head", "layer"], [1, 4], [(), ((6, 9),)]):
+    POLICIES += [H2OPolicy(sink=2, heavy=5, recent=5, score="observed", granularity=gran, evict_every=every,
+                           pinned=pinned),
+                 TOVAPolicy(sink=1, heavy=9, recent=2, granularity=gran, evict_every=every, pinned=pinned),
+                 KeyNormPolicy(sink=2, heavy=6, recent=4, granularity=gran, evict_every=every, pinned=pinned),
+                 SnapKVPolicy(sink=1, heavy=7, recent=4, window=3, kernel=3, granularity=gran, evict_every=every,
+                              pinned=pinned)]
 
 
 def _steps(seed, lengths=(5, 1, 1, 7, 1, 1, 1, 3, 1, 1, 1, 1, 9, 1, 1, 1, 1, 1, 2, 1, 1, 1)):

@@ -21,11 +21,11 @@ from copy import copy
 import torch
 
 from ..errors import KvboundError
-from ..kernels import causal_attention_batch
 from .policies import FullPolicy
 from .quant import QuantizedStore
 from .stacked import StackedMeta
-from .steps import chunk_attend, evict_decode, evict_one, keep_and_rewrite, policy_fold, table_attention
+from .steps import (chunk_attend, evict_decode, evict_one, fresh_scores, keep_and_rewrite, piece_attention,
+                    table_attention)
 from .store import DenseStore
 
 
@@ -196,7 +196,7 @@ class KVCache:
         elif n + t <= self.capacity:  # room: the new tokens take slots [n, n + t) in every head
             self.store.write_range(layer, n, k, v)
             self.pos[layer, n:n + t] = positions[:, None].to(self.pos.dtype)
-            out = self._attend_new(layer, q, n + t)
+            out = self._attend_new(layer, q, k, n + t)
             self.n[layer] = n + t
             if self.bounded and n + t >= self.policy.capacity:  # over budget + evict_every - 1 tokens
                 if n + t == self.budget + 1:
@@ -240,22 +240,24 @@ class KVCache:
     def _slots_used(self, layer):
         return self.n[layer] + self.has_spare[layer]
 
-    def _attend_new(self, layer, q, total):
-        """Attention of the T new queries over slots [0, total), all live, the new tokens the last T (causal
-        mask); every slot's score gets this step's probabilities (the new ones start at 0)."""
+    def _attend_new(self, layer, q, k, total):
+        """Attention of the T new queries (keys k) over slots [0, total), all live, the new tokens the last T
+        (causal mask); the new tokens' scores start at the policy's (`fresh_scores`), then every slot's
+        score takes this step's probabilities."""
         t = q.shape[0]
         score = None if self.score is None else self.score[layer, :total]
-        if score is not None:
-            score[total - t:] = 0
         table = self.store.slot_table(total)[None]
         if t == 1:
+            if score is not None:
+                score[total - t:] = fresh_scores(self.policy, k, score, self.store.storage, layer)
             lens = torch.full((1,), total, dtype=torch.int32, device=q.device)
             return table_attention(q, self.store.storage, layer, table, lens, self.policy,
                                    None if score is None else score[None])
         kc, vc = self.store.storage.gather(layer, table.long())
-        out, step = causal_attention_batch(q[None], kc, vc, self.policy.score)
+        out, scores = piece_attention(q[None], kc, vc, self.policy, None if score is None else score[None, :total - t],
+                                      self.pos[layer, :total][None])
         if score is not None:
-            score.copy_(policy_fold(self.policy, score, step[0]))
+            score.copy_(scores[0])
         return out[0]
 
     def _move(self, layer, heads, src, dst):

@@ -1,16 +1,25 @@
 """Eviction policies: which cached tokens to keep when the cache is over its budget.
 
-Every policy follows `Policy` (below). Ties on score keep the newer token.
+Every policy follows `Policy` (below). Ties on score keep the newer token. The scored policies share H2O's
+keep rule (sinks, pinned spans and a recent window protected, the highest-ranked others kept) and differ
+in the score: accumulated attention (h2o), the same divided by the queries that could see each key
+(ObservedAttention), the current step's attention only (TOVA), an observation window's pooled attention in
+prefill (SnapKV), or the key's norm (KNorm: no attention needed).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import KvboundError
 
-SCORES = ("cumulative", "ema", "normalized")
+SCORES = ("cumulative", "ema", "normalized", "observed")
+# how each score folds a step's attention probabilities in (the kernels' score modes): "last" keeps only the
+# newest step's (an EMA that forgets at once), "key-norm" takes none
+FOLDS = {"cumulative": "cumulative", "ema": "ema", "normalized": "normalized", "observed": "cumulative",
+         "last": "ema", "key-norm": None}
 GRANULARITIES = ("kv-head", "layer")
 
 
@@ -120,11 +129,47 @@ class Policy:
 
     def fused_protection(self) -> tuple[int, int] | None:
         """(prefix, recent) when the protected tokens are positions [0, prefix) plus the `recent` newest,
-        the form the fused evict kernel takes; None for pinned spans past the protected prefix."""
+        the form the fused evict kernel takes; None for pinned spans past the protected prefix, and for
+        scores the kernel does not rank by (it ranks by the folded attention, new tokens starting at 0)."""
         prefix = self.protected_prefix
-        if any(b > prefix for _, b in self.pinned):
+        if any(b > prefix for _, b in self.pinned) or self.score in ("observed", "key-norm"):
             return None
         return prefix, self.recent
+
+    @property
+    def fold(self) -> str | None:
+        """The attention kernels' score mode for this policy (None: it needs no attention probabilities)."""
+        return FOLDS.get(self.score)
+
+    @property
+    def fold_decay(self) -> float:
+        return 0.0 if self.score == "last" else self.ema_decay
+
+    @property
+    def score_window(self) -> int | None:
+        """In a prefill piece, only the last this many queries' attention scores the keys (None: all)."""
+        return None
+
+    def rank(self, pos: torch.Tensor, score: torch.Tensor | None) -> torch.Tensor | None:
+        """What the keep rule sorts by, from the stored scores: ObservedAttention divides each key's summed
+        attention by the number of queries that could see it (its age + 1)."""
+        if self.score == "observed":
+            return score / (newest(pos) - pos + 1).clamp(min=1)
+        return score
+
+    @property
+    def scores_keys(self) -> bool:
+        """Whether a new token's score starts from its key (`key_score`) instead of 0."""
+        return self.score == "key-norm"
+
+    def key_score(self, k: torch.Tensor) -> torch.Tensor:
+        """A new token's starting score from its key, k [..., H, D] -> [..., H]."""
+        return -k.float().norm(dim=-1)  # KNorm keeps the keys of lowest L2 norm
+
+    def piece_scores(self, old: torch.Tensor, step: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Scores after a prefill piece whose probabilities are `step` (both [..., M, H])."""
+        from ..kernels import fold_scores
+        return fold_scores(old, step, self.fold, self.fold_decay)
 
     def keep_mask(self, pos: torch.Tensor, score: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
@@ -198,23 +243,26 @@ class H2OPolicy(Policy):
     evict_every: int = 1
     pinned: tuple = field(default_factory=tuple)
     name: str = "h2o"
+    score_choices = SCORES
 
     def __post_init__(self):
         _check_nonneg(sink=self.sink, heavy=self.heavy, recent=self.recent)
-        if self.score not in SCORES:
-            raise KvboundError(f"h2o: unknown score {self.score!r} (choose from {', '.join(SCORES)})")
+        if self.score not in self.score_choices:
+            raise KvboundError(f"{self.name}: unknown score {self.score!r} (choose from "
+                               f"{', '.join(self.score_choices)})")
         if self.granularity not in GRANULARITIES:
-            raise KvboundError(f"h2o: unknown granularity {self.granularity!r} (choose from {', '.join(GRANULARITIES)})")
+            raise KvboundError(f"{self.name}: unknown granularity {self.granularity!r} (choose from "
+                               f"{', '.join(GRANULARITIES)})")
         if not 0.0 < float(self.ema_decay) < 1.0:
-            raise KvboundError(f"h2o: ema-decay must be in (0, 1), got {self.ema_decay}")
+            raise KvboundError(f"{self.name}: ema-decay must be in (0, 1), got {self.ema_decay}")
         if self.evict_every < 1:
             raise KvboundError(f"policy: evict_every must be >= 1, got {self.evict_every}")
         if self.budget < 1:
-            raise KvboundError("h2o: budget (sink + heavy + recent) must be at least 1")
+            raise KvboundError(f"{self.name}: budget (sink + heavy + recent) must be at least 1")
         object.__setattr__(self, "pinned", _check_spans(self.pinned))
         protected = _pinned_count(self.sink, self.pinned)
         if protected + self.recent > self.budget:
-            raise KvboundError(f"h2o: {_protected_words(self.sink, self.pinned, protected)} plus recent "
+            raise KvboundError(f"{self.name}: {_protected_words(self.sink, self.pinned, protected)} plus recent "
                                f"{self.recent} = {protected + self.recent} exceeds budget ({self.budget})")
 
     @property
@@ -225,23 +273,81 @@ class H2OPolicy(Policy):
         return _protected_base(pos, self.sink, self.pinned) | (pos > newest(pos) - self.recent)
 
     def keep_mask(self, pos, score):
-        return select_keep(pos, score, self._protected(pos), self.budget)
+        return select_keep(pos, self.rank(pos, score), self._protected(pos), self.budget)
 
     def victim(self, pos, score):
-        return lowest(pos, score, self._protected(pos))
+        return lowest(pos, self.rank(pos, score), self._protected(pos))
 
     def describe(self) -> str:
-        return (f"h2o(sink={self.sink},heavy={self.heavy},recent={self.recent},score={self.score},"
+        return (f"{self.name}(sink={self.sink},heavy={self.heavy},recent={self.recent},score={self.score},"
                 f"granularity={self.granularity})")
 
 
-NAMED = ("window", "h2o", "h2o-balanced", "h2o-heavy")  # "h2o" is h2o-heavy
-SPEC_KEYS = {"full": (), "window": ("budget", "sink", "evict_every"),
-             "h2o": ("budget", "sink", "heavy", "recent", "score", "ema_decay", "granularity", "evict_every")}
+@dataclass(frozen=True)
+class TOVAPolicy(H2OPolicy):
+    """TOVA: keep the tokens the current step attends to most (each step's attention replaces the last;
+    in a prefill piece, the piece's queries together). No recent window unless asked for."""
+    recent: int = 0
+    score: str = "last"
+    name: str = "tova"
+    score_choices = ("last",)
+
+
+@dataclass(frozen=True)
+class KeyNormPolicy(H2OPolicy):
+    """KNorm: keep the keys of lowest L2 norm (low-norm keys draw the most attention). Scored once, when a
+    token is written, from its key: no attention probabilities, so any attention kernel serves it."""
+    score: str = "key-norm"
+    name: str = "knorm"
+    score_choices = ("key-norm",)
+
+
+@dataclass(frozen=True)
+class SnapKVPolicy(H2OPolicy):
+    """SnapKV: in each prefill piece, keys are scored by the attention of the piece's last `window` queries,
+    averaged over `kernel` neighbouring positions (the question at the end of a prompt picks what stays);
+    the window itself is kept (recent >= window by default). Decode then accumulates attention as H2O."""
+    window: int = 32
+    kernel: int = 5
+    name: str = "snapkv"
+    score_choices = ("cumulative", "ema")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.window < 1 or self.kernel < 1 or self.kernel % 2 == 0:
+            raise KvboundError(f"snapkv: window must be >= 1 and kernel an odd number >= 1, got window="
+                               f"{self.window}, kernel={self.kernel}")
+
+    @property
+    def score_window(self) -> int:
+        return self.window
+
+    def piece_scores(self, old, step, pos):
+        """The window's probabilities, pooled along stream order, replace the piece's candidates' scores."""
+        order = pos.argsort(dim=-2)
+        by_pos = step.gather(-2, order).movedim(-2, -1)  # [..., H, M]
+        shape = by_pos.shape
+        pooled = F.avg_pool1d(by_pos.reshape(-1, 1, shape[-1]), self.kernel, 1, self.kernel // 2,
+                              count_include_pad=False).reshape(shape).movedim(-1, -2)
+        return torch.empty_like(pooled).scatter_(-2, order, pooled)
+
+    def describe(self) -> str:
+        return super().describe()[:-1] + f",window={self.window},kernel={self.kernel})"
+
+
+NAMED = ("window", "h2o", "h2o-balanced", "h2o-heavy", "observed", "tova", "snapkv", "knorm")  # "h2o" is h2o-heavy
+SCORED = {"h2o": H2OPolicy, "tova": TOVAPolicy, "snapkv": SnapKVPolicy, "knorm": KeyNormPolicy}
+_H2O_KEYS = ("budget", "sink", "heavy", "recent", "score", "ema_decay", "granularity", "evict_every")
+SPEC_KEYS = {"full": (), "window": ("budget", "sink", "evict_every"), "h2o": _H2O_KEYS,
+             "tova": ("budget", "sink", "heavy", "recent", "granularity", "evict_every"),
+             "snapkv": _H2O_KEYS + ("window", "kernel"),
+             "knorm": ("budget", "sink", "heavy", "recent", "granularity", "evict_every")}
 
 
 def named_policy(name: str, budget: int | None, pinned=()):
-    """The evaluation's named strategies, scaled to `budget` (their shapes are given at budget 256)."""
+    """The evaluation's named strategies, scaled to `budget` (their shapes are given at budget 256): 4 sinks,
+    then half the budget heavy and the rest recent (h2o-heavy, observed, knorm), a quarter heavy
+    (h2o-balanced), no recent window (tova), or a recent window of SnapKV's observation window."""
     if name in ("baseline", "full"):
         return FullPolicy()
     if name not in NAMED:
@@ -255,15 +361,27 @@ def named_policy(name: str, budget: int | None, pinned=()):
     if budget <= 4:
         raise KvboundError(f"budget {budget} is too small for {name!r}, which keeps 4 sink tokens: use a budget "
                            "of at least 5, or a spec with fewer sinks")
+    pinned_count = _pinned_count(4, _check_spans(pinned))
+    if name == "tova":
+        return TOVAPolicy(sink=4, heavy=budget - 4, recent=0, pinned=pinned)
+    if name == "snapkv":
+        window = max(1, min(32, (budget - 4) // 4))
+        recent = max(0, min(window, budget - pinned_count))
+        return SnapKVPolicy(sink=4, heavy=budget - 4 - recent, recent=recent, window=window, pinned=pinned)
     heavy = min(budget - 4, round(budget * (64 if name == "h2o-balanced" else 128) / 256))
     # pinned tokens count against the budget: the recent window gives way to them, heavy hitters fill the rest
-    recent = max(0, min(budget - 4 - heavy, budget - _pinned_count(4, _check_spans(pinned))))
-    return H2OPolicy(sink=4, heavy=budget - 4 - recent, recent=recent, pinned=pinned)
+    recent = max(0, min(budget - 4 - heavy, budget - pinned_count))
+    if name == "knorm":
+        return KeyNormPolicy(sink=4, heavy=budget - 4 - recent, recent=recent, pinned=pinned)
+    return H2OPolicy(sink=4, heavy=budget - 4 - recent, recent=recent, pinned=pinned,
+                     score="observed" if name == "observed" else "cumulative")
 
 
 def parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
     """'full' | 'window[:budget=..,sink=..]' | 'h2o:sink=..,heavy=..,recent=..[,score=..,granularity=..,
-    ema_decay=..,evict_every=..]' | a named strategy ('baseline', 'window', 'h2o-balanced', 'h2o-heavy')."""
+    ema_decay=..,evict_every=..]' (and tova / knorm / snapkv[:..,window=..,kernel=..] with the same shape
+    options) | a named strategy ('baseline', 'window', 'h2o-balanced', 'h2o-heavy', 'observed', 'tova',
+    'snapkv', 'knorm')."""
     spec = spec.strip()
     if ":" not in spec:
         pol = named_policy(spec, budget, pinned)
@@ -282,6 +400,8 @@ def parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
                                f"{', '.join(SPEC_KEYS[kind]) or 'none'})")
         try:
             kw[key] = float(val) if key == "ema_decay" else (int(val) if key not in ("score", "granularity") else val)
+            if key in ("score", "granularity") and not val:
+                raise ValueError
         except ValueError:
             raise KvboundError(f"policy spec {spec!r}: bad value {val!r} for {key}") from None
     kw = {**{k: v for k, v in defaults.items() if v is not None}, **kw}
@@ -293,28 +413,36 @@ def parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
             if kw["budget"] is None:
                 raise KvboundError(f"policy spec {spec!r}: window needs a budget")
             return WindowPolicy(pinned=pinned, **{k: v for k, v in kw.items() if k in ("budget", "sink", "evict_every")})
-        if kind == "h2o":
+        if kind in SCORED:
+            kw = {k: v for k, v in kw.items() if k in SPEC_KEYS[kind]}
+            if kind == "snapkv" and "recent" not in kw:  # the observation window stays
+                kw["recent"] = kw.get("window", SnapKVPolicy.window)
             if "budget" in kw:
                 b = kw.pop("budget")
                 sink = kw.setdefault("sink", 4)
                 if "heavy" in kw and "recent" in kw:
                     if sink + kw["heavy"] + kw["recent"] != b:
-                        raise KvboundError(f"h2o: sink + heavy + recent ({sink + kw['heavy'] + kw['recent']}) "
+                        raise KvboundError(f"{kind}: sink + heavy + recent ({sink + kw['heavy'] + kw['recent']}) "
                                            f"!= budget ({b})")
                 elif "heavy" in kw:
                     kw["recent"] = b - sink - kw["heavy"]
                 else:
-                    kw.setdefault("recent", b - sink - (b - sink) // 2)
+                    kw.setdefault("recent", 0 if kind == "tova" else b - sink - (b - sink) // 2)
                     kw["heavy"] = b - sink - kw["recent"]
-            return H2OPolicy(pinned=pinned, **kw)
+                if kw["heavy"] < 0 or kw["recent"] < 0:
+                    raise KvboundError(f"{kind}: sink ({sink}) + recent ({kw['recent']}) + heavy ({kw['heavy']}) "
+                                       f"cannot fit budget {b}")
+            return SCORED[kind](pinned=pinned, **kw)
     except TypeError as e:
         raise KvboundError(f"policy spec {spec!r}: {e}") from None
-    raise KvboundError(f"unknown policy {kind!r} in {spec!r} (choose from full, window, h2o)")
+    raise KvboundError(f"unknown policy {kind!r} in {spec!r} (choose from {', '.join(SPEC_KEYS)})")
 
 
 def _with(pol, defaults):
     """Apply CLI-wide option defaults (score, granularity, ...) to a named policy that accepts them."""
     from dataclasses import replace
-    accepts = {H2OPolicy: ("score", "ema_decay", "granularity", "evict_every"), WindowPolicy: ("evict_every",)}
+    accepts = {H2OPolicy: ("score", "ema_decay", "granularity", "evict_every"), WindowPolicy: ("evict_every",),
+               SnapKVPolicy: ("score", "ema_decay", "granularity", "evict_every"),
+               TOVAPolicy: ("granularity", "evict_every"), KeyNormPolicy: ("granularity", "evict_every")}
     ok = {k: v for k, v in defaults.items() if v is not None and k in accepts.get(type(pol), ())}
     return replace(pol, **ok) if ok else pol

@@ -13,18 +13,47 @@ import torch
 from ..kernels import causal_attention_batch, decode_attention, decode_with_scores, fold_scores
 
 
+def _per_layer(policy, step: torch.Tensor) -> torch.Tensor:
+    """With granularity "layer" every head gets the sum over the layer's heads: all keep the same tokens."""
+    return step.sum(-1, keepdim=True).expand_as(step) if policy.granularity == "layer" else step
+
+
 def policy_fold(policy, old: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """`old` scores after this step's probabilities `step` (both [..., M, H]), at the policy's granularity:
-    with "layer" every head gets the sum over the layer's heads, so all heads keep the same tokens."""
-    if policy.granularity == "layer":
-        step = step.sum(-1, keepdim=True).expand_as(step)
-    return fold_scores(old, step, policy.score, policy.ema_decay)
+    """`old` scores after one decode step's probabilities `step` (both [..., M, H])."""
+    return fold_scores(old, _per_layer(policy, step), policy.fold, policy.fold_decay)
+
+
+def piece_fold(policy, old: torch.Tensor, step: torch.Tensor | None, pos: torch.Tensor) -> torch.Tensor:
+    """`old` scores after a prefill piece (`policy.piece_scores`); unchanged without probabilities."""
+    return old if step is None else policy.piece_scores(old, _per_layer(policy, step), pos)
+
+
+def fresh_scores(policy, k: torch.Tensor, like: torch.Tensor, storage=None, layer: int = 0) -> torch.Tensor:
+    """New tokens' starting scores, [..., t, H] for keys k [..., t, H, D]: zeros, or the policy's score of
+    each key as `storage` reads it back (a quantized store scores what it will attend with)."""
+    if not policy.scores_keys:
+        return like.new_zeros(k.shape[:-1])
+    held = k if storage is None else storage.roundtrip(layer, k)
+    return _per_layer(policy, policy.key_score(held).to(like.dtype))
+
+
+def piece_attention(q, k, v, policy, old: torch.Tensor | None, pos: torch.Tensor):
+    """A prefill piece's causal attention, q [B, t, Hq, D] over k, v [B, n + t, H, D] (the t new last), and
+    the n + t keys' scores after it: `old` [B, n, H] and the new keys' starting scores, folded."""
+    out, step = causal_attention_batch(q, k, v, None if old is None else policy.fold, policy.score_window)
+    if old is None:
+        return out, None
+    t = q.shape[1]
+    scores = torch.cat([old, fresh_scores(policy, k[:, -t:], old)], 1)
+    if t == 1 and step is not None:  # a one-token piece is a decode step, wherever it runs
+        return out, policy_fold(policy, scores, step)
+    return out, piece_fold(policy, scores, step, pos)
 
 
 def kernel_reads(storage, layer, q, policy) -> tuple | None:
     """The storage's kernel arguments where the decode kernel can serve this step: it exports per-KV-head
     scores (not a layer's) and, on the GPU, takes power-of-two head sizes. None: gather, then attend."""
-    per_head = policy is None or policy.score is None or policy.granularity == "kv-head"
+    per_head = policy is None or policy.fold is None or policy.granularity == "kv-head"
     d = q.shape[-1]
     if not per_head or (q.is_cuda and d & (d - 1)):
         return None
@@ -34,12 +63,13 @@ def kernel_reads(storage, layer, q, policy) -> tuple | None:
 def table_attention(q, storage, layer, table, lens, policy=None, score=None):
     """One new query per sequence, q [B, Hq, D], over its keys at table[b, :lens[b]]. `score` [B, M, H]
     (a policy's, with the policy) folds in this step's probabilities of the valid keys."""
-    mode = None if score is None else policy.score
+    mode = None if score is None else policy.fold
+    score = None if mode is None else score
     args = kernel_reads(storage, layer, q, policy)
     if args is not None:
         k_pool, v_pool, quant = args
         return decode_attention(q, k_pool, v_pool, table, lens, score=score, quant=quant, score_mode=mode,
-                                ema_decay=policy.ema_decay if policy is not None else 0.95)
+                                ema_decay=policy.fold_decay if policy is not None else 0.95)
     k, v = storage.gather(layer, table.long())
     out, step = decode_with_scores(q, k, v, lens, mode)
     if step is not None:
@@ -67,15 +97,15 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
     args = kernel_reads(storage, layer, q, policy)
     if q.is_cuda and fused is not None and args is not None and args[2] is None:
         from ..kernels.triton_decode import evict_decode as fused_step
-        return fused_step(q, k, v, args[0], args[1], table, lens, rows, positions, pos, spare, score, policy.score,
-                          policy.ema_decay, *fused)
+        return fused_step(q, k, v, args[0], args[1], table, lens, rows, positions, pos, spare, score, policy.fold,
+                          policy.fold_decay, *fused)
     r, heads = rows[:, None], torch.arange(k.shape[1], device=k.device)[None, :]
     slot = spare[rows]  # [B, H]: the local slot each head writes
     storage.write(layer, table.gather(1, slot).long(), k, v, heads)
     pos[r, slot, heads] = positions[:, None].to(pos.dtype)
     step_score = None
     if score is not None:
-        score[r, slot, heads] = score.new_zeros(())
+        score[r, slot, heads] = fresh_scores(policy, k, score, storage, layer)
         step_score = score[rows]
     out = table_attention(q, storage, layer, table, lens, policy, step_score)
     if score is not None:
@@ -93,12 +123,10 @@ def chunk_attend(q, k, v, storage, layer, table, n, rows, positions, pos, score,
     kc, vc = storage.gather(layer, table[:, :n].long())
     cand_k = torch.cat([kc, storage.roundtrip(layer, k).to(kc.dtype)], 1)
     cand_v = torch.cat([vc, storage.roundtrip(layer, v).to(vc.dtype)], 1)
-    out, step = causal_attention_batch(q, cand_k, cand_v, policy.score)
     new_pos = positions.view(bsz, -1, 1).expand(-1, -1, k.shape[2]).to(pos.dtype)
     cand_pos = torch.cat([pos[rows, :n], new_pos], 1)
-    cand_score = None
-    if step is not None:
-        cand_score = policy_fold(policy, torch.cat([score[rows, :n], score.new_zeros(new_pos.shape)], 1), step)
+    out, cand_score = piece_attention(q, cand_k, cand_v, policy, None if score is None else score[rows, :n],
+                                      cand_pos)
     return out.flatten(0, 1), cand_k, cand_v, cand_pos, cand_score
 
 

@@ -78,7 +78,8 @@ def add_cache_args(p, with_policy=True):
                             "'h2o:sink=4,heavy=128,recent=124,score=ema,granularity=layer' (default: %(default)s)")
     g.add_argument("--budget", type=positive_int, default=None, help="KV tokens kept per layer (bounded policies; "
                    "default: %(default)s)")
-    g.add_argument("--score", choices=["cumulative", "ema", "normalized"], default=None, help="h2o score")
+    g.add_argument("--score", choices=["cumulative", "ema", "normalized", "observed"], default=None,
+                   help="h2o score")
     g.add_argument("--ema-decay", type=float, default=None, help="h2o ema decay in (0, 1) (default 0.95)")
     g.add_argument("--granularity", choices=["kv-head", "layer"], default=None, help="h2o eviction granularity")
     g.add_argument("--evict-every", type=positive_int, default=None, help="evict once every N tokens")

@@ -51,6 +51,15 @@ def joined_text(paths=None) -> str:
     return " ".join(read_text(f) for f in text_files(paths))
 
 
+def sentence_end(ids: list[int], at: int, period: int, reach: int = 64) -> int:
+    """`at` moved forward to just after a sentence end (at most `reach` tokens), so that text inserted there is
+    not glued into a word; 0 and len(ids) stay."""
+    start = at
+    while 0 < at < len(ids) and ids[at - 1] != period and at - start < reach:
+        at += 1
+    return at
+
+
 def chat_frame(tok) -> tuple[str, str]:
     """The model's chat template around one user turn: (the text before its content, the text after it, up to
     where the reply begins)."""

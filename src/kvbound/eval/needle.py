@@ -7,7 +7,7 @@ from tqdm import tqdm
 
 from ..engine import SamplingParams, generate_ids
 from ..errors import KvboundError
-from .data import chat_frame, read_text, text_files
+from .data import chat_frame, read_text, sentence_end, text_files
 from .strategies import CacheOptions, make_cache, parse_strategies
 
 NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
@@ -58,11 +58,7 @@ def needle_prompt(tok, context: int, depth: float, haystack=None, needle: Needle
         raise KvboundError(f"needle: the haystack holds {len(text_ids)} tokens, context {context} needs {room}: "
                            "give more text with --text")
     hay = text_ids[:room]
-    at = int(len(hay) * depth)
-    # move the insertion point to a sentence end so the needle is not glued into a word
-    period = tok.encode(".")[0]
-    while at < len(hay) and hay[at - 1] != period and at - int(len(hay) * depth) < 64:
-        at += 1
+    at = sentence_end(hay, int(len(hay) * depth), tok.encode(".")[0])
     return pre_ids + hay[:at] + needle_ids + hay[at:] + post_ids, len(pre_ids)
 
 

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from ..engine import SamplingParams, generate_ids
 from ..errors import KvboundError
-from .data import chat_frame, joined_text
+from .data import chat_frame, joined_text, sentence_end
 from .strategies import CacheOptions, make_cache, parse_strategies
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -167,8 +167,7 @@ def build_prompt(tok, sample: Sample, context: int, query: str, rng, filler: lis
         cuts = sorted(rng.randrange(len(hay)) for _ in needles)
         body, last = [], 0
         for cut, needle in zip(cuts, needles):
-            while cut < len(hay) and cut > 0 and hay[cut - 1] != period and cut - last < 64:
-                cut += 1  # to a sentence end: a needle glued into a word is no fair test
+            cut = max(last, sentence_end(hay, cut, period))  # a needle glued into a word is no fair test
             body += hay[last:cut] + needle
             last = cut
         body += hay[last:]

@@ -38,9 +38,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mo
     return out[0], None if scores is None else scores[0]
 
 
-def causal_attention_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mode: str | None = None):
+def causal_attention_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mode: str | None = None,
+                           last_queries: int | None = None):
     """`causal_attention` for B sequences at once, each with the same numbers of cached and new tokens:
-    q [B, T, Hq, D], k and v [B, n + T, Hkv, D]; returns out [B, T, Hq, D] and key_scores [B, n + T, Hkv]."""
+    q [B, T, Hq, D], k and v [B, n + T, Hkv, D]; returns out [B, T, Hq, D] and key_scores [B, n + T, Hkv].
+    With `last_queries`, only the last that many queries' probabilities count (SnapKV's observation window)."""
     _check_mode(score_mode)
     b, t, hq, d = q.shape
     hkv = k.shape[2]
@@ -58,14 +60,16 @@ def causal_attention_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     # The scores come from the same logits recomputed in fp32; the output stays SDPA's, so a policy that
     # has not evicted anything yet gives bit-identical logits to the full cache.
     g = hq // hkv
-    # [B, hkv, t*g, d] @ [B, hkv, d, m] -> [B, hkv, g, t, m]
-    qh = q.float().view(b, t, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
-    logits = torch.matmul(qh, k.float().permute(0, 2, 3, 1)).view(b, hkv, t, g, -1).transpose(2, 3) * scale
+    first = t - min(t, last_queries or t)  # the queries whose probabilities count: [first, t)
+    tq = t - first
+    # [B, hkv, tq*g, d] @ [B, hkv, d, m] -> [B, hkv, g, tq, m]
+    qh = q[:, first:].float().reshape(b, tq, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, tq * g, d)
+    logits = torch.matmul(qh, k.float().permute(0, 2, 3, 1)).view(b, hkv, tq, g, -1).transpose(2, 3) * scale
     if mask is not None:
-        logits = logits.masked_fill(~mask, float("-inf"))
+        logits = logits.masked_fill(~mask[first:], float("-inf"))
     probs = logits.softmax(-1)
     if score_mode == "normalized":
-        seen = torch.arange(n + 1, n + t + 1, device=q.device, dtype=torch.float32)
+        seen = torch.arange(n + first + 1, n + t + 1, device=q.device, dtype=torch.float32)
         probs = probs * seen[:, None]
     return out, probs.sum(dim=(2, 3)).transpose(1, 2).contiguous()
 
