@@ -19,6 +19,8 @@ ALLOWED = {
     "serve": LEAVES | {"kernels", "models", "cache", "engine"},
     "eval": LEAVES | {"kernels", "models", "cache", "engine"},
     "cli": LEAVES | {"kernels", "models", "cache", "engine", "eval", "serve"},
+    "integrations": LEAVES | {"kernels", "cache"},
+    "hf": {"integrations"},  # kvbound.hf, the short import of integrations.hf
 }
 
 

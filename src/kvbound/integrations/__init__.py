@@ -1,0 +1,1 @@
+"""Integrations with the libraries users already run (Hugging Face transformers: `kvbound.hf`)."""

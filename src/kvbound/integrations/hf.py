@@ -1,0 +1,302 @@
+"""Bounded KV for Hugging Face transformers models: kvbound's eviction policies inside `model.generate()`.
+
+`install_kv_eviction(model, ...)` registers an attention function ("kvbound") through transformers'
+`AttentionInterface`: it computes the attention output with SDPA and, for policies that score by attention,
+the exact probabilities each cached key received (summed over the query heads that share its cached head and
+over the step's queries), then lets the cache layer evict. Each `DynamicLayer` the model meets becomes an
+`EvictingLayer` (same tensors, plus positions, scores and the policy): every sequence of a batch and every
+cached head keeps its own tokens, left padding included. Positions keep counting the tokens processed: the
+layer reports its logical length, so transformers never derives RoPE positions from the physical one.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, DynamicCache
+from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..cache.policies import H2OPolicy, Policy, parse_policy
+from ..cache.steps import fresh_scores, kept_order, piece_fold, policy_fold
+from ..errors import KvboundError
+
+ATTENTION = "kvbound"
+SUPPORTED = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention", "Gemma3Attention",
+             "DeepseekV3Attention")
+QUERY_BLOCK = 256  # queries whose probabilities are computed at once (bounds a long prefill's scratch memory)
+
+
+# --- the user's functions -------------------------------------------------------------------------------
+def install_kv_eviction(model, policy="h2o", budget: int | None = None, n_sink: int = 4, n_recent: int | None = None,
+                        evict_every: int = 1, granularity: str = "kv-head", score: str = "cumulative"):
+    """Bound the KV cache of every (non-sliding) attention layer of `model` during `generate()` and forward.
+
+    With policy="h2o" (the default), `budget` counts the heavy hitters: the cache holds n_sink + budget +
+    n_recent tokens (n_recent defaults to budget), and at most that plus evict_every - 1 between steps.
+    `policy` may also be a kvbound Policy object or spec string ("window", "tova", "snapkv:budget=512,window=32",
+    ...): a named policy then gets n_sink + budget + n_recent as its total budget. `granularity` "kv-head"
+    lets every cached head keep its own tokens, "layer" shares one choice per layer. Call
+    `remove_kv_eviction(model)` to restore the model."""
+    chosen = _policy(policy, budget, n_sink, n_recent, evict_every, granularity, score)
+    _prepare(model)
+    for module in _attention_modules(model):
+        module._kvbound_policy = chosen
+    return chosen
+
+
+def remove_kv_eviction(model):
+    """Undo `install_kv_eviction` (and `KVBoundCache`'s preparation): the model's own attention again."""
+    installed = getattr(model, "_kvbound", None)
+    if installed is None:
+        return
+    for handle in installed["hooks"]:
+        handle.remove()
+    for module in _attention_modules(model):
+        for name in ("_kvbound_policy", "_kvbound_cache"):
+            if hasattr(module, name):
+                delattr(module, name)
+    model.set_attn_implementation(installed["previous"])
+    del model._kvbound
+
+
+def reset_eviction_scores(model):
+    """Forget the attention scores accumulated so far (the cache layers' kept tokens stay): call between
+    independent generations that reuse one cache object. A fresh cache (each generate() without
+    past_key_values) starts from zero anyway."""
+    for module in _attention_modules(model):
+        ref = getattr(module, "_kvbound_cache", None)
+        cache = ref() if ref is not None else None
+        if cache is not None and isinstance(cache.layers[module.layer_idx], EvictingLayer):
+            cache.layers[module.layer_idx].reset_scores()
+        module._kvbound_cache = None
+
+
+class KVBoundCache(DynamicCache):
+    """A `DynamicCache` whose full-attention layers evict under `policy` (the arguments of
+    `install_kv_eviction`), for passing as `past_key_values=`; it prepares `model` to export scores to it."""
+
+    def __init__(self, model, policy="h2o", budget: int | None = None, n_sink: int = 4, n_recent: int | None = None,
+                 evict_every: int = 1, granularity: str = "kv-head", score: str = "cumulative"):
+        super().__init__(config=model.config)
+        chosen = _policy(policy, budget, n_sink, n_recent, evict_every, granularity, score)
+        _prepare(model)
+        for layer in self.layers:
+            if type(layer) is DynamicLayer:
+                EvictingLayer.convert(layer, chosen)
+
+
+# --- the cache layer ------------------------------------------------------------------------------------
+class EvictingLayer(DynamicLayer):
+    """A DynamicLayer that keeps at most policy.budget + evict_every - 1 tokens per sequence and cached head.
+    `pos` and `score` are [B, L, H] in kvbound's layout (stream positions, -1 for left padding)."""
+    policy: Policy
+
+    @classmethod
+    def convert(cls, layer: DynamicLayer, policy: Policy):
+        layer.__class__ = cls
+        layer.policy, layer.pos, layer.score, layer.seen, layer.logical = policy, None, None, None, 0
+        return layer
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.logical += key_states.shape[-2]
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def get_seq_length(self) -> int:
+        """Tokens processed (left padding included), not tokens held: what transformers counts positions by."""
+        return self.logical
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        held = 0 if not self.is_initialized or self.keys.numel() == 0 else self.keys.shape[-2]
+        return held, 0  # update() has run: the held tokens include the new ones
+
+    def reset(self):
+        super().reset()
+        self.pos = self.score = self.seen = None
+        self.logical = 0
+
+    def reset_scores(self):
+        if self.score is not None:
+            self.score.zero_()
+
+    def crop(self, tokens_to_remove: int):
+        raise KvboundError("a cache under kvbound eviction cannot be cropped (assisted generation is not supported)")
+
+    def batch_repeat_interleave(self, repeats: int):
+        super().batch_repeat_interleave(repeats)
+        self.pos, self.score, self.seen = (None if x is None else x.repeat_interleave(repeats, 0)
+                                           for x in (self.pos, self.score, self.seen))
+
+    def batch_select_indices(self, indices):
+        super().batch_select_indices(indices)
+        self.pos, self.score, self.seen = (None if x is None else x[indices] for x in (self.pos, self.score, self.seen))
+
+    # called by the attention function, after update() appended the step's t tokens
+    def attend(self, query, key, value, attention_mask, scaling):
+        """Attention of query [B, Hq, t, D] over key/value [B, Hk, L, D] (the cache's, expanded for MLA),
+        then this step's scores and eviction. Returns the output [B, t, Hq, Dv]."""
+        t, held = query.shape[2], self.keys.shape[-2]
+        first = self.pos is None
+        valid = self._admit(t, attention_mask if first else None)  # [B, L]: not left padding
+        causal = torch.arange(held, device=query.device)[None, :] <= torch.arange(held - t, held, device=query.device)[:, None]
+        padded = not bool(valid.all())
+        if padded:  # a pad query sees itself, so that no row is fully masked (SDPA would return NaN there)
+            itself = torch.arange(held, device=query.device)[None, :] == torch.arange(held - t, held, device=query.device)[:, None]
+            mask = (valid[:, None, None, :] | itself) & causal
+        else:
+            mask = None if t == 1 else causal
+        out = F.scaled_dot_product_attention(query, key.to(query.dtype), value.to(query.dtype), attn_mask=mask,
+                                             scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+        self._score(query, key, valid, causal, scaling, t)
+        if held > self.policy.budget + self.policy.evict_every - 1:
+            self._evict(valid)
+        return out.transpose(1, 2).contiguous()
+
+    def _admit(self, t, attention_mask) -> torch.Tensor:
+        """Positions of the step's t new tokens: on the first step from the mask's padding (pads get -1),
+        then counting on per sequence. Returns which held tokens are real."""
+        b, heads, dev = self.keys.shape[0], self.keys.shape[1], self.keys.device
+        if self.pos is None:
+            real = torch.ones(b, t, dtype=torch.bool, device=dev)
+            if attention_mask is not None:  # sdpa-style: bool, True = may attend; the last query sees every real key
+                last = attention_mask[:, 0, -1, -t:]
+                real = last if last.dtype == torch.bool else last == 0
+            new = torch.where(real, real.long().cumsum(1) - 1, -1)
+            self.seen = real.long().sum(1)
+            self.pos = new[:, :, None].expand(-1, -1, heads).to(torch.int32).contiguous()
+            self.score = torch.zeros(self.pos.shape, device=dev) if self.policy.score is not None else None
+        else:
+            new = self.seen[:, None] + torch.arange(t, device=dev)[None, :]
+            self.seen = self.seen + t
+            self.pos = torch.cat([self.pos, new[:, :, None].expand(-1, -1, heads).to(torch.int32)], 1)
+            if self.score is not None:
+                self.score = torch.cat([self.score, self.score.new_zeros(b, t, heads)], 1)
+        return self.pos[:, :, 0] >= 0
+
+    def _score(self, query, key, valid, causal, scaling, t):
+        """Fold the step's probabilities (or the new keys' own scores) into the held tokens' scores."""
+        if self.score is None:
+            return
+        p = self.policy
+        if p.scores_keys:
+            self.score[:, -t:] = fresh_scores(p, self.keys[:, :, -t:].transpose(1, 2), self.score)
+        if p.fold is None:
+            return
+        step = _key_probs(query, key, valid, causal, scaling, self.keys.shape[1], p.score_window if t > 1 else None)
+        folded = policy_fold(p, self.score, step) if t == 1 else piece_fold(p, self.score, step, self.pos)
+        self.score = torch.where(valid[:, :, None], folded, self.score)
+
+    def _evict(self, valid):
+        """Down to the budget: the policy's choice per sequence and cached head, left padding going first."""
+        p, b = self.policy, self.policy.budget
+        if bool(valid.all()):
+            order = kept_order(p, self.pos, self.score)  # [B, budget, H], stream order
+        else:
+            order = torch.stack([self._row_order(valid[r], r) for r in range(valid.shape[0])])
+        idx = order.transpose(1, 2)  # [B, H, budget]
+        self.keys = self.keys.gather(2, idx[..., None].expand(-1, -1, -1, self.keys.shape[-1]))
+        self.values = self.values.gather(2, idx[..., None].expand(-1, -1, -1, self.values.shape[-1]))
+        self.pos = self.pos.gather(1, order)
+        if self.score is not None:
+            self.score = self.score.gather(1, order)
+        assert self.keys.shape[2] == b
+
+    def _row_order(self, real, r) -> torch.Tensor:
+        """One sequence with left padding: the policy chooses among its real tokens; while it has no more
+        than the budget, it keeps them all and the newest pads fill the rest (the same slots in every head)."""
+        p, heads = self.policy, self.pos.shape[2]
+        held = torch.arange(real.shape[0], device=real.device)
+        reals, pads = held[real], held[~real]
+        if len(reals) <= p.budget:
+            keep = torch.cat([pads[len(pads) - (p.budget - len(reals)):], reals]).sort().values
+            return keep[:, None].expand(-1, heads)
+        sub = kept_order(p, self.pos[r, reals], None if self.score is None else self.score[r, reals])
+        return reals[sub]
+
+
+def _key_probs(query, key, valid, causal, scaling, cached_heads, last) -> torch.Tensor:
+    """[B, L, H]: each held key's attention probability summed over the query heads of its cached head and
+    over the step's real queries (the last `last` of them, if given), in float32, in blocks of queries."""
+    b, hq, t, d = query.shape
+    hk, held = key.shape[1], key.shape[2]
+    g = hq // hk
+    k = key.float().transpose(-1, -2)  # [B, Hk, D, L]
+    first = t - min(t, last or t)
+    total = torch.zeros(b, hk, held, device=query.device)
+    for start in range(first, t, QUERY_BLOCK):
+        q = query[:, :, start:start + QUERY_BLOCK].float()
+        tq = q.shape[2]
+        logits = (q.reshape(b, hk, g * tq, d) @ k).view(b, hk, g, tq, held) * scaling
+        allowed = valid[:, None, None, None, :] & causal[start:start + tq]
+        total += logits.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0).sum((2, 3))
+    return total.view(b, cached_heads, hk // cached_heads, held).sum(2).transpose(1, 2)
+
+
+# --- wiring ---------------------------------------------------------------------------------------------
+def kvbound_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """The attention function transformers calls: evicting layers attend and score, the rest (no cache,
+    sliding-window layers, layers of a cache not under eviction) run SDPA as usual."""
+    ref = getattr(module, "_kvbound_cache", None)
+    cache = ref() if ref is not None else None
+    layer = cache.layers[module.layer_idx] if cache is not None and hasattr(cache, "layers") else None
+    if not isinstance(layer, EvictingLayer):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if kwargs.get("softcap") is not None:
+        raise KvboundError(f"{type(module).__name__}: attention logit soft-capping is not supported by kvbound")
+    return layer.attend(query, key, value, attention_mask, scaling if scaling is not None else query.shape[-1] ** -0.5), None
+
+
+def _capture(module, args, kwargs):
+    """Before each attention call: remember the cache it will use, and put its layer under the policy."""
+    cache = kwargs.get("past_key_values")
+    module._kvbound_cache = None if cache is None else weakref.ref(cache)
+    policy = getattr(module, "_kvbound_policy", None)
+    if cache is None or policy is None or getattr(module, "is_sliding", False):
+        return
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise KvboundError(f"kvbound eviction needs a DynamicCache (or KVBoundCache), got {type(cache).__name__}")
+    layer = layers[module.layer_idx]
+    if type(layer) is DynamicLayer:
+        EvictingLayer.convert(layer, policy)
+    elif not isinstance(layer, EvictingLayer) and not getattr(layer, "is_sliding", False):
+        raise KvboundError(f"kvbound eviction needs a DynamicCache (or KVBoundCache); layer {module.layer_idx} is "
+                           f"a {type(layer).__name__}")
+
+
+def _prepare(model):
+    """Register the attention function once, switch the model to it and hook its attention modules."""
+    if "_kvbound" in vars(model):
+        return
+    modules = _attention_modules(model)
+    AttentionInterface.register(ATTENTION, kvbound_attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    previous = model.config._attn_implementation
+    hooks = [m.register_forward_pre_hook(_capture, with_kwargs=True) for m in modules]
+    model.set_attn_implementation(ATTENTION)
+    model._kvbound = {"previous": previous, "hooks": hooks}
+
+
+def _attention_modules(model) -> list:
+    found = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+    unsupported = sorted({type(m).__name__ for m in found} - set(SUPPORTED))
+    if unsupported or not found:
+        raise KvboundError(f"kvbound eviction does not support {', '.join(unsupported) or type(model).__name__} "
+                           f"(supported: {', '.join(SUPPORTED)})")
+    return found
+
+
+def _policy(policy, budget, n_sink, n_recent, evict_every, granularity, score) -> Policy:
+    if isinstance(policy, Policy):
+        return policy
+    if budget is None:
+        raise KvboundError("install_kv_eviction: give a budget (heavy-hitter tokens kept per layer)")
+    n_recent = budget if n_recent is None else n_recent
+    if policy == "h2o":
+        return H2OPolicy(sink=n_sink, heavy=budget, recent=n_recent, evict_every=evict_every,
+                         granularity=granularity, score=score)
+    defaults = {"granularity": granularity, "evict_every": evict_every}
+    return parse_policy(policy, n_sink + budget + n_recent, **defaults)

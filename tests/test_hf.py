@@ -1,0 +1,195 @@
+"""kvbound.hf: eviction inside transformers' own generate(), against the unpatched model and kvbound's cache."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import kvbound.hf as kh  # noqa: E402
+from kvbound.cache import KVCache, parse_policy  # noqa: E402
+from kvbound.cache.policies import H2OPolicy  # noqa: E402
+from kvbound.errors import KvboundError  # noqa: E402
+from kvbound.models.config import ModelConfig  # noqa: E402
+from kvbound.models.loader import build_model  # noqa: E402
+
+COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512)
+
+
+def configs():
+    t = transformers
+    return {
+        "llama": t.LlamaConfig(**COMMON),
+        "mistral": t.MistralConfig(**COMMON, sliding_window=None),
+        "qwen2": t.Qwen2Config(**COMMON),
+        "qwen3": t.Qwen3Config(**COMMON, head_dim=16),
+        "gemma3": t.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, sliding_window=8,
+                                     layer_types=["sliding_attention", "full_attention"] * 2),
+        "deepseek_v3": t.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=16,
+                                          qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+                                          n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                          first_k_dense_replace=1, n_group=1, topk_group=1),
+    }
+
+
+def model_of(name, seed=0):
+    torch.manual_seed(seed)
+    m = transformers.AutoModelForCausalLM.from_config(configs()[name], dtype=torch.float32).eval()
+    with torch.no_grad():  # sharper logits: greedy choices are not near-ties
+        m.lm_head.weight.mul_(4)
+    return m
+
+
+def ids_of(n, seed=1, batch=1):
+    return torch.randint(3, 97, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy(m, ids, n=24, **kw):
+    return m.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n, **kw)
+
+
+@pytest.mark.parametrize("name", list(configs()))
+def test_budget_over_length_is_the_unpatched_model_and_remove_restores_it(name):
+    m, ids = model_of(name), ids_of(20)
+    want = greedy(m, ids)
+    kh.install_kv_eviction(m, budget=64)
+    assert torch.equal(greedy(m, ids), want)
+    kh.remove_kv_eviction(m)
+    assert m.config._attn_implementation != "kvbound"
+    assert torch.equal(greedy(m, ids), want)
+
+
+@pytest.mark.parametrize("name", list(configs()))
+def test_every_bounded_layer_stays_within_budget_plus_evict_every(name):
+    m, ids = model_of(name), ids_of(30)
+    kh.install_kv_eviction(m, budget=6, n_sink=2, n_recent=4, evict_every=3)
+    cache = transformers.DynamicCache(config=m.config)
+    out = m(ids, past_key_values=cache)
+    for step in range(20):
+        out = m(out.logits[:, -1:].argmax(-1), past_key_values=cache)
+        for i, layer in enumerate(cache.layers):
+            held = layer.keys.shape[-2]
+            if isinstance(layer, kh.EvictingLayer):
+                assert held <= 6 + 2 + 4 + 3 - 1
+            else:  # Gemma 3's sliding layers keep their own window
+                assert getattr(layer, "is_sliding", False) and held <= 8, (i, held)
+        assert cache.get_seq_length() == 30 + step + 1  # tokens processed, not held
+    assert sum(isinstance(x, kh.EvictingLayer) for x in cache.layers) == (2 if name == "gemma3" else 2)
+
+
+def kvbound_reference(m, ids, policy, n):
+    """kvbound's own model and KVCache on the same weights: greedy tokens and each layer's kept positions."""
+    hf_cfg = {**m.config.to_dict(), "architectures": [type(m).__name__]}
+    ours = build_model(ModelConfig.from_hf(hf_cfg), m.state_dict())
+    cache = KVCache(ours.config, policy)
+    toks, logits = [], ours(ids[0], cache.next_positions(ids.shape[1]), cache)
+    cache.advance(ids.shape[1])
+    for _ in range(n):
+        toks.append(int(logits[-1].argmax()))
+        logits = ours(torch.tensor(toks[-1:]), cache.next_positions(1), cache)
+        cache.advance(1)
+    kept = [[cache.kept_positions(layer, h) for h in range(m.config.num_key_value_heads)]
+            for layer in range(m.config.num_hidden_layers)]
+    return toks, kept
+
+
+@pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=6,recent=6", "h2o:sink=2,heavy=6,recent=6,score=observed",
+                                  "h2o:sink=2,heavy=6,recent=6,granularity=layer,evict_every=3",
+                                  "window:budget=14,sink=2", "tova:sink=2,heavy=12", "knorm:sink=2,heavy=6,recent=6",
+                                  "snapkv:sink=2,heavy=6,recent=6,window=4,kernel=3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_kept_tokens_and_outputs_equal_kvbounds_own_cache(name, spec):
+    """The same policy fed the same attention: the same kept positions per layer and head, and the same tokens
+    (so RoPE positions kept counting the tokens processed after eviction)."""
+    m, ids, policy = model_of(name, seed=2), ids_of(24, seed=3), parse_policy(spec)
+    want_toks, want_kept = kvbound_reference(m, ids, policy, 16)
+    kh.install_kv_eviction(m, policy)
+    out = m.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16, return_dict_in_generate=True)
+    assert out.sequences[0, 24:].tolist() == want_toks
+    # the last token was sampled, not fed: the reference fed it, so compare against one step less
+    ref_toks, ref_kept = kvbound_reference(m, ids, policy, 15)
+    for layer, (mine, ref) in enumerate(zip(out.past_key_values.layers, ref_kept)):
+        got = [sorted(p for p in mine.pos[0, :, h].tolist() if p >= 0) for h in range(mine.pos.shape[2])]
+        assert got == ref, f"layer {layer}"
+
+
+def test_left_padded_batch_gives_each_sequence_what_it_gets_alone():
+    m = model_of("llama", seed=4)
+    kh.install_kv_eviction(m, budget=5, n_sink=2, n_recent=4)
+    prompts = [ids_of(n, seed=10 + n)[0] for n in (9, 17, 25)]
+    alone = [greedy(m, p[None], 20)[0, len(p):] for p in prompts]
+    width = max(map(len, prompts))
+    batch = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p]) for p in prompts])
+    mask = torch.stack([torch.cat([torch.zeros(width - len(p)), torch.ones(len(p))]) for p in prompts]).long()
+    together = greedy(m, batch, 20, attention_mask=mask, pad_token_id=0)[:, width:]
+    for a, b in zip(alone, together):
+        assert a.tolist() == b.tolist()
+
+
+def test_sampling_with_a_seed_and_several_return_sequences():
+    m, ids = model_of("qwen2", seed=5), ids_of(16, seed=6)
+    kh.install_kv_eviction(m, "tova", budget=6, n_sink=2, n_recent=0)
+    torch.manual_seed(0)
+    a = m.generate(ids, max_new_tokens=12, do_sample=True, num_return_sequences=3, temperature=0.9)
+    torch.manual_seed(0)
+    b = m.generate(ids, max_new_tokens=12, do_sample=True, num_return_sequences=3, temperature=0.9)
+    assert a.shape == (3, 28) and torch.equal(a, b)
+
+
+def test_the_classic_rope_bug_positions_count_tokens_not_the_held_length():
+    """A forward without position_ids after eviction: transformers asks the cache for its length, which must be
+    the tokens processed; the physical length would rotate the new token as if it came much earlier."""
+    m, ids = model_of("llama", seed=7), ids_of(30, seed=8)
+    kh.install_kv_eviction(m, budget=4, n_sink=2, n_recent=4)
+    cache = transformers.DynamicCache(config=m.config)
+    logits = m(ids, past_key_values=cache).logits
+    nxt = logits[:, -1:].argmax(-1)
+    assert cache.layers[0].keys.shape[-2] == 10 and cache.get_seq_length() == 30
+    implicit = m(nxt, past_key_values=cache).logits  # positions from the cache
+    cache2 = transformers.DynamicCache(config=m.config)
+    m(ids, past_key_values=cache2)
+    explicit = m(nxt, past_key_values=cache2, position_ids=torch.tensor([[30]])).logits
+    wrong_cache = transformers.DynamicCache(config=m.config)
+    m(ids, past_key_values=wrong_cache)
+    wrong = m(nxt, past_key_values=wrong_cache, position_ids=torch.tensor([[10]])).logits
+    torch.testing.assert_close(implicit, explicit)
+    assert not torch.allclose(implicit, wrong, atol=1e-3)
+
+
+def test_kvbound_cache_as_past_key_values_and_reset():
+    m, ids = model_of("llama", seed=9), ids_of(20, seed=9)
+    kh.install_kv_eviction(m, budget=5, n_sink=2, n_recent=4)
+    want = greedy(m, ids)
+    kh.remove_kv_eviction(m)
+    cache = kh.KVBoundCache(m, budget=5, n_sink=2, n_recent=4)
+    assert torch.equal(greedy(m, ids, past_key_values=cache), want)
+    kh.install_kv_eviction(m, budget=5, n_sink=2, n_recent=4)
+    greedy(m, ids_of(20, seed=1))  # an unrelated generation first
+    kh.reset_eviction_scores(m)
+    assert torch.equal(greedy(m, ids), want)
+
+
+def test_unsupported_attention_and_bad_arguments_are_named():
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(KvboundError, match="GPT2Attention"):
+        kh.install_kv_eviction(gpt2, budget=8)
+    m = model_of("llama")
+    with pytest.raises(KvboundError, match="budget"):
+        kh.install_kv_eviction(m)
+    with pytest.raises(KvboundError, match="unknown policy"):
+        kh.install_kv_eviction(m, "nope", budget=8)
+    assert isinstance(kh.install_kv_eviction(m, budget=8), H2OPolicy)
+
+
+def test_readme_example_runs(tmp_path):
+    """The README's transformers example, with a tiny local model in place of the Hub's."""
+    import re
+    from pathlib import Path
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    code = next(c for c in re.findall(r"```python\n(.*?)```", readme, re.S) if "kvbound.hf" in c)
+    model_of("llama").save_pretrained(tmp_path)
+    words = "The capital of France is Paris".split()
+    tk = Tokenizer(models.WordLevel({"<unk>": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>").save_pretrained(tmp_path)
+    exec(compile(code.replace('"HuggingFaceTB/SmolLM2-135M-Instruct"', repr(str(tmp_path))), "README", "exec"), {})
