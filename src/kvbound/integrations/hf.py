@@ -26,7 +26,7 @@ from ..errors import KvboundError
 ATTENTION = "kvbound"
 SUPPORTED = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention", "Gemma3Attention",
              "DeepseekV3Attention")
-QUERY_BLOCK = 256  # queries whose probabilities are computed at once (bounds a long prefill's scratch memory)
+QUERY_BLOCK = 64  # queries whose probabilities are computed at once (bounds a long prefill's scratch memory)
 
 
 # --- the user's functions -------------------------------------------------------------------------------
@@ -140,16 +140,8 @@ class EvictingLayer(DynamicLayer):
         t, held = query.shape[2], self.keys.shape[-2]
         first = self.pos is None
         valid = self._admit(t, attention_mask if first else None)  # [B, L]: not left padding
-        causal = torch.arange(held, device=query.device)[None, :] <= torch.arange(held - t, held, device=query.device)[:, None]
-        padded = not bool(valid.all())
-        if padded:  # a pad query sees itself, so that no row is fully masked (SDPA would return NaN there)
-            itself = torch.arange(held, device=query.device)[None, :] == torch.arange(held - t, held, device=query.device)[:, None]
-            mask = (valid[:, None, None, :] | itself) & causal
-        else:
-            mask = None if t == 1 else causal
-        out = F.scaled_dot_product_attention(query, key.to(query.dtype), value.to(query.dtype), attn_mask=mask,
-                                             scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
-        self._score(query, key, valid, causal, scaling, t)
+        out = _attention(query, key, value, None if bool(valid.all()) else valid, scaling)
+        self._score(query, key, valid, scaling, t)
         if held > self.policy.budget + self.policy.evict_every - 1:
             self._evict(valid)
         return out.transpose(1, 2).contiguous()
@@ -175,7 +167,7 @@ class EvictingLayer(DynamicLayer):
                 self.score = torch.cat([self.score, self.score.new_zeros(b, t, heads)], 1)
         return self.pos[:, :, 0] >= 0
 
-    def _score(self, query, key, valid, causal, scaling, t):
+    def _score(self, query, key, valid, scaling, t):
         """Fold the step's probabilities (or the new keys' own scores) into the held tokens' scores."""
         if self.score is None:
             return
@@ -184,7 +176,7 @@ class EvictingLayer(DynamicLayer):
             self.score[:, -t:] = fresh_scores(p, self.keys[:, :, -t:].transpose(1, 2), self.score)
         if p.fold is None:
             return
-        step = _key_probs(query, key, valid, causal, scaling, self.keys.shape[1], p.score_window if t > 1 else None)
+        step = _key_probs(query, key, valid, scaling, self.keys.shape[1], p.score_window if t > 1 else None)
         folded = policy_fold(p, self.score, step) if t == 1 else piece_fold(p, self.score, step, self.pos)
         self.score = torch.where(valid[:, :, None], folded, self.score)
 
@@ -216,7 +208,33 @@ class EvictingLayer(DynamicLayer):
         return reals[sub]
 
 
-def _key_probs(query, key, valid, causal, scaling, cached_heads, last) -> torch.Tensor:
+def _causal(t: int, held: int, start: int, rows: int, device) -> torch.Tensor:
+    """[rows, held]: which held keys the step's queries start..start+rows may see (the t new ones are last)."""
+    return torch.arange(held, device=device)[None, :] <= torch.arange(held - t + start, held - t + start + rows,
+                                                                      device=device)[:, None]
+
+
+def _attention(query, key, value, valid, scaling):
+    """SDPA over the held keys, the step's t queries last. Without left padding (valid None) the causal mask
+    stays implicit, so the fused kernels serve it; with padding, a pad query sees itself (no row fully masked,
+    where SDPA would return NaN)."""
+    t, held, dev = query.shape[2], key.shape[2], query.device
+    gqa = query.shape[1] != key.shape[1]
+    key, value = key.to(query.dtype), value.to(query.dtype)
+    if valid is None:
+        if t == 1:
+            return F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=gqa)
+        if t == held:
+            return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+        from torch.nn.attention.bias import causal_lower_right
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(t, held), scale=scaling,
+                                              enable_gqa=gqa)
+    itself = torch.arange(held, device=dev)[None, :] == torch.arange(held - t, held, device=dev)[:, None]
+    mask = (valid[:, None, None, :] | itself) & _causal(t, held, 0, t, dev)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+
+
+def _key_probs(query, key, valid, scaling, cached_heads, last) -> torch.Tensor:
     """[B, L, H]: each held key's attention probability summed over the query heads of its cached head and
     over the step's real queries (the last `last` of them, if given), in float32, in blocks of queries."""
     b, hq, t, d = query.shape
@@ -229,8 +247,8 @@ def _key_probs(query, key, valid, causal, scaling, cached_heads, last) -> torch.
         q = query[:, :, start:start + QUERY_BLOCK].float()
         tq = q.shape[2]
         logits = (q.reshape(b, hk, g * tq, d) @ k).view(b, hk, g, tq, held) * scaling
-        allowed = valid[:, None, None, None, :] & causal[start:start + tq]
-        total += logits.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0).sum((2, 3))
+        allowed = valid[:, None, None, None, :] & _causal(t, held, start, tq, query.device)
+        total += logits.masked_fill_(~allowed, float("-inf")).softmax(-1).nan_to_num_(0.0).sum((2, 3))
     return total.view(b, cached_heads, hk // cached_heads, held).sum(2).transpose(1, 2)
 
 
