@@ -211,3 +211,39 @@ def test_stream_decoder_pieces_add_up_to_the_whole_decode(smollm):
         pieces = "".join(d.push(i) for i in ids)
         whole = tok.decode(ids)
         assert whole.startswith(pieces) and (pieces == whole or whole.endswith("\ufffd")), ids
+
+
+def test_transformers_under_kvbound_hf_gives_kvbounds_perplexity(smollm, shared_data):
+    """SmolLM2 read by transformers from the shipped GGUF, bounded by `kvbound.hf.install_kv_eviction`: its
+    token-by-token perplexity under window and h2o-heavy (budget 256, 512 tokens) equals `kvbound eval ppl`'s."""
+    transformers = pytest.importorskip("transformers")
+    import kvbound.hf as kh
+    from kvbound.cache import parse_policy
+    from kvbound.eval.perplexity import perplexity
+    from kvbound.eval.strategies import CacheOptions
+    from kvbound.models import default_model_path
+    model, tok = smollm
+    ids = tok.encode((shared_data / "wikipedia" / "Aristotle.txt").read_text())[:512]
+    prefill = 64
+    policies = {name: parse_policy(name, 256) for name in ("window", "h2o-heavy")}
+    ours = perplexity(model, [ids], {"baseline": (parse_policy("full"), None),
+                                     **{n: (p, None) for n, p in policies.items()}}, CacheOptions(), prefill,
+                      progress=False)
+    path = default_model_path()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    x = torch.tensor([ids])
+    for name, policy in policies.items():
+        kh.install_kv_eviction(hf, policy)
+        cache = transformers.DynamicCache(config=hf.config)
+        with torch.no_grad():
+            logits = hf(x[:, :prefill], past_key_values=cache).logits[0, -1]
+            nll = 0.0
+            for i in range(prefill, len(ids)):
+                nll -= torch.log_softmax(logits, -1)[ids[i]].item()
+                if i + 1 < len(ids):
+                    logits = hf(x[:, i:i + 1], past_key_values=cache).logits[0, -1]
+        kh.remove_kv_eviction(hf)
+        theirs = math.exp(nll / (len(ids) - prefill))
+        assert cache.layers[0].keys.shape[-2] == 256
+        assert abs(theirs / ours[name]["ppl"] - 1) < 1e-3, (name, theirs, ours[name]["ppl"])
