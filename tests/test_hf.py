@@ -34,8 +34,11 @@ def configs():
 def model_of(name, seed=0):
     torch.manual_seed(seed)
     m = transformers.AutoModelForCausalLM.from_config(configs()[name], dtype=torch.float32).eval()
-    with torch.no_grad():  # sharper logits: greedy choices are not near-ties
+    with torch.no_grad():  # sharper logits (greedy choices are not near-ties); norms that differ per channel
         m.lm_head.weight.mul_(4)
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.3)
     return m
 
 
@@ -76,20 +79,14 @@ def test_every_bounded_layer_stays_within_budget_plus_evict_every(name):
     assert sum(isinstance(x, kh.EvictingLayer) for x in cache.layers) == (2 if name == "gemma3" else 2)
 
 
-def kvbound_reference(m, ids, policy, n):
-    """kvbound's own model and KVCache on the same weights: greedy tokens and each layer's kept positions."""
-    hf_cfg = {**m.config.to_dict(), "architectures": [type(m).__name__]}
-    ours = build_model(ModelConfig.from_hf(hf_cfg), m.state_dict())
-    cache = KVCache(ours.config, policy)
-    toks, logits = [], ours(ids[0], cache.next_positions(ids.shape[1]), cache)
-    cache.advance(ids.shape[1])
-    for _ in range(n):
-        toks.append(int(logits[-1].argmax()))
-        logits = ours(torch.tensor(toks[-1:]), cache.next_positions(1), cache)
-        cache.advance(1)
-    kept = [[cache.kept_positions(layer, h) for h in range(m.config.num_key_value_heads)]
-            for layer in range(m.config.num_hidden_layers)]
-    return toks, kept
+def kept_by_kvbound(cache, cfg):
+    return [[cache.kept_positions(layer, h) for h in range(cfg.num_key_value_heads)]
+            for layer in range(cfg.num_hidden_layers)]
+
+
+def kept_by_hf(cache):
+    return [[sorted(p for p in layer.pos[0, :, h].tolist() if p >= 0) for h in range(layer.pos.shape[2])]
+            for layer in cache.layers]
 
 
 @pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=6,recent=6", "h2o:sink=2,heavy=6,recent=6,score=observed",
@@ -97,19 +94,27 @@ def kvbound_reference(m, ids, policy, n):
                                   "window:budget=14,sink=2", "tova:sink=2,heavy=12", "knorm:sink=2,heavy=6,recent=6",
                                   "snapkv:sink=2,heavy=6,recent=6,window=4,kernel=3"])
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_kept_tokens_and_outputs_equal_kvbounds_own_cache(name, spec):
-    """The same policy fed the same attention: the same kept positions per layer and head, and the same tokens
-    (so RoPE positions kept counting the tokens processed after eviction)."""
+def test_kept_tokens_at_every_step_and_outputs_equal_kvbounds_own_cache(name, spec):
+    """The same policy fed the same attention, step by step: kvbound's own model and KVCache on the same
+    weights keep the same positions in every layer and head and pick the same tokens (so RoPE positions
+    kept counting the tokens processed after eviction); generate() gives those tokens too."""
     m, ids, policy = model_of(name, seed=2), ids_of(24, seed=3), parse_policy(spec)
-    want_toks, want_kept = kvbound_reference(m, ids, policy, 16)
+    hf_cfg = {**m.config.to_dict(), "architectures": [type(m).__name__]}
+    ours = build_model(ModelConfig.from_hf(hf_cfg), m.state_dict())
+    kv = KVCache(ours.config, policy)
     kh.install_kv_eviction(m, policy)
-    out = m.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16, return_dict_in_generate=True)
-    assert out.sequences[0, 24:].tolist() == want_toks
-    # the last token was sampled, not fed: the reference fed it, so compare against one step less
-    ref_toks, ref_kept = kvbound_reference(m, ids, policy, 15)
-    for layer, (mine, ref) in enumerate(zip(out.past_key_values.layers, ref_kept)):
-        got = [sorted(p for p in mine.pos[0, :, h].tolist() if p >= 0) for h in range(mine.pos.shape[2])]
-        assert got == ref, f"layer {layer}"
+    hf_cache = transformers.DynamicCache(config=m.config)
+    x, toks = ids, []
+    with torch.no_grad():
+        for step in range(16):
+            want = ours(x[0], kv.next_positions(x.shape[1]), kv)
+            kv.advance(x.shape[1])
+            got = m(x, past_key_values=hf_cache).logits[0]
+            assert kept_by_hf(hf_cache) == kept_by_kvbound(kv, m.config), f"step {step}"
+            torch.testing.assert_close(got[-1], want[-1], atol=1e-4, rtol=1e-4)
+            toks.append(int(want[-1].argmax()))
+            x = torch.tensor([toks[-1:]])
+    assert greedy(m, ids, 16)[0, 24:].tolist() == toks
 
 
 def test_left_padded_batch_gives_each_sequence_what_it_gets_alone():
