@@ -130,6 +130,15 @@ def test_left_padded_batch_gives_each_sequence_what_it_gets_alone():
         assert a.tolist() == b.tolist()
 
 
+def test_sampling_with_budget_over_length_is_the_unpatched_models():
+    m, ids = model_of("mistral", seed=11), ids_of(16, seed=12)
+    torch.manual_seed(0)
+    want = m.generate(ids, max_new_tokens=12, do_sample=True, top_p=0.9, num_return_sequences=2)
+    kh.install_kv_eviction(m, budget=64)
+    torch.manual_seed(0)
+    assert torch.equal(m.generate(ids, max_new_tokens=12, do_sample=True, top_p=0.9, num_return_sequences=2), want)
+
+
 def test_sampling_with_a_seed_and_several_return_sequences():
     m, ids = model_of("qwen2", seed=5), ids_of(16, seed=6)
     kh.install_kv_eviction(m, "tova", budget=6, n_sink=2, n_recent=0)
@@ -198,3 +207,20 @@ def test_readme_example_runs(tmp_path):
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>").save_pretrained(tmp_path)
     exec(compile(code.replace('"HuggingFaceTB/SmolLM2-135M-Instruct"', repr(str(tmp_path))), "README", "exec"), {})
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two GPUs")
+def test_device_map_across_two_gpus_keeps_each_layers_scores_on_its_device(tmp_path):
+    ids = ids_of(30, seed=14)
+    model_of("llama", seed=13).save_pretrained(tmp_path)
+    one = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, device_map={"": 0})
+    kh.install_kv_eviction(one, budget=6, n_sink=2, n_recent=4)
+    want = greedy(one, ids.cuda(), 16).cpu()
+    where = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 1,
+             "model.norm": 1, "lm_head": 1}
+    two = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, device_map=where)
+    kh.install_kv_eviction(two, budget=6, n_sink=2, n_recent=4)
+    out = two.generate(ids.cuda(), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                       return_dict_in_generate=True)
+    assert [str(layer.score.device) for layer in out.past_key_values.layers] == ["cuda:0", "cuda:1"]
+    assert torch.equal(out.sequences.cpu(), want)
