@@ -27,7 +27,7 @@ from kvbound.models import ModelConfig
 from kvbound.engine import LLMEngine
 from kvbound.engine import SamplingParams
 from kvbound.models import build_model
-from kvbound.cache.policies import FullPolicy, H2OPolicy
+from kvbound.cache.policies import H2OPolicy, parse_policy
 
 SHAPES = {
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -234,6 +234,8 @@ def main():
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--kv-gib", type=float, default=4.0, help="KV memory of the bounded comparison")
     ap.add_argument("--max-bounded-seqs", type=int, default=256, help="run at most this many of those that fit")
+    ap.add_argument("--policies", default="full,h2o", help="policies of the bounded comparison (names or specs)")
+    ap.add_argument("--budget", type=int, default=256, help="KV budget of the named bounded policies")
     ap.add_argument("--skip-hf-batch", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--check", action="store_true", help="first compare batched engine outputs with single runs")
@@ -280,7 +282,8 @@ def main():
         per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
         blocks = int(args.kv_gib * 2**30 // (per_token * 16))
         res["bounded"] = {"kv_gib": args.kv_gib, "blocks": blocks, "context": args.context}
-        for name, pol in [("full", FullPolicy()), ("h2o-256", H2OPolicy(sink=4, heavy=128, recent=124))]:
+        for name in args.policies.split(","):
+            pol = parse_policy(name, args.budget)
             r = steady_decode(ours, pol, blocks, args.context, args.max_bounded_seqs, vocab)
             res["bounded"][name] = r
             rows.append((f"{args.context}-token prompts, {name}", r["running"], float("nan"), r["decode_tok_s"],
