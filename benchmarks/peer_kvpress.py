@@ -1,0 +1,151 @@
+"""kvpress's presses on kvbound's RULER-style prompts, side by side with kvbound's policies (issue #18).
+
+Three steps, because kvpress 0.5 needs transformers < 5.3 and so a virtual environment of its own:
+
+  export  (kvbound's environment) the prompts `kvbound eval ruler` builds, as token ids: the context, the
+          question part (kept out of compression, as kvpress does), the expected answers
+  run     (kvpress's environment; imports no kvbound) every press at every keep fraction on those ids: the
+          context goes through the model inside the press (compressed once, after its prefill), then the
+          question and a greedy reply of up to 32 tokens over the compressed cache; writes the reply ids
+  report  (kvbound's environment) decodes and scores the replies with `kvbound.eval.ruler.score` and prints
+          one table with kvbound's rows from its ruler JSON files
+
+The protocols differ: kvpress compresses the context once after prefilling it whole and leaves the question
+uncompressed; kvbound evicts as it goes (the question included) and its budget counts the whole prompt.
+
+python benchmarks/peer_kvpress.py export --out results/peer_kvpress_prompts.json
+/path/to/kvpress-venv/bin/python benchmarks/peer_kvpress.py run --prompts results/peer_kvpress_prompts.json \\
+    --model SmolLM2.gguf --out results/peer_kvpress_replies.json
+python benchmarks/peer_kvpress.py report --replies results/peer_kvpress_replies.json \\
+    --kvbound results/ruler_smollm2_1k.json results/ruler_smollm2_1k_onepiece.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+import zlib
+
+PRESSES = ("streaming_llm", "snapkv", "observed_attention", "tova", "keydiff", "expected_attention",
+           "adakv_expected_attention")
+
+
+def export(args):
+    from kvbound.eval.data import chat_frame
+    from kvbound.eval.ruler import TASKS, haystack_ids, sized_prompt
+    from kvbound.models import load
+    _, tok = load(args.model)
+    filler = haystack_ids(tok, None, args.context)
+    _, end = chat_frame(tok)
+    rows = []
+    for task in args.tasks.split(",") if args.tasks else TASKS:
+        for i in range(args.samples):
+            rng = random.Random(zlib.crc32(f"0/{task}/{args.context}/{i}".encode()))  # ruler_runs' instances
+            sample, ids = sized_prompt(tok, task, args.context, "after", rng, filler)
+            post = tok.encode(f"\n\nQuestion: {sample.question}{end}{sample.answer_prefix}")
+            assert ids[-len(post):] == post
+            rows.append({"task": task, "sample": i, "context_ids": ids[:-len(post)], "question_ids": post,
+                         "answers": sample.answers, "eos_ids": sorted(tok.eos_ids)})
+    with open(args.out, "w") as f:
+        json.dump({"context": args.context, "prompts": rows}, f)
+    print(f"{len(rows)} prompts of {args.context} tokens -> {args.out}")
+
+
+def make_press(name, ratio):
+    import kvpress
+    return {"streaming_llm": lambda: kvpress.StreamingLLMPress(compression_ratio=ratio),
+            "snapkv": lambda: kvpress.SnapKVPress(compression_ratio=ratio),
+            "observed_attention": lambda: kvpress.ObservedAttentionPress(compression_ratio=ratio),
+            "tova": lambda: kvpress.TOVAPress(compression_ratio=ratio),
+            "keydiff": lambda: kvpress.KeyDiffPress(compression_ratio=ratio),
+            "expected_attention": lambda: kvpress.ExpectedAttentionPress(compression_ratio=ratio),
+            "adakv_expected_attention": lambda: kvpress.AdaKVPress(kvpress.ExpectedAttentionPress(
+                compression_ratio=ratio))}[name]()
+
+
+def run(args):
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+    data = json.load(open(args.prompts))
+    models = {}
+    out, start = [], time.time()
+    presses = args.presses.split(",")
+    for keep in (float(k) for k in args.keep.split(",")):
+        for name in presses:
+            attn = "eager" if name == "observed_attention" else "sdpa"  # ObservedAttention needs the weights
+            if attn not in models:
+                models[attn] = AutoModelForCausalLM.from_pretrained(
+                    os.path.dirname(args.model), gguf_file=os.path.basename(args.model), dtype=torch.float32,
+                    attn_implementation=attn).eval()
+            model = models[attn]
+            for p in data["prompts"]:
+                cache = DynamicCache()
+                with torch.no_grad():
+                    with make_press(name, 1 - keep)(model):
+                        model(torch.tensor([p["context_ids"]]), past_key_values=cache)
+                    logits = model(torch.tensor([p["question_ids"]]), past_key_values=cache).logits[0, -1]
+                    reply = []
+                    for _ in range(args.max_tokens):
+                        nxt = int(logits.argmax())
+                        if nxt in p["eos_ids"]:
+                            break
+                        reply.append(nxt)
+                        logits = model(torch.tensor([[nxt]]), past_key_values=cache).logits[0, -1]
+                out.append({"press": name, "keep": keep, "task": p["task"], "sample": p["sample"],
+                            "reply_ids": reply, "answers": p["answers"], "held": cache.get_seq_length()})
+            print(f"{name} keep {keep}: {len(data['prompts'])} prompts, {time.time() - start:.0f} s", flush=True)
+    import kvpress
+    with open(args.out, "w") as f:
+        json.dump({"kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5",
+                   "context": data["context"], "replies": out}, f)
+
+
+def report(args):
+    from kvbound.eval.ruler import ruler_table, score
+    from kvbound.models import load
+    _, tok = load(args.model)
+    data = json.load(open(args.replies))
+    results = [{"strategy": f"kvpress {r['press']}", "budget_frac": r["keep"], "task": r["task"],
+                "score": score(tok.decode(r["reply_ids"]), r["answers"])} for r in data["replies"]]
+    for path in args.kvbound or []:
+        tag = "" if "onepiece" not in path else " (one piece)"
+        for r in json.load(open(path))["results"]:
+            results.append({**r, "strategy": f"kvbound {r['strategy']}{tag}"})
+    rows, tasks, grid = ruler_table(results)
+    print(f"RULER-style score, {data['context']}-token prompts; kvpress keeps a fraction of the context "
+          f"(question uncompressed), kvbound a fraction of the whole prompt")
+    print(f"{'strategy@keep':<44}" + "".join(f"{t:>16}" for t in tasks) + f"{'mean':>7}")
+    for row, cells in sorted(zip(rows, grid), key=lambda x: (x[0].split("@")[1], x[0])):
+        mean = sum(cells) / len(cells)
+        print(f"{row:<44}" + "".join(f"{100 * c:>15.0f}%" for c in cells) + f"{100 * mean:>6.0f}%")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export")
+    e.add_argument("--model", default=None, help="kvbound model path (default: the shipped SmolLM2)")
+    e.add_argument("--context", type=int, default=1024)
+    e.add_argument("--samples", type=int, default=5)
+    e.add_argument("--tasks", default=None)
+    e.add_argument("--out", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--prompts", required=True)
+    r.add_argument("--model", required=True, help="the .gguf file transformers reads")
+    r.add_argument("--presses", default=",".join(PRESSES))
+    r.add_argument("--keep", default="0.25,0.5")
+    r.add_argument("--max-tokens", type=int, default=32)
+    r.add_argument("--out", required=True)
+    p = sub.add_parser("report")
+    p.add_argument("--model", default=None)
+    p.add_argument("--replies", required=True)
+    p.add_argument("--kvbound", nargs="*")
+    args = ap.parse_args()
+    {"export": export, "run": run, "report": report}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
