@@ -13,8 +13,8 @@ Three steps, because kvpress 0.5 needs transformers < 5.3 and so a virtual envir
 The protocols differ: kvpress compresses the context once after prefilling it whole and leaves the question
 uncompressed; kvbound evicts as it goes (the question included) and its budget counts the whole prompt.
 
-python benchmarks/peer_kvpress.py export --out results/peer_kvpress_prompts.json
-/path/to/kvpress-venv/bin/python benchmarks/peer_kvpress.py run --prompts results/peer_kvpress_prompts.json \\
+python benchmarks/peer_kvpress.py export --out prompts.json
+/path/to/kvpress-venv/bin/python benchmarks/peer_kvpress.py run --prompts prompts.json \\
     --model SmolLM2.gguf --out results/peer_kvpress_replies.json
 python benchmarks/peer_kvpress.py report --replies results/peer_kvpress_replies.json \\
     --kvbound results/ruler_smollm2_1k.json results/ruler_smollm2_1k_onepiece.json
