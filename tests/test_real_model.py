@@ -224,7 +224,7 @@ def test_transformers_under_kvbound_hf_gives_kvbounds_perplexity(smollm, shared_
     from kvbound.models import default_model_path
     model, tok = smollm
     ids = tok.encode((shared_data / "wikipedia" / "Aristotle.txt").read_text())[:512]
-    prefill = 64
+    prefill = 256  # the budget: every eviction happens token by token, as in a decode
     policies = {name: parse_policy(name, 256) for name in ("window", "h2o-heavy")}
     ours = perplexity(model, [ids], {"baseline": (parse_policy("full"), None),
                                      **{n: (p, None) for n, p in policies.items()}}, CacheOptions(), prefill,
