@@ -83,17 +83,23 @@ def run(args):
             model = models[attn]
             for p in data["prompts"]:
                 cache = DynamicCache()
+                at = len(p["context_ids"])  # positions count the tokens processed, not the compressed cache's
                 with torch.no_grad():
                     with make_press(name, 1 - keep)(model):
                         model(torch.tensor([p["context_ids"]]), past_key_values=cache)
-                    logits = model(torch.tensor([p["question_ids"]]), past_key_values=cache).logits[0, -1]
+                    q = len(p["question_ids"])
+                    logits = model(torch.tensor([p["question_ids"]]), past_key_values=cache,
+                                   position_ids=torch.arange(at, at + q)[None]).logits[0, -1]
+                    at += q
                     reply = []
                     for _ in range(args.max_tokens):
                         nxt = int(logits.argmax())
                         if nxt in p["eos_ids"]:
                             break
                         reply.append(nxt)
-                        logits = model(torch.tensor([[nxt]]), past_key_values=cache).logits[0, -1]
+                        logits = model(torch.tensor([[nxt]]), past_key_values=cache,
+                                       position_ids=torch.tensor([[at]])).logits[0, -1]
+                        at += 1
                 out.append({"press": name, "keep": keep, "task": p["task"], "sample": p["sample"],
                             "reply_ids": reply, "answers": p["answers"], "held": cache.get_seq_length()})
             print(f"{name} keep {keep}: {len(data['prompts'])} prompts, {time.time() - start:.0f} s", flush=True)
