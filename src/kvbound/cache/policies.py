@@ -132,7 +132,7 @@ class Policy:
         the form the fused evict kernel takes; None for pinned spans past the protected prefix, and for
         scores the kernel does not rank by (it ranks by the folded attention, new tokens starting at 0)."""
         prefix = self.protected_prefix
-        if any(b > prefix for _, b in self.pinned) or self.score in ("observed", "key-norm"):
+        if any(b > prefix for _, b in self.pinned) or self.score == "observed" or self.scores_keys:
             return None
         return prefix, self.recent
 
@@ -441,8 +441,6 @@ def parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
 def _with(pol, defaults):
     """Apply CLI-wide option defaults (score, granularity, ...) to a named policy that accepts them."""
     from dataclasses import replace
-    accepts = {H2OPolicy: ("score", "ema_decay", "granularity", "evict_every"), WindowPolicy: ("evict_every",),
-               SnapKVPolicy: ("score", "ema_decay", "granularity", "evict_every"),
-               TOVAPolicy: ("granularity", "evict_every"), KeyNormPolicy: ("granularity", "evict_every")}
-    ok = {k: v for k, v in defaults.items() if v is not None and k in accepts.get(type(pol), ())}
+    accepts = SPEC_KEYS.get(getattr(pol, "name", None), ())  # the options its spec takes
+    ok = {k: v for k, v in defaults.items() if v is not None and k in accepts}
     return replace(pol, **ok) if ok else pol
