@@ -20,6 +20,7 @@ On the CPU, `--shape tiny --scale 0.02` checks the script in seconds (no floors 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -113,6 +114,22 @@ def run_case(model, prompts, params, policy, engine_args, bytes_per_s) -> dict:
             "non_decode_share": prefill_s / elapsed, **stats}
 
 
+@contextlib.contextmanager
+def profiled(on: bool, path: str):
+    """torch.profiler around a case (off: nothing); the operators' table, by device time, goes to `path`."""
+    if not on:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        yield
+    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60))
+
+
 def lengths(n, lo, hi, seed):
     rng = random.Random(seed)
     return [rng.randint(lo, hi) for _ in range(n)]
@@ -151,6 +168,8 @@ def main():
     ap.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (CPU checks)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--hf", action="store_true", help="also transformers' generate_batch on the nano prompts")
+    ap.add_argument("--profile", action="store_true",
+                    help="write each case's top operators by device time (torch.profiler) to --out")
     args = ap.parse_args()
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -187,7 +206,8 @@ def main():
     for name in args.cases.split(","):
         prompts, params, policy, eng_args = runs[name]
         run_case(model, prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True), policy, eng_args, bw)  # warm
-        results[name] = run_case(model, prompts, params, policy, eng_args, bw)
+        with profiled(args.profile, os.path.join(args.out, f"workloads_profile_{name}.txt")):
+            results[name] = run_case(model, prompts, params, policy, eng_args, bw)
         results[name]["prefill_vs_linear_floor"] = (lin_s * results[name]["prompt_tokens"] /
                                                    results[name]["elapsed_s"]) if name.startswith("prefill") else None
         print(name, {k: round(v, 4) if isinstance(v, float) else v for k, v in results[name].items()}, flush=True)

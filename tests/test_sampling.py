@@ -23,7 +23,8 @@ def reference(logits, p, prompt, output, u):
     if p.temperature == 0:
         return max(range(V), key=lambda t: x[t])
     probs = torch.softmax(torch.tensor(x) / p.temperature, -1).tolist()
-    order = sorted(range(V), key=lambda t: -probs[t])
+    truncated = p.top_k > 0 or p.top_p < 1 or p.min_p > 0
+    order = sorted(range(V), key=lambda t: -probs[t]) if truncated else range(V)  # untruncated: token order
     kept, mass = [], 0.0
     for r, t in enumerate(order):
         if (p.top_k > 0 and r >= p.top_k) or mass >= p.top_p or probs[t] < p.min_p * probs[order[0]]:
@@ -54,6 +55,16 @@ def test_each_option_matches_the_one_row_reference(p):
         (got, _), = sample_batch(row[None], [p], [prompt], [out], [p.seed])
         u = seeded_uniform(p.seed, len(out)) if p.seed is not None else 0.0
         assert got == reference(row, p, prompt, out, u), step
+
+
+@pytest.mark.parametrize("p", CASES[1:5], ids=range(1, 5))
+def test_truncated_rows_beyond_the_candidates_fall_back_to_the_whole_vocabulary(p, monkeypatch):
+    import kvbound.engine.sampling as sampling
+    monkeypatch.setattr(sampling, "CANDIDATES", 3)  # fewer than top-k / top-p / min-p keep on these logits
+    logits = logits_rows(30, seed=p.seed) / 3  # flatter: the kept set is often over 3 tokens
+    for step, row in enumerate(logits):
+        (got, _), = sample_batch(row[None], [p], [[1]], [[0] * step], [p.seed])
+        assert got == reference(row, p, [1], [0] * step, seeded_uniform(p.seed, step)), step
 
 
 def test_seeded_rows_draw_the_same_alone_and_anywhere_in_a_batch():
