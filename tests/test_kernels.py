@@ -175,6 +175,28 @@ def test_rope_inplace_matches_apply_rope(dtype, d):
     assert torch.equal(got[:, hq + hkv:].cpu(), qkv[:, hq + hkv:])  # v heads untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_inplace_with_qk_norm_matches_the_norms_then_apply_rope(dtype):
+    """Qwen3's q_norm / k_norm (their own weights) fused into the rotation: the model's separate ops."""
+    from kvbound.kernels.triton_decode import rope_inplace
+    from kvbound.models.llama import RMSNorm, apply_rope
+    gen = torch.Generator().manual_seed(5)
+    t, hq, hkv, d = 9, 4, 2, 64
+    qkv = (torch.randn(t, hq + 2 * hkv, d, generator=gen) * 3).to(dtype)
+    norms = [RMSNorm(d, 1e-6) for _ in range(2)]
+    for n in norms:
+        n.weight.data = (torch.rand(d, generator=gen) + 0.5).to(dtype)
+    pos = torch.arange(100, 100 + t).float()
+    freqs = pos[:, None] * (1.0 / (1e6 ** (torch.arange(0, d, 2).float() / d)))[None]
+    cos, sin = freqs.cos(), freqs.sin()
+    want = apply_rope(torch.cat([norms[0](qkv[:, :hq]), norms[1](qkv[:, hq:hq + hkv])], 1), cos, sin)
+    got = qkv.clone().to(DEV)
+    rope_inplace(got, cos.to(DEV), sin.to(DEV), hq + hkv, (norms[0].weight.to(DEV), norms[1].weight.to(DEV), hq, 1e-6))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got[:, :hq + hkv].cpu(), want, **tol)
+    assert torch.equal(got[:, hq + hkv:].cpu(), qkv[:, hq + hkv:])
+
+
 def test_half_precision_export_matches_reference():
     """bf16 inputs export probabilities through a float16 buffer: scores within half precision."""
     q, k, v, table, n = _case(11, 3, 8, 2, 64, [200, 33, 129], slots=400)
@@ -284,3 +306,67 @@ def test_cache_decode_on_cuda_takes_the_kernel_and_matches_the_fallback(kv_bits,
         torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
     assert len(calls) == 30
     assert [fast.kept_positions(0, h) for h in range(2)] == [slow.kept_positions(0, h) for h in range(2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_causal_attention_matches_each_piece_written_out(dtype):
+    """Pieces of different lengths, some after cached keys, GQA, packed: one call against a masked softmax
+    per piece (FlashAttention's varlen kernel on CUDA in half precision, bottom-right causal alignment)."""
+    from kvbound.kernels import varlen_causal_attention
+    gen = torch.Generator().manual_seed(3)
+    hq, hkv, d = 8, 2, 64
+    pieces = [(0, 5), (7, 3), (0, 1), (30, 17), (2, 2)]  # (cached, new)
+    qs = [torch.randn(t, hq, d, generator=gen) for _, t in pieces]
+    ks = [torch.randn(n + t, hkv, d, generator=gen) for n, t in pieces]
+    vs = [torch.randn(n + t, hkv, d, generator=gen) for n, t in pieces]
+    want = []
+    for (n, t), q, k, v in zip(pieces, qs, ks, vs):
+        kk, vv = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+        logits = torch.einsum("thd,mhd->htm", q.to(dtype).float(), kk.to(dtype).float()) * d ** -0.5
+        mask = torch.arange(n + t)[None, :] <= n + torch.arange(t)[:, None]
+        want.append(torch.einsum("htm,mhd->thd", logits.masked_fill(~mask, float("-inf")).softmax(-1),
+                                 vv.to(dtype).float()))
+
+    def cu(lens):
+        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    got = varlen_causal_attention(torch.cat(qs).to(DEV, dtype), torch.cat(ks).to(DEV, dtype),
+                                  torch.cat(vs).to(DEV, dtype), cu([t for _, t in pieces]),
+                                  cu([n + t for n, t in pieces]), 17, 47)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.float().cpu(), torch.cat(want), **tol)
+
+
+@pytest.mark.parametrize("mode, last, n, d", [("cumulative", None, 50, 64), ("normalized", None, 0, 64),
+                                              ("ema", 8, 70, 48), ("cumulative", 100, 3, 64)])
+def test_prefill_key_scores_from_lse_match_the_reference(mode, last, n, d):
+    """The one-pass key scores of a prefill piece (q.k again, p = exp(logit - LSE), summed down the queries)
+    against the reference's masked softmax, over cached keys and the piece's own (causal), GQA, windows."""
+    from kvbound.kernels import causal_attention_batch
+    from kvbound.kernels.triton_prefill import key_scores
+    gen = torch.Generator().manual_seed(n + d)
+    b, t, hq, hkv = 2, 37, 8, 2
+    q = torch.randn(b, t, hq, d, generator=gen)
+    k = torch.randn(b, n + t, hkv, d, generator=gen)
+    v = torch.randn(b, n + t, hkv, d, generator=gen)
+    _, want = causal_attention_batch(q, k, v, mode, last)
+    logits = torch.einsum("bthd,bmhd->bhtm", q, k.repeat_interleave(hq // hkv, 2)) * d ** -0.5
+    mask = torch.arange(n + t)[None, :] <= n + torch.arange(t)[:, None]
+    lse = logits.masked_fill(~mask, float("-inf")).logsumexp(-1)  # [b, hq, t]
+    lse = lse.permute(1, 0, 2).reshape(hq, b * t).contiguous()  # FlashAttention's varlen layout
+    got = key_scores(q.to(DEV), k.to(DEV), lse.to(DEV), t - min(t, last or t), mode == "normalized")
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="FlashAttention and the compiled score kernel run on CUDA only")
+@pytest.mark.parametrize("mode, last", [(None, None), ("cumulative", None), ("normalized", None), ("ema", 16)])
+def test_causal_attention_batch_on_cuda_matches_the_float32_reference(mode, last):
+    from kvbound.kernels import causal_attention_batch
+    gen = torch.Generator().manual_seed(1)
+    b, n, t, hq, hkv, d = 3, 300, 129, 16, 8, 128
+    q, k, v = (torch.randn(b, m, h, d, generator=gen) for m, h in [(t, hq), (n + t, hkv), (n + t, hkv)])
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    want_out, want = causal_attention_batch(q.float(), k.float(), v.float(), mode, last)
+    out, got = causal_attention_batch(q.cuda(), k.cuda(), v.cuda(), mode, last)
+    torch.testing.assert_close(out.float().cpu(), want_out, rtol=2e-2, atol=2e-2)
+    if mode is not None:
+        torch.testing.assert_close(got.cpu(), want, rtol=2e-2, atol=2e-2 * (n + t if mode == "normalized" else 1))

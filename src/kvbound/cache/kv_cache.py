@@ -104,14 +104,14 @@ class KVCache:
 
     # --- used by the paged engine ---------------------------------------------------------------
     def step_kind(self, t: int) -> str | None:
-        """Which batched step of the engine a step of t tokens of this cache can join: "fresh" (the first
+        """Which batched step of the engine a step of t tokens of this cache can join: "prefill" (a prefill
         piece of an unbounded cache), "append" (an unbounded decode), "evict" (a steady bounded decode on
         stacked rows), "chunk" (a later prefill piece of a full bounded cache on stacked rows), or None
         (this cache's own `attend`)."""
         if not self.bounded:
             if t == 1:
                 return "append"
-            return "fresh" if self.n[0] == 0 else None
+            return "prefill"
         if self.stacked is None:
             return None
         if t == 1:

@@ -8,22 +8,23 @@ size, through the same steps a single cache runs (`cache.steps`), over the share
     policy. The new token is written into the spare slot, attention exports its scores into the
     sequences' stacked metadata (`cache.stacked.StackedMeta`), and one batched victim choice picks each
     head's next spare slot: slot replacement for the whole batch, with no per-sequence work.
-  - "fresh": first prefill pieces of unbounded caches, of one length: K/V into their slots, then one
-    batched causal attention.
+  - "prefill": prefill pieces of unbounded caches, first or later, of any lengths: K/V into their slots, then
+    one varlen causal attention over every piece (FlashAttention on CUDA), each after its cached tokens.
   - "chunk": later prefill pieces of one length of full bounded caches that share a policy: one batched
     attention with scores, one batched keep choice, kept tokens rewritten in place.
-  - everything else (later prefill pieces of unbounded caches, bounded caches still filling, policies
-    without stacked metadata): each cache's own `attend`.
+  - everything else (bounded caches still filling, policies without stacked metadata): each cache's own
+    `attend`.
 """
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import torch
 
 from ..cache.stacked import StackedMeta
 from ..cache.steps import chunk_attend, evict_decode, keep_and_rewrite, table_attention
-from ..kernels import causal_attention_batch
+from ..kernels import varlen_causal_attention
 
 
 class GroupKey(NamedTuple):
@@ -39,13 +40,15 @@ def group_key(seq, t: int) -> GroupKey | None:
     kind = seq.cache.step_kind(t)
     if kind is None:
         return None
+    if kind == "prefill":  # one group whatever the pieces' lengths
+        return GroupKey(kind)
     meta = seq.cache.stacked[0] if kind in ("evict", "chunk") else None
     return GroupKey(kind, meta, t)
 
 
 def finish_step(cache, kind: str | None, t: int):
     """Bookkeeping after a group ran t tokens of this cache (a cache's own `attend` keeps its own counts)."""
-    if kind in ("append", "fresh"):
+    if kind in ("append", "prefill"):
         cache.appended(t)
     else:
         cache.advance(t)
@@ -97,16 +100,41 @@ class EvictGroup:
                             m.spare[:, layer], None if m.score is None else m.score[:, layer], m.policy)
 
 
-class FreshGroup:
-    """First pieces of t tokens of unbounded caches: K/V into their pool slots, one batched causal attention."""
+class PrefillGroup:
+    """Prefill pieces of unbounded caches, piece i of t[i] tokens after the n[i] its cache holds: the new K/V go
+    to their pool slots, then one varlen causal attention over all pieces. Pieces with nothing cached attend
+    over the step's own K/V; otherwise each piece's cached and new K/V are gathered from the pool, packed.
+    The slot indices are built once per step, on the device, for every layer."""
 
-    def __init__(self, pool, slots, t):
-        self.pool, self.slots, self.t = pool, slots, t
+    def __init__(self, pool, held: list[int], lens: list[int], rows: torch.Tensor):
+        dev, bs = pool.k.device, pool.block_size
+        self.pool = pool
+        total = [n + t for n, t in zip(held, lens)]
+        table = pool.slot_tables(rows, -(-max(total) // bs))
+        self.cu_q, self.max_q = _cumulative(lens, dev), max(lens)
+        self.new = _packed_slots(table, torch.tensor(held, device=dev), lens, self.cu_q)
+        self.cached = any(held)
+        self.cu_k, self.max_k = (_cumulative(total, dev), max(total)) if self.cached else (self.cu_q, self.max_q)
+        self.slots = _packed_slots(table, torch.zeros_like(rows), total, self.cu_k) if self.cached else None
 
     def attend(self, layer, q, k, v, positions=None):
-        self.pool.write(layer, self.slots, k, v)
-        out, _ = causal_attention_batch(*(x.unflatten(0, (-1, self.t)) for x in (q, k, v)))
-        return out.flatten(0, 1)
+        self.pool.write(layer, self.new, k, v)
+        if self.cached:
+            k, v = self.pool.gather(layer, self.slots)
+        return varlen_causal_attention(q, k, v, self.cu_q, self.cu_k, self.max_q, self.max_k)
+
+
+def _cumulative(lens: list[int], device) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+
+
+def _packed_slots(table: torch.Tensor, start: torch.Tensor, lens: list[int], cu: torch.Tensor) -> torch.Tensor:
+    """Pool slots table[i, start[i] : start[i] + lens[i]] of every row i, concatenated (no host sync)."""
+    total = sum(lens)
+    row = torch.repeat_interleave(torch.arange(len(lens), device=table.device),
+                                  torch.tensor(lens, device=table.device), output_size=total)
+    col = torch.arange(total, device=table.device) - cu[row].long() + start[row]
+    return table[row, col].long()
 
 
 class ChunkGroup:
@@ -124,15 +152,16 @@ class ChunkGroup:
         return out
 
 
-def make_group(pool, key: GroupKey, seqs):
+def make_group(pool, key: GroupKey, pieces):
+    """The group object of `pieces` [(seq, t)] that share `key`."""
     dev = pool.k.device
+    seqs = [s for s, _ in pieces]
     if key.kind == "append":
         new, lens, width = append_rows(pool, seqs)
         return AppendGroup(pool, torch.tensor(new, device=dev), torch.tensor(lens, device=dev, dtype=torch.int32),
                            pool.slot_tables(pool_rows(pool, seqs), width))
-    if key.kind == "fresh":
-        slots = pool.slot_tables(pool_rows(pool, seqs), -(-key.t // pool.block_size))[:, :key.t].flatten().long()
-        return FreshGroup(pool, slots, key.t)
+    if key.kind == "prefill":
+        return PrefillGroup(pool, [len(s.cache) for s in seqs], [t for _, t in pieces], pool_rows(pool, seqs))
     rows = stacked_rows(seqs, dev)
     if key.kind == "chunk":
         return ChunkGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.budget).long())
@@ -153,7 +182,7 @@ class StepBatch:
             j = i + 1
             while key is not None and j < len(batch) and keys[j] == key:
                 j += 1
-            group = None if key is None else make_group(pool, key, [s for s, _ in batch[i:j]])
+            group = None if key is None else make_group(pool, key, batch[i:j])
             self.groups.append((key, i, j, group))
             i = j
         self.starts = [0]

@@ -81,14 +81,14 @@ class Sequence:
         """Tokens not yet in the cache (the last sampled token included)."""
         return len(self.prompt) + len(self.output) - (self.cache.seen if self.cache else 0)
 
-    def next_piece(self, room: int, chunk: int, partial_ok: bool = True) -> int:
+    def next_piece(self, room: int, chunk: int) -> int:
         """How many tokens to feed now, given `room` left in this step's token budget (0 = wait). An
-        unbounded sequence feeds up to `chunk` tokens, fewer only where `partial_ok` (so first pieces of
-        equal prompts stay whole and attend as one batch)."""
+        unbounded sequence feeds up to `chunk` tokens, fewer where the room ends (pieces of any lengths
+        attend as one batch); a bounded one whole chunks, whose ends its evictions follow."""
         seen, left = (self.cache.seen if self.cache else 0), self.to_feed()
         if not self.bounded:
             piece = min(left, chunk)
-            return piece if piece <= room else (room if partial_ok else 0)
+            return min(piece, room)
         if seen >= len(self.prompt):  # replaying generated tokens: one per step, as decoding fed them
             return 1 if room >= 1 else 0
         piece = min(len(self.prompt), (seen // chunk + 1) * chunk) - seen
@@ -159,19 +159,17 @@ class Scheduler:
                 if t and self._take(seq, t):
                     batch.append((seq, t))
                     room -= t
-        admitted = 0
         while self.waiting and room > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.cache is None:
                 self._attach_cache(seq)
-            t = seq.next_piece(room, self.chunk, partial_ok=not admitted)  # a partial first piece: progress
+            t = seq.next_piece(room, self.chunk)
             if not t or not self._take(seq, t):
                 if not self.running:  # nothing will free blocks: must not happen when `add` checked
                     raise KvboundError(f"request {seq.request_id} cannot be scheduled in an empty pool")
                 seq.drop_cache()
                 break
             self.waiting.popleft()
-            admitted += 1
             if seq.preemptions == 0:  # counted once: recomputation after a preemption is no hit (vLLM #25780)
                 self.stats["prompt_tokens"] += len(seq.prompt)
                 self.stats["prefix_hit_tokens"] += seq.hit_tokens

@@ -48,6 +48,8 @@ def causal_attention_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     hkv = k.shape[2]
     n = k.shape[1] - t
     scale = d ** -0.5
+    if t > 1 and _flash_ok(q):
+        return _flash_batch(q, k, v, score_mode, last_queries)
     mask = None if t == 1 else _causal_mask(t, n, q.device)
     if mask is not None and q.is_cuda:
         out = _causal_cuda(q, k.to(q.dtype), v.to(q.dtype), n, scale)
@@ -80,6 +82,50 @@ def fused_sdpa(*args, **kw):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
         return F.scaled_dot_product_attention(*args, **kw)
+
+
+def varlen_causal_attention(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int):
+    """Causal attention of several pieces at once, packed: piece i's queries q[cu_q[i]:cu_q[i+1]] [Tq, Hq, D]
+    are its last keys k[cu_k[i]:cu_k[i+1]] [Tk, Hkv, D] (its cached keys come first), the causal mask aligned
+    to the bottom right, GQA. On CUDA (half precision) one FlashAttention varlen call for all pieces, however
+    their lengths differ; elsewhere the pieces one by one. cu_q, cu_k: int32 [N + 1] on q's device."""
+    if _flash_ok(q):
+        return _flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k)[0]
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    return torch.cat([causal_attention(q[a:b], k[c:e], v[c:e])[0] for a, b, c, e in zip(bq, bq[1:], bk, bk[1:])])
+
+
+def _flash_ok(q) -> bool:
+    d = q.shape[-1]
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256
+
+
+def _flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k):
+    """FlashAttention's varlen forward: (out [Tq, Hq, D], LSE [Hq, Tq] float32, natural log)."""
+    out, lse = torch.ops.aten._flash_attention_forward(q, k.to(q.dtype), v.to(q.dtype), cu_q, cu_k, max_q, max_k,
+                                                       0.0, True, False, scale=q.shape[-1] ** -0.5)[:2]
+    if lse.dim() == 3:  # older builds pad it per sequence: [N, Hq, max_q]
+        lens = (cu_q[1:] - cu_q[:-1]).tolist()
+        lse = torch.cat([lse[i, :, :n] for i, n in enumerate(lens)], 1)
+    return out, lse
+
+
+def _flash_batch(q, k, v, score_mode, last_queries):
+    """causal_attention_batch on CUDA: FlashAttention for the output, and the scores in one more pass over the
+    keys from its LSE (`triton_prefill.key_scores`)."""
+    b, t, hq, d = q.shape
+    m = k.shape[1]
+    dev = q.device
+    cu_q = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=dev)
+    cu_k = torch.arange(0, (b + 1) * m, m, dtype=torch.int32, device=dev)
+    out, lse = _flash_varlen(q.reshape(b * t, hq, d), k.reshape(b * m, -1, d), v.reshape(b * m, -1, d), cu_q, cu_k,
+                             t, m)
+    out = out.view(b, t, hq, d)
+    if score_mode is None:
+        return out, None
+    from .triton_prefill import key_scores
+    first = t - min(t, last_queries or t)
+    return out, key_scores(q, k.to(q.dtype), lse, first, score_mode == "normalized")
 
 
 def _causal_cuda(q, k, v, n, scale):

@@ -552,7 +552,8 @@ def store_kv(x, slots, pool, scale=None, bias=None, bits=16, group=64):
 
 
 @triton.jit
-def _rope_kernel(X, Cos, Sin, stride_xt, stride_xh, stride_ct, HALF: tl.constexpr, HALF_P: tl.constexpr):
+def _rope_kernel(X, Cos, Sin, Wq, Wk, stride_xt, stride_xh, stride_ct, q_heads, eps,
+                 HALF: tl.constexpr, HALF_P: tl.constexpr, NORM: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs = tl.arange(0, HALF_P)
@@ -560,15 +561,24 @@ def _rope_kernel(X, Cos, Sin, stride_xt, stride_xh, stride_ct, HALF: tl.constexp
     p = X + t * stride_xt + h * stride_xh + offs
     x1 = tl.load(p, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(p + HALF, mask=m, other=0.0).to(tl.float32)
+    if NORM:  # RMS norm of the head with the q or k weight, rounded to x's dtype as the separate op would
+        r = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
+        w = Wq if h < q_heads else Wk
+        x1 = (x1 * r * tl.load(w + offs, mask=m, other=0.0).to(tl.float32)).to(X.dtype.element_ty).to(tl.float32)
+        x2 = (x2 * r * tl.load(w + HALF + offs, mask=m, other=0.0).to(tl.float32)).to(X.dtype.element_ty).to(
+            tl.float32)
     c = tl.load(Cos + t * stride_ct + offs, mask=m, other=0.0)
     s = tl.load(Sin + t * stride_ct + offs, mask=m, other=0.0)
     tl.store(p, (x1 * c - x2 * s).to(X.dtype.element_ty), mask=m)
     tl.store(p + HALF, (x2 * c + x1 * s).to(X.dtype.element_ty), mask=m)
 
 
-def rope_inplace(x, cos, sin, heads: int):
+def rope_inplace(x, cos, sin, heads: int, norm=None):
     """Rotate the first `heads` heads of x [T, H, D] in place (rotate-half RoPE, fp32 math, as
-    model.apply_rope): one launch for the q and k heads of a fused qkv projection, no copies."""
+    model.apply_rope): one launch for the q and k heads of a fused qkv projection, no copies.
+    norm=(q_weight, k_weight, q_heads, eps) first RMS-normalizes each head (Qwen3's q_norm / k_norm), in the
+    same launch."""
     t, _, d = x.shape
-    _rope_kernel[(t, heads)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0),
-                             HALF=d // 2, HALF_P=triton.next_power_of_2(d // 2))
+    wq, wk, q_heads, eps = norm if norm is not None else (cos, cos, 0, 0.0)
+    _rope_kernel[(t, heads)](x, cos, sin, wq, wk, x.stride(0), x.stride(1), cos.stride(0), q_heads, eps,
+                             HALF=d // 2, HALF_P=triton.next_power_of_2(d // 2), NORM=norm is not None)

@@ -82,10 +82,11 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, positions, cache):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if x.is_cuda and not self.qk_norm:  # rotate q and k in place inside the projection's output: one kernel
+        if x.is_cuda:  # normalize (Qwen3) and rotate q and k in place inside the projection's output: one kernel
             from ..kernels.triton_decode import rope_inplace
             heads = qkv.view(t, -1, self.d)
-            rope_inplace(heads, cos, sin, self.h + self.hkv)
+            norm = (self.q_norm.weight, self.k_norm.weight, self.h, self.q_norm.eps) if self.qk_norm else None
+            rope_inplace(heads, cos, sin, self.h + self.hkv, norm)
             q, k, v = heads.split([self.h, self.hkv, self.hkv], 1)
         else:
             q, k, v = qkv.split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], -1)
