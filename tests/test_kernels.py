@@ -370,3 +370,13 @@ def test_causal_attention_batch_on_cuda_matches_the_float32_reference(mode, last
     torch.testing.assert_close(out.float().cpu(), want_out, rtol=2e-2, atol=2e-2)
     if mode is not None:
         torch.testing.assert_close(got.cpu(), want, rtol=2e-2, atol=2e-2 * (n + t if mode == "normalized" else 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_the_separate_ops(dtype):
+    from kvbound.kernels.triton_decode import silu_mul
+    x = (torch.randn(5, 2 * 1500, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    gate, up = x.chunk(2, -1)
+    want = torch.nn.functional.silu(gate) * up
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(silu_mul(x.to(DEV)).cpu(), want, **tol)

@@ -111,49 +111,48 @@ def _inverse_cdf(probs, keep, u):
     return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=probs.shape[1] - 1)[:, 0]
 
 
-def _kept(sorted_p, ps):
-    """Which of each row's candidates (probabilities in falling order) top-k, top-p and min-p keep, and whether
-    the candidates were enough: the first token left out is excluded by one of the rules."""
-    dev, n = sorted_p.device, sorted_p.shape[1]
-    rank = torch.arange(n, device=dev)[None, :]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else 1 << 62 for p in ps], device=dev)[:, None]
-    top_p = torch.tensor([p.top_p for p in ps], device=dev)[:, None]
-    min_p = torch.tensor([p.min_p for p in ps], device=dev)[:, None]
+def _kept(sorted_p, top_k, top_p, min_p):
+    """Which of each row's candidates (probabilities in falling order) top-k, top-p and min-p keep ([B, 1] rule
+    tensors, top_k 0 for off), and whether the candidates were enough: the first token left out is excluded
+    by one of the rules."""
+    n = sorted_p.shape[1]
+    rank = torch.arange(n, device=sorted_p.device)[None, :]
     mass = sorted_p.cumsum(-1)
-    keep = (rank < top_k) & (mass - sorted_p < top_p) & (sorted_p >= min_p * sorted_p[:, :1])
-    enough = (top_k[:, 0] <= n) | (mass[:, -1] >= top_p[:, 0]) | (sorted_p[:, -1] < min_p[:, 0] * sorted_p[:, 0])
-    return keep, enough
+    keep = ((top_k <= 0) | (rank < top_k)) & (mass - sorted_p < top_p) & (sorted_p >= min_p * sorted_p[:, :1])
+    enough = (top_k > 0) & (top_k <= n) | (mass[:, -1:] >= top_p) | (sorted_p[:, -1:] < min_p * sorted_p[:, :1])
+    return keep, enough[:, 0]
 
 
 def _draw(x, ps: list[SamplingParams], seeded: list[float | None]) -> torch.Tensor:
     """One token per row of logits x [B, V] under temperature, top-k, top-p and min-p. Rows without truncation
     draw from the whole vocabulary in token order (no sort); truncated rows sort only their CANDIDATES most
     likely tokens, and the whole vocabulary where those hold less than the rules keep (checked on the device,
-    one host sync). A row's uniform is seeded[i], or a fresh one."""
+    one host sync). A row's uniform is seeded[i], or a fresh one. The rows' parameters reach the device in
+    one transfer (each transfer from pageable memory waits for the GPU)."""
     dev, vocab = x.device, x.shape[1]
-    temp = torch.tensor([p.temperature for p in ps], device=dev)[:, None]
-    probs = torch.softmax(x / temp, -1)
-    u = torch.rand(len(ps), device=dev)
-    if any(v is not None for v in seeded):
-        u[[j for j, v in enumerate(seeded) if v is not None]] = torch.tensor(
-            [v for v in seeded if v is not None], device=dev)
+    rules = torch.tensor([[p.temperature, p.top_k, p.top_p, p.min_p, -1.0 if v is None else v]
+                          for p, v in zip(ps, seeded)], dtype=torch.float64, device=dev)
+    temp, top_k, top_p, min_p, fixed = (c[:, None] for c in rules.T)
+    u = torch.where(fixed[:, 0] >= 0, fixed[:, 0], torch.rand(len(ps), device=dev, dtype=torch.float64)).float()
+    probs = torch.softmax(x / temp.float(), -1)
+    cut = [_truncated(p) for p in ps]
+    if not any(cut):
+        return _inverse_cdf(probs, 1.0, u)
     out = torch.empty(len(ps), dtype=torch.long, device=dev)
-    plain = [j for j, p in enumerate(ps) if not _truncated(p)]
-    if plain:
-        rows = torch.tensor(plain, device=dev)
-        out[rows] = _inverse_cdf(probs[rows], 1.0, u[rows])
-    cut = [j for j, p in enumerate(ps) if _truncated(p)]
-    if cut:
-        rows, cps = torch.tensor(cut, device=dev), [ps[j] for j in cut]
-        sorted_p, idx = probs[rows].topk(min(vocab, CANDIDATES), -1)
-        keep, enough = _kept(sorted_p, cps)
-        out[rows] = idx.gather(1, _inverse_cdf(sorted_p, keep, u[rows])[:, None])[:, 0]
-        if sorted_p.shape[1] < vocab and not bool(enough.all()):
-            short = [j for j, ok in zip(cut, enough.tolist()) if not ok]
-            rows = torch.tensor(short, device=dev)
-            sorted_p, idx = probs[rows].sort(-1, descending=True)
-            keep, _ = _kept(sorted_p, [ps[j] for j in short])
-            out[rows] = idx.gather(1, _inverse_cdf(sorted_p, keep, u[rows])[:, None])[:, 0]
+    if not all(cut):
+        plain = torch.tensor([j for j, c in enumerate(cut) if not c], device=dev)
+        out[plain] = _inverse_cdf(probs[plain], 1.0, u[plain])
+    rows = slice(None) if all(cut) else torch.tensor([j for j, c in enumerate(cut) if c], device=dev)
+    rule = [r[rows].float() for r in (top_k, top_p, min_p)]
+    sorted_p, idx = probs[rows].topk(min(vocab, CANDIDATES), -1)
+    keep, enough = _kept(sorted_p, *rule)
+    out[rows] = idx.gather(1, _inverse_cdf(sorted_p, keep, u[rows])[:, None])[:, 0]
+    if sorted_p.shape[1] < vocab and not bool(enough.all()):
+        short = (~enough).nonzero()[:, 0]
+        sorted_p, idx = probs[rows][short].sort(-1, descending=True)
+        keep, _ = _kept(sorted_p, *(r[short] for r in rule))
+        out[torch.arange(len(ps), device=dev)[rows][short]] = idx.gather(
+            1, _inverse_cdf(sorted_p, keep, u[rows][short])[:, None])[:, 0]
     return out
 
 
@@ -177,7 +176,8 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], prompts: li
     sampled = [i for i, p in enumerate(params) if p.temperature > 0]
     if sampled:
         u = [seeded_uniform(seeds[i], len(outputs[i])) if seeds[i] is not None else None for i in sampled]
-        tokens[torch.tensor(sampled, device=x.device)] = _draw(x[sampled], [params[i] for i in sampled], u)
+        drawn = _draw(x if len(sampled) == bsz else x[sampled], [params[i] for i in sampled], u)
+        tokens = drawn if len(sampled) == bsz else tokens.index_put_((torch.tensor(sampled, device=x.device),), drawn)
     chosen = tokens.tolist()  # the step's one transfer to the host
     want = [p.logprobs for p in params]
     if all(w is None for w in want):

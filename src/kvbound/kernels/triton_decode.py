@@ -552,25 +552,49 @@ def store_kv(x, slots, pool, scale=None, bias=None, bits=16, group=64):
 
 
 @triton.jit
-def _rope_kernel(X, Cos, Sin, Wq, Wk, stride_xt, stride_xh, stride_ct, q_heads, eps,
-                 HALF: tl.constexpr, HALF_P: tl.constexpr, NORM: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    offs = tl.arange(0, HALF_P)
-    m = offs < HALF
-    p = X + t * stride_xt + h * stride_xh + offs
+def _rope_kernel(X, Cos, Sin, Wq, Wk, stride_xt, stride_xh, stride_ct, heads, q_heads, eps,
+                 HALF: tl.constexpr, HALF_P: tl.constexpr, HEADS_P: tl.constexpr, NORM: tl.constexpr):
+    t = tl.program_id(0)  # one token, all its q and k heads: [HEADS_P, HALF_P] tiles
+    hs = tl.arange(0, HEADS_P)[:, None]
+    offs = tl.arange(0, HALF_P)[None, :]
+    m = (hs < heads) & (offs < HALF)
+    p = X + t * stride_xt + hs * stride_xh + offs
     x1 = tl.load(p, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(p + HALF, mask=m, other=0.0).to(tl.float32)
-    if NORM:  # RMS norm of the head with the q or k weight, rounded to x's dtype as the separate op would
-        r = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
-        w = Wq if h < q_heads else Wk
-        x1 = (x1 * r * tl.load(w + offs, mask=m, other=0.0).to(tl.float32)).to(X.dtype.element_ty).to(tl.float32)
-        x2 = (x2 * r * tl.load(w + HALF + offs, mask=m, other=0.0).to(tl.float32)).to(X.dtype.element_ty).to(
-            tl.float32)
-    c = tl.load(Cos + t * stride_ct + offs, mask=m, other=0.0)
-    s = tl.load(Sin + t * stride_ct + offs, mask=m, other=0.0)
+    if NORM:  # RMS norm of each head with the q or k weight, rounded to x's dtype as the separate op would
+        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        is_q = hs < q_heads
+        w1 = tl.where(is_q, tl.load(Wq + offs, mask=offs < HALF, other=0.0),
+                      tl.load(Wk + offs, mask=offs < HALF, other=0.0)).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(Wq + HALF + offs, mask=offs < HALF, other=0.0),
+                      tl.load(Wk + HALF + offs, mask=offs < HALF, other=0.0)).to(tl.float32)
+        x1 = (x1 * r * w1).to(X.dtype.element_ty).to(tl.float32)
+        x2 = (x2 * r * w2).to(X.dtype.element_ty).to(tl.float32)
+    c = tl.load(Cos + t * stride_ct + offs, mask=offs < HALF, other=0.0)
+    s = tl.load(Sin + t * stride_ct + offs, mask=offs < HALF, other=0.0)
     tl.store(p, (x1 * c - x2 * s).to(X.dtype.element_ty), mask=m)
     tl.store(p + HALF, (x2 * c + x1 * s).to(X.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _silu_mul_kernel(X, Out, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < n_cols
+    gate = tl.load(X + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+    up = tl.load(X + row * stride_x + n_cols + cols, mask=m, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(Out.dtype.element_ty).to(tl.float32)  # silu rounded, as torch's op
+    tl.store(Out + row * stride_o + cols, (act * up).to(Out.dtype.element_ty), mask=m)
+
+
+def silu_mul(x):
+    """silu(gate) * up of a fused gate_up projection's output x [T, 2I] -> [T, I]: one pass instead of two."""
+    t, two_i = x.shape
+    out = torch.empty(t, two_i // 2, dtype=x.dtype, device=x.device)
+    block = 1024
+    _silu_mul_kernel[(t, triton.cdiv(two_i // 2, block))](x, out, two_i // 2, x.stride(0), out.stride(0),
+                                                          BLOCK=block)
+    return out
 
 
 def rope_inplace(x, cos, sin, heads: int, norm=None):
@@ -580,5 +604,6 @@ def rope_inplace(x, cos, sin, heads: int, norm=None):
     same launch."""
     t, _, d = x.shape
     wq, wk, q_heads, eps = norm if norm is not None else (cos, cos, 0, 0.0)
-    _rope_kernel[(t, heads)](x, cos, sin, wq, wk, x.stride(0), x.stride(1), cos.stride(0), q_heads, eps,
-                             HALF=d // 2, HALF_P=triton.next_power_of_2(d // 2), NORM=norm is not None)
+    _rope_kernel[(t,)](x, cos, sin, wq, wk, x.stride(0), x.stride(1), cos.stride(0), heads, q_heads, eps,
+                       HALF=d // 2, HALF_P=triton.next_power_of_2(d // 2), HEADS_P=triton.next_power_of_2(heads),
+                       NORM=norm is not None)

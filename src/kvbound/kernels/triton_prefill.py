@@ -24,7 +24,7 @@ LOG2E = 1.4426950408889634
 def _key_scores_kernel(Q, K, Lse, Out, t, m_keys, n_cached, first, scale_log2,
                        stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_lh, stride_ob, stride_ot,
                        G: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, NORMALIZED: tl.constexpr):
+                       BLOCK_N: tl.constexpr, NORMALIZED: tl.constexpr, IEEE: tl.constexpr):
     jb = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
@@ -44,7 +44,10 @@ def _key_scores_kernel(Q, K, Lse, Out, t, m_keys, n_cached, first, scale_log2,
             q = tl.load(Q + (b * t + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                         mask=q_ok[:, None] & (offs_d[None, :] < D), other=0.0)
             lse = tl.load(Lse + head * stride_lh + b * t + offs_m, mask=q_ok, other=0.0) * 1.4426950408889634
-            s = tl.dot(q, tl.trans(k)) * scale_log2 - lse[:, None]
+            if IEEE:  # float32 inputs: no TF32 rounding on the GPU
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2 - lse[:, None]
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale_log2 - lse[:, None]
             seen = q_ok[:, None] & key_ok[None, :] & (offs_n[None, :] <= n_cached + offs_m[:, None])
             p = tl.where(seen, tl.exp2(s), 0.0)
             if NORMALIZED:  # each query's probabilities weighted by the number of keys it saw
@@ -72,5 +75,6 @@ def key_scores(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, first: int =
     _key_scores_kernel[grid](q, k, lse, out, t, m_keys, m_keys - t, first, d ** -0.5 * LOG2E,
                              q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), lse.stride(0),
                              out.stride(0), out.stride(1), G=hq // hkv, D=d, D_P=max(16, triton.next_power_of_2(d)),
-                             BLOCK_M=64, BLOCK_N=block_n, NORMALIZED=normalized, num_warps=4, num_stages=2)
+                             BLOCK_M=64, BLOCK_N=block_n, NORMALIZED=normalized,
+                             IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
     return out

@@ -106,6 +106,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
+        if x.is_cuda:  # one kernel for silu(gate) * up
+            from ..kernels.triton_decode import silu_mul
+            return self.down_proj(silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, -1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
