@@ -275,12 +275,12 @@ def test_paged_decode_reference_matches_per_sequence_attend(mode):
 
 
 def test_batched_groups_carry_the_decode_steps(model, monkeypatch):
-    """The append, evict and prefill groups (one call per layer for many sequences) really run, and give each
+    """The append, evict, prefill and fill groups (one call per layer for many sequences) really run, and give each
     sequence what it gets alone (test_batch_equals_each_sequence_alone checks the tokens)."""
-    from kvbound.engine.runner import AppendGroup, EvictGroup, PrefillGroup
-    calls = {"append": 0, "evict": 0, "prefill": 0}
+    from kvbound.engine.runner import AppendGroup, EvictGroup, FillGroup, PrefillGroup
+    calls = {"append": 0, "evict": 0, "prefill": 0, "fill": 0}
     for name, cls, meth in [("append", AppendGroup, "attend"), ("evict", EvictGroup, "attend"),
-                            ("prefill", PrefillGroup, "attend")]:
+                            ("prefill", PrefillGroup, "attend"), ("fill", FillGroup, "attend")]:
         orig = getattr(cls, meth)
 
         def wrapped(self, layer, q, *a, _orig=orig, _name=name):
@@ -289,7 +289,7 @@ def test_batched_groups_carry_the_decode_steps(model, monkeypatch):
         monkeypatch.setattr(cls, meth, wrapped)
     reqs = mixed_requests()
     got, _ = run_engine(model, reqs, num_blocks=256, max_num_batched_tokens=48)
-    assert calls["append"] > 0 and calls["evict"] > 0 and calls["prefill"] > 0
+    assert calls["append"] > 0 and calls["evict"] > 0 and calls["prefill"] > 0 and calls["fill"] > 0
     for (ids, pol), out in zip(reqs, got):
         assert out == alone(model, ids, parse_policy(pol) if pol else None, GREEDY, 16), pol
 

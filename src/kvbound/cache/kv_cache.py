@@ -106,7 +106,8 @@ class KVCache:
     def step_kind(self, t: int) -> str | None:
         """Which batched step of the engine a step of t tokens of this cache can join: "prefill" (a prefill
         piece of an unbounded cache), "append" (an unbounded decode), "evict" (a steady bounded decode on
-        stacked rows), "chunk" (a later prefill piece of a full bounded cache on stacked rows), or None
+        stacked rows), "chunk" (a later prefill piece of a full bounded cache on stacked rows), "fill" (a
+        prefill piece of a bounded cache with room for it, on stacked rows), or None
         (this cache's own `attend`)."""
         if not self.bounded:
             if t == 1:
@@ -116,7 +117,11 @@ class KVCache:
             return None
         if t == 1:
             return "evict" if self.has_spare[0] else None
-        return "chunk" if self.n[0] == self.budget and not self.has_spare[0] else None
+        if self.has_spare[0]:
+            return None
+        if self.n[0] + t < self.policy.capacity:
+            return "fill"
+        return "chunk" if self.n[0] == self.budget else None
 
     @property
     def table_row(self) -> int:

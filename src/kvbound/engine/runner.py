@@ -12,6 +12,9 @@ size, through the same steps a single cache runs (`cache.steps`), over the share
     one varlen causal attention over every piece (FlashAttention on CUDA), each after its cached tokens.
   - "chunk": later prefill pieces of one length of full bounded caches that share a policy: one batched
     attention with scores, one batched keep choice, kept tokens rewritten in place.
+  - "fill": prefill pieces of bounded caches that still have room for them (nothing is evicted), of one
+    length after as many held tokens, sharing a policy: K/V and positions into their slots, one batched
+    attention with scores.
   - everything else (bounded caches still filling, policies without stacked metadata): each cache's own
     `attend`.
 """
@@ -23,17 +26,18 @@ from typing import NamedTuple
 import torch
 
 from ..cache.stacked import StackedMeta
-from ..cache.steps import chunk_attend, evict_decode, keep_and_rewrite, table_attention
+from ..cache.steps import chunk_attend, evict_decode, keep_and_rewrite, piece_attention, table_attention
 from ..kernels import varlen_causal_attention
 
 
 class GroupKey(NamedTuple):
     """Rows with equal keys attend together: the step kind (`KVCache.step_kind`), the stacked metadata of
-    bounded kinds (one per policy), and the piece length. A named tuple: the engine builds one per row and
-    step, on the host, between GPU steps."""
+    bounded kinds (one per policy), the piece length, and the tokens held by "fill" caches. A named tuple: the
+    engine builds one per row and step, on the host, between GPU steps."""
     kind: str
     meta: StackedMeta | None = None
     t: int = 1
+    n: int = 0
 
 
 def group_key(seq, t: int) -> GroupKey | None:
@@ -42,13 +46,13 @@ def group_key(seq, t: int) -> GroupKey | None:
         return None
     if kind == "prefill":  # one group whatever the pieces' lengths
         return GroupKey(kind)
-    meta = seq.cache.stacked[0] if kind in ("evict", "chunk") else None
-    return GroupKey(kind, meta, t)
+    meta = seq.cache.stacked[0] if kind in ("evict", "chunk", "fill") else None
+    return GroupKey(kind, meta, t, len(seq.cache) if kind == "fill" else 0)
 
 
 def finish_step(cache, kind: str | None, t: int):
     """Bookkeeping after a group ran t tokens of this cache (a cache's own `attend` keeps its own counts)."""
-    if kind in ("append", "prefill"):
+    if kind in ("append", "prefill", "fill"):
         cache.appended(t)
     else:
         cache.advance(t)
@@ -152,6 +156,28 @@ class ChunkGroup:
         return out
 
 
+class FillGroup:
+    """Prefill pieces of t tokens of bounded caches holding n tokens each, with room for the piece (no
+    eviction), sharing one policy: what a cache's own `attend` does then, for all of them at once."""
+
+    def __init__(self, pool, meta, rows, table, n, t):
+        self.pool, self.meta, self.rows, self.table, self.n, self.t = pool, meta, rows, table, n, t
+
+    def attend(self, layer, q, k, v, positions):
+        m, n, t, rows = self.meta, self.n, self.t, self.rows
+        bsz = rows.shape[0]
+        self.pool.write(layer, self.table[:, n:n + t].flatten(), k, v)
+        pos = m.pos[:, layer]
+        pos[rows, n:n + t] = positions.view(bsz, t, 1).to(pos.dtype)
+        kc, vc = self.pool.gather(layer, self.table)
+        score = None if m.score is None else m.score[:, layer]
+        out, scores = piece_attention(q.unflatten(0, (bsz, t)), kc, vc, m.policy,
+                                      None if score is None else score[rows, :n], pos[rows, :n + t])
+        if score is not None:
+            score[rows, :n + t] = scores
+        return out.flatten(0, 1)
+
+
 def make_group(pool, key: GroupKey, pieces):
     """The group object of `pieces` [(seq, t)] that share `key`."""
     dev = pool.k.device
@@ -163,6 +189,8 @@ def make_group(pool, key: GroupKey, pieces):
     if key.kind == "prefill":
         return PrefillGroup(pool, [len(s.cache) for s in seqs], [t for _, t in pieces], pool_rows(pool, seqs))
     rows = stacked_rows(seqs, dev)
+    if key.kind == "fill":
+        return FillGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.n + key.t).long(), key.n, key.t)
     if key.kind == "chunk":
         return ChunkGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.budget).long())
     return EvictGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.capacity))
