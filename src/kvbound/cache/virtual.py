@@ -1,0 +1,388 @@
+"""Virtual-memory KV storage: a sequence's K/V in one reserved virtual range, physical pages mapped as it grows,
+unmapped behind a window, shared between prefixes (copy-on-write at the first write), and moved to host memory
+when the sequence is cold, instead of a software block table.
+
+`VirtualPages` is the page accounting, plain Python: which pages a step maps, unmaps, shares, copies and
+offloads, over a `PageBackend`. `CudaPages` drives the CUDA driver's virtual memory API through cuda-bindings
+(cuMemAddressReserve, cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease) in the primary context
+PyTorch uses; a range reads as an ordinary tensor (`CudaPages.tensor`). `HostPages` simulates the same calls
+with host tensors, for the CPU and CI. Physical pages come from a shared pool that grows `chunk_pages` at a
+time and gives its unused pages back on `trim`.
+
+A sequence's range holds `regions` equal regions (one per layer and K / V), each `tokens x token_bytes`
+rounded up to whole pages, so region r's token j lives at byte r * region_bytes + j * token_bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from ..errors import KvboundError
+
+
+class PageBackend(Protocol):
+    """Physical pages, virtual ranges, and the mappings between them."""
+    page_bytes: int
+
+    def reserve(self, pages: int) -> int: ...  # a virtual range of `pages` pages, nothing mapped
+    def free(self, rng: int) -> None: ...
+    def create(self) -> int: ...  # a physical page
+    def release(self, page: int) -> None: ...
+    def map(self, rng: int, index: int, page: int) -> None: ...
+    def unmap(self, rng: int, index: int) -> None: ...
+    def copy(self, dst: int, src: int) -> None: ...  # page to page
+    def to_host(self, page: int) -> torch.Tensor: ...  # uint8 [page_bytes]
+    def from_host(self, page: int, data: torch.Tensor) -> None: ...
+    def read(self, rng: int, offset: int, n: int) -> torch.Tensor: ...  # uint8 bytes of mapped pages
+    def write(self, rng: int, offset: int, data: torch.Tensor) -> None: ...
+
+
+class HostPages:
+    """`PageBackend` simulated with host tensors: a page is a uint8 tensor, a range a dict of mapped pages.
+    Writes through one range land in the page, so every range mapping it sees them, as on the GPU."""
+
+    def __init__(self, page_bytes: int = 2 << 20):
+        self.page_bytes = page_bytes
+        self.pages: dict[int, torch.Tensor] = {}
+        self.ranges: dict[int, dict[int, int]] = {}
+        self._next = 0
+
+    def _id(self) -> int:
+        self._next += 1
+        return self._next
+
+    def reserve(self, pages):
+        rng = self._id()
+        self.ranges[rng] = {}
+        return rng
+
+    def free(self, rng):
+        if self.ranges.pop(rng):
+            raise KvboundError("a virtual range was freed with pages still mapped")
+
+    def create(self):
+        page = self._id()
+        self.pages[page] = torch.zeros(self.page_bytes, dtype=torch.uint8)
+        return page
+
+    def release(self, page):
+        if any(page in m.values() for m in self.ranges.values()):
+            raise KvboundError(f"page {page} released while mapped")
+        del self.pages[page]
+
+    def map(self, rng, index, page):
+        if index in self.ranges[rng]:
+            raise KvboundError(f"page {index} of range {rng} is already mapped")
+        self.ranges[rng][index] = page
+
+    def unmap(self, rng, index):
+        del self.ranges[rng][index]
+
+    def copy(self, dst, src):
+        self.pages[dst].copy_(self.pages[src])
+
+    def to_host(self, page):
+        return self.pages[page].clone()
+
+    def from_host(self, page, data):
+        self.pages[page].copy_(data)
+
+    def _spans(self, rng, offset, n):
+        """(page tensor, start, end) pieces covering bytes [offset, offset + n) of a range."""
+        while n > 0:
+            index, start = divmod(offset, self.page_bytes)
+            take = min(n, self.page_bytes - start)
+            page = self.ranges[rng].get(index)
+            if page is None:
+                raise KvboundError(f"byte {offset} of range {rng} is not mapped")
+            yield self.pages[page], start, start + take
+            offset, n = offset + take, n - take
+
+    def read(self, rng, offset, n):
+        return torch.cat([p[a:b] for p, a, b in self._spans(rng, offset, n)])
+
+    def write(self, rng, offset, data):
+        at = 0
+        for p, a, b in self._spans(rng, offset, data.numel()):
+            p[a:b] = data[at:at + b - a]
+            at += b - a
+
+
+@dataclass
+class SequencePages:
+    """One sequence's range: its mapped pages by index, the first index still kept (a window moves it), and
+    its pages' bytes on the host while offloaded."""
+    rng: int
+    reserved: int
+    region_pages: int
+    mapped: dict[int, int] = field(default_factory=dict)
+    floor: int = 0  # region-relative page index below which pages stay unmapped (behind a window)
+    host: dict[int, torch.Tensor] | None = None
+
+
+class VirtualPages:
+    """The page accounting of every sequence's virtual range over one backend and one pool of physical pages.
+    Each operation returns how many pages it mapped, unmapped, copied or moved, so a step's work is visible."""
+
+    def __init__(self, backend: PageBackend, regions: int, token_bytes: int, max_tokens: int, chunk_pages: int = 8):
+        self.backend, self.regions, self.token_bytes = backend, regions, token_bytes
+        self.page_bytes = backend.page_bytes
+        self.max_tokens = max_tokens
+        self.region_pages = -(-max_tokens * token_bytes // self.page_bytes)
+        self.chunk_pages = chunk_pages
+        self.pool: list[int] = []  # created, unmapped pages ready for reuse
+        self.ref: dict[int, int] = {}  # page -> ranges mapping it
+        self.seqs: dict[object, SequencePages] = {}
+        self.counts = dict(mapped=0, unmapped=0, copied=0, offloaded=0, restored=0)
+
+    # --- pages -----------------------------------------------------------------------------------
+    @property
+    def pages_in_use(self) -> int:
+        """Physical pages mapped by at least one sequence (a shared page counts once)."""
+        return len(self.ref)
+
+    @property
+    def pages_created(self) -> int:
+        """Physical memory committed: pages in use plus the pool's spare ones."""
+        return len(self.ref) + len(self.pool)
+
+    def _take(self) -> int:
+        if not self.pool:
+            self.pool = [self.backend.create() for _ in range(self.chunk_pages)]
+        page = self.pool.pop()
+        self.ref[page] = 0
+        return page
+
+    def _map(self, seq: SequencePages, index: int, page: int):
+        self.backend.map(seq.rng, index, page)
+        seq.mapped[index] = page
+        self.ref[page] += 1
+        self.counts["mapped"] += 1
+
+    def _unmap(self, seq: SequencePages, index: int):
+        page = seq.mapped.pop(index)
+        self.backend.unmap(seq.rng, index)
+        self.ref[page] -= 1
+        if self.ref[page] == 0:
+            del self.ref[page]
+            self.pool.append(page)
+        self.counts["unmapped"] += 1
+
+    def trim(self) -> int:
+        """Give the pool's spare pages back to the device; returns how many."""
+        n = len(self.pool)
+        for page in self.pool:
+            self.backend.release(page)
+        self.pool = []
+        return n
+
+    # --- sequences -------------------------------------------------------------------------------
+    def add(self, sid) -> SequencePages:
+        if sid in self.seqs:
+            raise KvboundError(f"sequence {sid!r} already has a virtual range")
+        reserved = self.regions * self.region_pages
+        self.seqs[sid] = SequencePages(self.backend.reserve(reserved), reserved, self.region_pages)
+        return self.seqs[sid]
+
+    def _indices(self, first_token: int, end_token: int, floor: int = 0):
+        """Page indices, in every region, holding any byte of tokens [first_token, end_token)."""
+        if end_token <= first_token:
+            return []
+        lo = max(floor, first_token * self.token_bytes // self.page_bytes)
+        hi = -(-end_token * self.token_bytes // self.page_bytes)
+        return [r * self.region_pages + i for r in range(self.regions) for i in range(lo, hi)]
+
+    def grow(self, sid, tokens: int) -> int:
+        """Map pages so that tokens [0, tokens) are backed (those behind a window stay unmapped): only the
+        pages not mapped yet, so a step's work is the page boundaries it crossed. Returns pages mapped."""
+        seq = self.seqs[sid]
+        if tokens > self.max_tokens:
+            raise KvboundError(f"sequence {sid!r}: {tokens} tokens exceed its reserved range ({self.max_tokens})")
+        new = [i for i in self._indices(0, tokens, seq.floor) if i not in seq.mapped]
+        for index in new:
+            self._map(seq, index, self._take())
+        return len(new)
+
+    def drop_before(self, sid, token: int) -> int:
+        """A window's first kept token: unmap every page wholly behind it. Returns pages unmapped."""
+        seq = self.seqs[sid]
+        seq.floor = max(seq.floor, token * self.token_bytes // self.page_bytes)
+        behind = [i for i in list(seq.mapped) if i % self.region_pages < seq.floor]
+        for index in behind:
+            self._unmap(seq, index)
+        return len(behind)
+
+    def share(self, src, dst, tokens: int) -> int:
+        """dst starts from src's first `tokens` tokens: the pages wholly inside them are mapped into dst too
+        (the same physical pages, counted once); the rest is dst's own. Returns pages shared."""
+        a, b = self.seqs[src], self.seqs[dst]
+        whole = tokens * self.token_bytes // self.page_bytes  # per region
+        shared = [r * self.region_pages + i for r in range(self.regions) for i in range(whole)
+                  if r * self.region_pages + i in a.mapped and r * self.region_pages + i not in b.mapped]
+        for index in shared:
+            self._map(b, index, a.mapped[index])
+        return len(shared)
+
+    def before_write(self, sid, first_token: int, end_token: int) -> int:
+        """Copy-on-write: every shared page that writing tokens [first_token, end_token) touches becomes a
+        private copy. Returns pages copied."""
+        seq = self.seqs[sid]
+        copied = 0
+        for index in self._indices(first_token, end_token, seq.floor):
+            page = seq.mapped.get(index)
+            if page is not None and self.ref[page] > 1:
+                mine = self._take()
+                self.backend.copy(mine, page)
+                self._unmap(seq, index)
+                self._map(seq, index, mine)
+                copied += 1
+        self.counts["copied"] += copied
+        return copied
+
+    def offload(self, sid) -> int:
+        """Move a cold sequence's pages to host memory and unmap them (shared pages stay mapped for the other
+        sequences). Returns pages moved."""
+        seq = self.seqs[sid]
+        if seq.host is not None:
+            raise KvboundError(f"sequence {sid!r} is already offloaded")
+        seq.host = {index: self.backend.to_host(page) for index, page in seq.mapped.items()}
+        for index in list(seq.mapped):
+            self._unmap(seq, index)
+        self.counts["offloaded"] += len(seq.host)
+        return len(seq.host)
+
+    def restore(self, sid) -> int:
+        """Map an offloaded sequence's pages back (fresh pages, its bytes copied in). Returns pages restored."""
+        seq = self.seqs[sid]
+        if seq.host is None:
+            raise KvboundError(f"sequence {sid!r} is not offloaded")
+        for index, data in seq.host.items():
+            page = self._take()
+            self.backend.from_host(page, data)
+            self._map(seq, index, page)
+        n, seq.host = len(seq.host), None
+        self.counts["restored"] += n
+        return n
+
+    def release(self, sid):
+        """A finished sequence: unmap its pages (back to the pool once no one maps them) and free its range."""
+        seq = self.seqs.pop(sid)
+        for index in list(seq.mapped):
+            self._unmap(seq, index)
+        self.backend.free(seq.rng)
+
+    def byte_offset(self, region: int, token: int) -> int:
+        """Where region `region`'s token `token` starts in a sequence's range."""
+        return region * self.region_pages * self.page_bytes + token * self.token_bytes
+
+
+class CudaPages:
+    """`PageBackend` on the CUDA driver's virtual memory API (cuda-bindings), on PyTorch's primary context.
+    Pages are the allocation granularity (2 MiB on current drivers) unless a multiple is asked for."""
+
+    def __init__(self, device=None, page_bytes: int | None = None):
+        from cuda.bindings import driver
+        self.cu = driver
+        torch.cuda.init()
+        self.device = torch.device("cuda", torch.cuda.current_device() if device is None else torch.device(device).index)
+        torch.empty(1, device=self.device)  # PyTorch makes the primary context current on this thread
+        self._check(driver.cuInit(0))
+        prop = driver.CUmemAllocationProp()
+        prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = self.device.index
+        self.prop = prop
+        gran = self._check(driver.cuMemGetAllocationGranularity(
+            prop, driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
+        page_bytes = page_bytes or gran
+        if page_bytes % gran:
+            raise KvboundError(f"page_bytes {page_bytes} is not a multiple of the granularity {gran}")
+        self.page_bytes = page_bytes
+        access = driver.CUmemAccessDesc()
+        access.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = self.device.index
+        access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self.access = access
+        self.ranges: dict[int, tuple[int, int]] = {}  # range id (its address) -> (address, bytes)
+        self.pages: dict[int, object] = {}  # page id -> allocation handle
+        self._next = 0
+        self.scratch = self.reserve(2)  # two pages of address space to reach unmapped pages through
+
+    def _check(self, result):
+        err, *rest = result
+        if err != self.cu.CUresult.CUDA_SUCCESS:
+            raise KvboundError(f"CUDA driver call failed: {err}")
+        return rest[0] if len(rest) == 1 else (rest or None)
+
+    def reserve(self, pages):
+        size = pages * self.page_bytes
+        addr = int(self._check(self.cu.cuMemAddressReserve(size, self.page_bytes, 0, 0)))
+        self.ranges[addr] = (addr, size)
+        return addr
+
+    def free(self, rng):
+        addr, size = self.ranges.pop(rng)
+        self._check(self.cu.cuMemAddressFree(self.cu.CUdeviceptr(addr), size))
+
+    def create(self):
+        handle = self._check(self.cu.cuMemCreate(self.page_bytes, self.prop, 0))
+        self._next += 1
+        self.pages[self._next] = handle
+        return self._next
+
+    def release(self, page):
+        self._check(self.cu.cuMemRelease(self.pages.pop(page)))
+
+    def map(self, rng, index, page):
+        at = self.cu.CUdeviceptr(rng + index * self.page_bytes)
+        self._check(self.cu.cuMemMap(at, self.page_bytes, 0, self.pages[page], 0))
+        self._check(self.cu.cuMemSetAccess(at, self.page_bytes, [self.access], 1))
+
+    def unmap(self, rng, index):
+        torch.cuda.current_stream(self.device).synchronize()  # kernels still reading the page finish first
+        self._check(self.cu.cuMemUnmap(self.cu.CUdeviceptr(rng + index * self.page_bytes), self.page_bytes))
+
+    def tensor(self, rng, offset: int, shape, dtype=torch.uint8) -> torch.Tensor:
+        """A tensor over bytes [offset, ...) of a range, without a copy (the pages under it must be mapped)."""
+        n = 1
+        for s in shape:
+            n *= s
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        view = _CudaArray(rng + offset, nbytes)
+        return torch.as_tensor(view, device=self.device).view(dtype).view(*shape)
+
+    def _through_scratch(self, pages, fn):
+        for slot, page in enumerate(pages):
+            self.map(self.scratch, slot, page)
+        try:
+            return fn(*[self.tensor(self.scratch, slot * self.page_bytes, (self.page_bytes,))
+                        for slot in range(len(pages))])
+        finally:
+            for slot in range(len(pages)):
+                self.unmap(self.scratch, slot)
+
+    def copy(self, dst, src):
+        self._through_scratch([dst, src], lambda d, s: d.copy_(s))
+
+    def to_host(self, page):
+        out = torch.empty(self.page_bytes, dtype=torch.uint8, pin_memory=True)
+        return self._through_scratch([page], lambda p: out.copy_(p))
+
+    def from_host(self, page, data):
+        self._through_scratch([page], lambda p: p.copy_(data))
+
+    def read(self, rng, offset, n):
+        return self.tensor(rng, offset, (n,)).cpu()
+
+    def write(self, rng, offset, data):
+        self.tensor(rng, offset, (data.numel(),)).copy_(data)
+
+
+class _CudaArray:
+    """A device pointer as `__cuda_array_interface__` (bytes), so torch.as_tensor wraps it without a copy."""
+
+    def __init__(self, addr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 3,
+                                         "strides": None, "stream": None}
