@@ -433,3 +433,78 @@ def test_scored_policies_on_cuda_batched_equal_alone(model, spec):
             assert out.outputs[0].token_ids == list(generate_ids(gpu, ids, GREEDY, cache, (), 16)), spec
     finally:
         model.cpu()
+
+
+# --- packed KV blocks (kv_bits) -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model32():
+    """head_dim 32: one quantization group of 32 per head."""
+    cfg = ModelConfig(arch="LlamaForCausalLM", vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=32, intermediate_size=96)
+    torch.manual_seed(0)
+    m = CausalLM(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(8)
+    return m
+
+
+def alone_quantized(model, ids, policy, params, chunk, bits):
+    cache = KVCache(model.config, policy, kv_bits=bits, kv_group_size=32)
+    return list(generate_ids(model, ids, params, cache, (), chunk))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_packed_blocks_give_the_single_sequence_quantized_outputs(model32, bits):
+    """A mixed batch (full, h2o, window, layer granularity, evict_every 3) over a pool of packed blocks: each
+    sequence's greedy tokens equal its own quantized cache's, and the pool holds a half / a quarter of the
+    bytes (plus scales) per token."""
+    reqs = mixed_requests()
+    got, engine = run_engine(model32, reqs, num_blocks=256, max_num_batched_tokens=48, kv_bits=bits, kv_group_size=32)
+    for (ids, pol), out in zip(reqs, got):
+        assert out == alone_quantized(model32, ids, parse_policy(pol) if pol else None, GREEDY, 16, bits), pol
+    dense = BlockPool(2, 2, 32, 4, dtype=torch.bfloat16).bytes_per_token()  # K and V, 2 heads x 32 x 2 bytes
+    assert engine.pool.bytes_per_token() == dense * bits // 16 + 2 * 2 * 2 * 2  # + an fp16 scale and bias each
+
+
+def test_packed_blocks_prefix_hit_gives_the_cold_runs_logits(model32):
+    ids = prompt(5, 40)
+    outs = []
+    for _ in range(2):
+        engine = LLMEngine(model32, num_blocks=64, block_size=8, max_num_batched_tokens=64, prefill_chunk=64,
+                           kv_bits=8, kv_group_size=32)
+        engine.add_request(ids, SamplingParams(max_tokens=1, ignore_eos=True, logprobs=5))
+        outs.append(next(o for o in engine.step() if o.finished))
+        engine.add_request(ids, SamplingParams(max_tokens=1, ignore_eos=True, logprobs=5))
+        hit = [o for o in engine.step() if o.finished][0]
+        assert hit.cached_tokens == 32  # four full blocks served from the prefix cache
+        assert hit.outputs[0].logprobs == outs[-1].outputs[0].logprobs
+
+
+def test_packed_blocks_fork_copies_exactly_one_block_on_a_diverging_write(model32):
+    engine = LLMEngine(model32, num_blocks=64, block_size=8, kv_bits=4, kv_group_size=32)
+    engine.add_request(prompt(6, 20), SamplingParams(max_tokens=6, n=2, temperature=1.0, seed=3, ignore_eos=True))
+    engine.step()  # prefill and the first token, then the fork
+    assert engine.pool.copies == 0
+    engine.step()  # both completions write into the shared last block: one of them copies it
+    assert engine.pool.copies == 1
+    while engine.has_unfinished():
+        engine.step()
+    engine.pool.check()
+
+
+def test_packed_blocks_preemption_under_a_tight_pool_gives_the_same_outputs(model32):
+    reqs = mixed_requests()
+    roomy, _ = run_engine(model32, reqs, num_blocks=256, max_num_batched_tokens=48, kv_bits=8, kv_group_size=32)
+    tight, engine = run_engine(model32, reqs, num_blocks=10, block_size=8, max_num_batched_tokens=48, kv_bits=8,
+                               kv_group_size=32)
+    assert engine.scheduler.stats["preemptions"] > 0
+    assert tight == roomy
+
+
+def test_mixed_widths_are_refused_by_the_pool(model32):
+    with pytest.raises(KvboundError, match="one width"):
+        LLMEngine(model32, kv_bits={"heavy": 4, "recent": 8})
+    with pytest.raises(KvboundError, match="8 or 4 bits"):
+        LLMEngine(model32, kv_bits=2)

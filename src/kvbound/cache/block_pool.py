@@ -19,6 +19,7 @@ from collections import OrderedDict
 import torch
 
 from ..errors import KvboundError
+from .quant import PackedKV
 from .store import at
 
 
@@ -27,15 +28,22 @@ def block_hash(prev: int | None, tokens) -> int:
 
 
 class BlockPool:
-    exact = True  # K/V stored unquantized
-
     def __init__(self, layers: int, kv_heads: int, head_dim: int, num_blocks: int, block_size: int = 16,
-                 device="cpu", dtype=torch.float32):
+                 device="cpu", dtype=torch.float32, kv_bits: int | None = None, group_size: int = 64):
+        """kv_bits 8 or 4: blocks hold packed codes with an fp16 scale and bias per group of `group_size`
+        (`kernels.packing`), written quantized once and moved as packed bytes; None: `dtype` K/V."""
         if block_size < 1 or num_blocks < 1:
             raise KvboundError(f"block pool: block_size ({block_size}) and num_blocks ({num_blocks}) must be >= 1")
         self.block_size, self.num_blocks = block_size, num_blocks
-        self.k = torch.zeros(layers, num_blocks * block_size, kv_heads, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
+        self.device, self.dtype, self.kv_heads = torch.device(device), dtype, kv_heads
+        slots = num_blocks * block_size
+        self.packed = None if kv_bits is None else PackedKV(layers, slots, kv_heads, head_dim, kv_bits, group_size,
+                                                             device)
+        self.exact = self.packed is None  # reads back exactly what was written
+        self.k = self.v = None
+        if self.packed is None:
+            self.k = torch.zeros(layers, slots, kv_heads, head_dim, device=device, dtype=dtype)
+            self.v = torch.zeros_like(self.k)
         self.ref = [0] * num_blocks
         self.free_plain = list(range(num_blocks - 1, -1, -1))  # popped from the end: block 0 first
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # published blocks with refcount 0, LRU first
@@ -81,31 +89,49 @@ class BlockPool:
                 + torch.arange(bs, device=self.tables.device, dtype=torch.int32)).flatten(1)
 
     # --- slot storage ---------------------------------------------------------------------------
+    @property
+    def raw(self) -> list[torch.Tensor]:
+        """The stored tensors, [layers, slots, heads, ...] each: K and V, or K's and V's codes, scales, biases."""
+        return [self.k, self.v] if self.packed is None else self.packed.tensors
+
+    def pack(self, k, v) -> list[torch.Tensor]:
+        """New tokens' K/V [..., H, D] as stored (quantized for a packed pool), matching `raw`."""
+        return [k.to(self.dtype), v.to(self.dtype)] if self.packed is None else self.packed.pack(k, v)
+
+    def unpack(self, raw) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(raw) if self.packed is None else self.packed.unpack(raw, self.dtype)
+
+    def write_raw(self, layer, slots, raw, heads=None):
+        for t, x in zip(self.raw, raw):
+            t[at(layer, slots, heads)] = x
+
+    def gather_raw(self, layer, slots) -> list[torch.Tensor]:
+        return [t[layer, slots] for t in self.raw]
+
     def write(self, layer, slots, k, v, heads=None):
-        self.k[at(layer, slots, heads)] = k.to(self.k.dtype)
-        self.v[at(layer, slots, heads)] = v.to(self.v.dtype)
+        self.write_raw(layer, slots, self.pack(k, v), heads)
 
     def gather(self, layer, slots):
-        return self.k[layer, slots], self.v[layer, slots]
+        return self.unpack(self.gather_raw(layer, slots))
 
     def move(self, layer, heads, src, dst):
-        self.k[layer, dst, heads] = self.k[layer, src, heads]
-        self.v[layer, dst, heads] = self.v[layer, src, heads]
+        for t in self.raw:
+            t[layer, dst, heads] = t[layer, src, heads]
 
     def roundtrip(self, layer, x):
-        return x
+        return x if self.packed is None else self.packed.roundtrip(x)
 
     def kernel_args(self, layer):
-        return self.k[layer], self.v[layer], None
+        return (self.k[layer], self.v[layer], None) if self.packed is None else self.packed.kernel_args(layer)
 
     def bytes_per_token(self) -> int:
         """Bytes one token takes in one layer (K and V, all KV heads)."""
-        return 2 * self.k.shape[2] * self.k.shape[3] * self.k.element_size()
+        return sum(t.shape[2] * t.shape[3] * t.element_size() for t in self.raw)
 
     @property
     def block_bytes(self) -> int:
         """Bytes one block takes over all layers."""
-        return self.block_size * self.bytes_per_token() * self.k.shape[0]
+        return self.block_size * self.bytes_per_token() * self.raw[0].shape[0]
 
     # --- accounting -----------------------------------------------------------------------------
     @property
@@ -147,8 +173,8 @@ class BlockPool:
         """A private copy of a shared block (copy-on-write); the caller drops its reference to `src`."""
         dst = self.allocate()
         bs = self.block_size
-        self.k[:, dst * bs:(dst + 1) * bs] = self.k[:, src * bs:(src + 1) * bs]
-        self.v[:, dst * bs:(dst + 1) * bs] = self.v[:, src * bs:(src + 1) * bs]
+        for t in self.raw:
+            t[:, dst * bs:(dst + 1) * bs] = t[:, src * bs:(src + 1) * bs]
         self.copies += 1
         return dst
 

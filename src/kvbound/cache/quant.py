@@ -66,6 +66,34 @@ class _Packed:
         return self.codes.shape[-1] + 2 * 2 * self.scale.shape[-1]
 
 
+class PackedKV:
+    """Packed K and V by slot at one width, the paged pool's storage with `kv_bits` (`BlockPool`)."""
+
+    def __init__(self, layers, slots, heads, head_dim, bits, group_size, device):
+        if bits not in (4, 8):
+            raise KvboundError(f"the paged pool packs K/V at 8 or 4 bits, got {bits!r}")
+        check_group(head_dim, group_size)
+        self.bits, self.group = bits, group_size
+        self.k = _Packed(layers, slots, heads, head_dim, bits, group_size, device)
+        self.v = _Packed(layers, slots, heads, head_dim, bits, group_size, device)
+        self.tensors = self.k.tensors() + self.v.tensors()
+
+    def pack(self, k, v) -> list[torch.Tensor]:
+        return [*quantize(k, self.bits, self.group), *quantize(v, self.bits, self.group)]
+
+    def unpack(self, raw, dtype):
+        return (dequantize(*raw[:3], self.bits, self.group, dtype), dequantize(*raw[3:], self.bits, self.group, dtype))
+
+    def roundtrip(self, x):
+        return dequantize(*quantize(x, self.bits, self.group), self.bits, self.group, x.dtype)
+
+    def kernel_args(self, layer):
+        k, v = self.k, self.v
+        quant = dict(bits=self.bits, group=self.group, k_scale=k.scale[layer], k_bias=k.bias[layer],
+                     v_scale=v.scale[layer], v_bias=v.bias[layer])
+        return k.codes[layer], v.codes[layer], quant
+
+
 class QuantizedStore:
     """Packed K/V, a `store.KVStore` and its own `SlotStorage`. A full-precision prefix store until `start` tokens."""
     exact = False  # reads back the dequantized codes

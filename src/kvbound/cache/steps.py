@@ -137,16 +137,27 @@ def kept_order(policy, cand_pos, cand_score):
     return order.narrow(-2, 0, policy.budget)
 
 
-def keep_and_rewrite(storage, layer, table, n, rows, pos, score, policy, cand_k, cand_v, cand_pos, cand_score):
-    """After `chunk_attend`, for storages that read back exactly what was written: each head's kept
-    candidates, in stream order, are gathered and written to local slots [0, budget) in a few whole-tensor
-    operations (no per-head loop, no host sync). The protected prefix [0, P) is its own gather, so those
-    slots (possibly blocks shared with other sequences) are not written."""
+def keep_and_rewrite(storage, layer, table, n, rows, pos, score, policy, cand_k, cand_v, cand_pos, cand_score,
+                     new=None):
+    """After `chunk_attend`: each head's kept candidates, in stream order, are gathered and written to local
+    slots [0, budget) in a few whole-tensor operations (no per-head loop, no host sync). The protected prefix
+    [0, P) is its own gather, so those slots (possibly blocks shared with other sequences) are not written.
+    A storage that does not read back exactly what was written (a packed pool) moves its stored form instead:
+    the cached tokens' packed bytes and the new tokens `new` = (k, v) [B, t, H, D] packed once, so no kept
+    token is ever quantized twice."""
     b = policy.budget
     order = kept_order(policy, cand_pos, cand_score)  # [B, b, H]
     first = min(policy.protected_prefix, n)
-    idx = order[:, first:, :, None].expand(-1, -1, -1, cand_k.shape[3])
-    storage.write(layer, table[:, first:b].long(), cand_k.gather(1, idx), cand_v.gather(1, idx))
+    if storage.exact:
+        cands = [cand_k, cand_v]
+    else:
+        cached = storage.gather_raw(layer, table[:, :n].long())
+        cands = [torch.cat([c, p], 1) for c, p in zip(cached, storage.pack(*new))]
+    kept = [c.gather(1, order[:, first:, :, None].expand(-1, -1, -1, c.shape[3])) for c in cands]
+    if storage.exact:
+        storage.write(layer, table[:, first:b].long(), *kept)
+    else:
+        storage.write_raw(layer, table[:, first:b].long(), kept)
     pos[rows, :b] = cand_pos.gather(1, order)
     pos[rows, b:] = pos.new_full((), -1)
     if score is not None:

@@ -205,4 +205,4 @@ class PagedStore:
         return self.pool.bytes_per_token()
 
     def bytes_held(self, layer, live):
-        return int(live.sum()) * self.pool.bytes_per_token() // self.pool.k.shape[2]
+        return int(live.sum()) * self.pool.bytes_per_token() // self.pool.kv_heads

@@ -19,7 +19,7 @@ class DecodeGraphs:
 
     def __init__(self, model, pool, max_seqs: int, max_len: int, context_len: int | None = None):
         self.model, self.pool = model, pool
-        bs, dev = pool.block_size, pool.k.device
+        bs, dev = pool.block_size, pool.device
         longest = min(context_len or max_len, pool.num_blocks * bs)
         self.widths = [-(-min(max_len, longest) // bs)]  # append table widths in blocks
         while self.widths[-1] * bs < longest:

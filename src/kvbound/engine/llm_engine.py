@@ -77,21 +77,28 @@ class PoolCaches:
 class LLMEngine:
     def __init__(self, model, tokenizer=None, policy=None, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_tokens: int = 16384, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-                 prefill_chunk: int = 512, kv_dtype=None, cuda_graphs: bool = True, graph_max_len: int = 8192):
+                 prefill_chunk: int = 512, kv_dtype=None, cuda_graphs: bool = True, graph_max_len: int = 8192,
+                 kv_bits: int | None = None, kv_group_size: int = 64):
         """policy: the default eviction policy of a request (a policy object; FullPolicy when None).
         The pool holds `num_blocks` blocks of `block_size` tokens (default: kv_cache_tokens / block_size).
         On CUDA, whole decode steps replay CUDA graphs for batch sizes up to max_num_seqs: those of unbounded
         caches up to `graph_max_len` tokens and of the default policy are captured here, those of longer
         unbounded caches (in doubling table widths, up to the model's context) and of other bounded policies
-        when first seen (`cuda_graphs=False` runs them eagerly)."""
+        when first seen (`cuda_graphs=False` runs them eagerly).
+        kv_bits 8 or 4: the pool's blocks hold packed K/V (codes with an fp16 scale and bias per group of
+        kv_group_size), quantized once as they are written; the same tokens then take a half or a quarter of
+        the bf16 bytes, so kv_cache_tokens can grow in proportion for the same memory."""
         cfg = model.config
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         self.kv_dtype = kv_dtype or next(model.parameters()).dtype
         self.default_policy = policy or FullPolicy()
         num_blocks = num_blocks or max(1, kv_cache_tokens // block_size)
+        if kv_bits is not None and not isinstance(kv_bits, int):
+            raise KvboundError(f"kv_bits {kv_bits!r}: the paged pool packs one width, 8 or 4 (mixed widths run "
+                               "on a single-sequence cache)")
         self.pool = BlockPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size,
-                              self.device, self.kv_dtype)
+                              self.device, self.kv_dtype, kv_bits, kv_group_size)
         self.caches = PoolCaches(cfg, self.pool, self.device, self.kv_dtype, max_num_seqs + 1)
         self.scheduler = Scheduler(self.pool, self.caches, max_num_batched_tokens, max_num_seqs, prefill_chunk)
         self.eos_ids = set(tokenizer.eos_ids) if tokenizer is not None else set()

@@ -60,7 +60,7 @@ def finish_step(cache, kind: str | None, t: int):
 
 def pool_rows(pool, seqs) -> torch.Tensor:
     """The sequences' rows in the pool's block tables, on the pool's device."""
-    return torch.tensor([s.cache.table_row for s in seqs], device=pool.k.device)
+    return torch.tensor([s.cache.table_row for s in seqs], device=pool.device)
 
 
 def stacked_rows(seqs, device) -> torch.Tensor:
@@ -107,17 +107,18 @@ class EvictGroup:
 class PrefillGroup:
     """Prefill pieces of unbounded caches, piece i of t[i] tokens after the n[i] its cache holds: the new K/V go
     to their pool slots, then one varlen causal attention over all pieces. Pieces with nothing cached attend
-    over the step's own K/V; otherwise each piece's cached and new K/V are gathered from the pool, packed.
+    over the step's own K/V; otherwise (or when the pool quantizes) each piece's cached and new K/V are read
+    back from the pool, packed.
     The slot indices are built once per step, on the device, for every layer."""
 
     def __init__(self, pool, held: list[int], lens: list[int], rows: torch.Tensor):
-        dev, bs = pool.k.device, pool.block_size
+        dev, bs = pool.device, pool.block_size
         self.pool = pool
         total = [n + t for n, t in zip(held, lens)]
         table = pool.slot_tables(rows, -(-max(total) // bs))
         self.cu_q, self.max_q = _cumulative(lens, dev), max(lens)
         self.new = _packed_slots(table, torch.tensor(held, device=dev), lens, self.cu_q)
-        self.cached = any(held)
+        self.cached = any(held) or not pool.exact
         self.cu_k, self.max_k = (_cumulative(total, dev), max(total)) if self.cached else (self.cu_q, self.max_q)
         self.slots = _packed_slots(table, torch.zeros_like(rows), total, self.cu_k) if self.cached else None
 
@@ -152,7 +153,8 @@ class ChunkGroup:
         m, b = self.meta, self.meta.policy.budget
         pos, score = m.pos[:, layer], None if m.score is None else m.score[:, layer]
         out, *cand = chunk_attend(q, k, v, self.pool, layer, self.table, b, self.rows, positions, pos, score, m.policy)
-        keep_and_rewrite(self.pool, layer, self.table, b, self.rows, pos, score, m.policy, *cand)
+        keep_and_rewrite(self.pool, layer, self.table, b, self.rows, pos, score, m.policy, *cand,
+                         new=(k.unflatten(0, (self.rows.shape[0], -1)), v.unflatten(0, (self.rows.shape[0], -1))))
         return out
 
 
@@ -180,7 +182,7 @@ class FillGroup:
 
 def make_group(pool, key: GroupKey, pieces):
     """The group object of `pieces` [(seq, t)] that share `key`."""
-    dev = pool.k.device
+    dev = pool.device
     seqs = [s for s, _ in pieces]
     if key.kind == "append":
         new, lens, width = append_rows(pool, seqs)
@@ -229,7 +231,7 @@ class StepBatch:
 
     def positions(self) -> torch.Tensor:
         pos = [p for seq, t in self.batch for p in range(seq.cache.seen, seq.cache.seen + t)]
-        return torch.tensor(pos, device=self.pool.k.device)
+        return torch.tensor(pos, device=self.pool.device)
 
     def advance(self):
         for key, i, j, _ in self.groups:
