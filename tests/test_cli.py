@@ -51,7 +51,7 @@ def test_unknown_architecture_and_malformed_config(tmp_path):
 @pytest.mark.parametrize("args, needle", [
     (["bench", "serve", "--rate", "0"], "--rate and --duration must be > 0"),
     (["bench", "throughput", "--num-blocks", "1", "--input-len", "64"], "but the pool has only 1"),
-    (["bench", "throughput", "--kv-bits", "8"], "stores K/V unquantized"),
+    (["bench", "throughput", "--kv-bits", "heavy=8,recent=4"], "packs one width"),
     (["bench", "serve", "--policy", "window", "--budget", "4"], "must be < budget (4)"),
     (["bench", "throughput", "--prefill-chunk", "4096"], "must be >= prefill_chunk"),
 ])
@@ -104,6 +104,18 @@ def test_generate_reads_stdin_and_reports_speed_and_memory():
                        input="The capital of France is\n", capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "Paris" in r.stdout
     assert "prompt: 5 tokens" in r.stderr and "generation: 4 tokens" in r.stderr and "peak KV memory" in r.stderr
+
+
+def test_generate_with_packed_kv_runs_through_the_engine_in_about_half_the_bytes():
+    """--kv-bits 8 packs the engine's pool: the same answer, and peak KV memory of (64 + 4) / 128 of bf16's
+    (SmolLM2: head_dim 64, one group of 64 with an fp16 scale and bias per head)."""
+    def peak(r):
+        return float(re.search(r"peak KV memory: ([0-9.]+) MiB", r.stderr).group(1))
+    plain = run("generate", "The capital of France is", "--max-tokens", "4", "--kv-dtype", "bfloat16")
+    packed = run("generate", "The capital of France is", "--max-tokens", "4", "--kv-bits", "8")
+    assert plain.returncode == 0 and packed.returncode == 0, packed.stderr
+    assert "Paris" in packed.stdout
+    assert peak(packed) / peak(plain) == pytest.approx(68 / 128, rel=0.05)  # MiB printed to 2 decimals
 
 
 def test_info_reports_each_width_of_mixed_kv():

@@ -50,6 +50,11 @@ def check_group(head_dim: int, group_size: int):
         raise KvboundError(f"--kv-group-size {group_size} must be 32, 64 or 128 and divide head_dim {head_dim}")
 
 
+def packed_head_bytes(head_dim: int, bits: int, group_size: int) -> int:
+    """Bytes of one token's K (or V) in one head: its codes, and an fp16 scale and bias per group."""
+    return head_dim * bits // 8 + 2 * 2 * (head_dim // group_size)
+
+
 class _Packed:
     """Codes + scales + biases of one of K or V for every layer and slot, at one bit width."""
 
@@ -63,7 +68,7 @@ class _Packed:
         return [self.codes, self.scale, self.bias]
 
     def bytes_per_token_head(self):
-        return self.codes.shape[-1] + 2 * 2 * self.scale.shape[-1]
+        return packed_head_bytes(self.codes.shape[-1] * 8 // self.bits, self.bits, self.group)
 
 
 class PackedKV:

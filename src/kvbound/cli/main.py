@@ -32,8 +32,9 @@ def engine_tokens(engine, ids, params, report):
 
 
 def cmd_generate(args):
-    """Through the engine (LLMEngine) with one request; quantized KV (--kv-bits) uses the single-sequence
-    path, since the paged pool stores K/V unquantized. Speeds and peak KV memory go to stderr."""
+    """Through the engine (LLMEngine) with one request, its pool packed with --kv-bits 8 / 4; mixed widths,
+    --quantized-kv-start and re-indexed positions use a single-sequence cache. Speeds and peak KV memory go
+    to stderr."""
     from ..cache import KVCache, parse_kv_bits
     from ..engine import LLMEngine, SamplingParams, generate_ids
     from ..models.tokenizer import StreamDecoder
@@ -48,11 +49,11 @@ def cmd_generate(args):
     if not args.reindex_positions:
         model.config.check_length(len(ids), args.max_tokens)
     report = {}
-    if bits is None and not args.reindex_positions:
+    if not isinstance(bits, dict) and not args.quantized_kv_start and not args.reindex_positions:
         need = policy.capacity if policy.bounded else len(ids) + args.max_tokens
         engine = LLMEngine(model, tok, policy=policy, num_blocks=-(-need // 16), block_size=16,
                            prefill_chunk=args.prefill_chunk, max_num_batched_tokens=args.prefill_chunk,
-                           kv_dtype=kv_dtype(args, dtype))
+                           kv_dtype=kv_dtype(args, dtype), kv_bits=bits, kv_group_size=args.kv_group_size)
         tokens = engine_tokens(engine, ids, params, report)
     else:
         cache = KVCache(model.config, policy, device=args.device, dtype=kv_dtype(args, dtype), kv_bits=bits,

@@ -152,10 +152,20 @@ def kv_dtype(args, model_dtype):
 
 def engine_policy(args):
     """The engine's default policy, checked before the model loads; options the engine cannot honour fail."""
-    if args.kv_bits is not None:
-        raise KvboundError(f"--kv-bits {args.kv_bits}: the engine's block pool stores K/V unquantized "
-                           "(quantized KV runs through `kvbound generate` / `kvbound eval`)")
+    engine_kv_bits(args)
     return make_policy(args)
+
+
+def engine_kv_bits(args) -> int | None:
+    """--kv-bits for the engine's pool: one width (8 or 4); mixed widths and a full-precision start run on a
+    single-sequence cache (`kvbound generate` / `kvbound eval`)."""
+    from ..cache import parse_kv_bits
+    bits = parse_kv_bits(args.kv_bits)
+    if isinstance(bits, dict) or (bits is not None and getattr(args, "quantized_kv_start", 0)):
+        raise KvboundError(f"--kv-bits {args.kv_bits}: the engine's block pool packs one width (8 or 4) from the "
+                           "first token; mixed widths and --quantized-kv-start run through `kvbound generate` / "
+                           "`kvbound eval`")
+    return bits
 
 
 def pool_blocks(args, config, kv_dtype) -> int | None:
@@ -164,7 +174,7 @@ def pool_blocks(args, config, kv_dtype) -> int | None:
         return args.num_blocks
     if args.num_blocks is not None:
         raise KvboundError("give --num-blocks or --kv-cache-memory, not both")
-    per_block = args.block_size * config.kv_bytes_per_token(torch.finfo(kv_dtype).bits // 8)
+    per_block = args.block_size * token_bytes(config, kv_dtype, engine_kv_bits(args), args.kv_group_size)
     blocks = int(args.kv_cache_memory * 2**30) // per_block
     if blocks < 1:
         raise KvboundError(f"--kv-cache-memory {args.kv_cache_memory} GiB holds no block of {per_block:,} bytes")
@@ -178,7 +188,16 @@ def make_engine(args, model, tok, dtype):
                      num_blocks=pool_blocks(args, model.config, kv),
                      kv_cache_tokens=args.kv_cache_tokens, max_num_batched_tokens=args.max_num_batched_tokens,
                      max_num_seqs=args.max_num_seqs, prefill_chunk=args.prefill_chunk,
-                     kv_dtype=kv)
+                     kv_dtype=kv, kv_bits=engine_kv_bits(args), kv_group_size=args.kv_group_size)
+
+
+def token_bytes(config, kv_dtype, kv_bits: int | None, group_size: int) -> int:
+    """Bytes of one token's K/V over all layers: at kv_dtype, or packed (codes plus an fp16 scale and bias per
+    group, `cache.quant.PackedKV`)."""
+    if kv_bits is None:
+        return config.kv_bytes_per_token(torch.finfo(kv_dtype).bits // 8)
+    from ..cache.quant import packed_head_bytes
+    return 2 * config.num_layers * config.num_kv_heads * packed_head_bytes(config.head_dim, kv_bits, group_size)
 
 
 def add_engine_args(p):
