@@ -29,6 +29,8 @@ def bad_dir(tmp_path, cfg):
      "ema-decay must be in (0, 1)"),
     (["generate", "hi", "--policy", "window", "--budget", "4"], "must be < budget (4)"),
     (["generate", "hi", "--kv-bits", "3"], "unsupported bit width 3"),
+    (["eval", "ppl", "--kv-cache-dtype", "fp8"], "fp8 KV lives in the engine's pool"),
+    (["chat", "--kv-cache-dtype", "fp8"], "fp8 KV lives in the engine's pool"),
     (["info", "--model", "/tmp"], "missing config.json"),
     pytest.param(["info", "--device", "cuda"], "CUDA is not available",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
@@ -52,6 +54,7 @@ def test_unknown_architecture_and_malformed_config(tmp_path):
     (["bench", "serve", "--rate", "0"], "--rate and --duration must be > 0"),
     (["bench", "throughput", "--num-blocks", "1", "--input-len", "64"], "but the pool has only 1"),
     (["bench", "throughput", "--kv-bits", "heavy=8,recent=4"], "packs one width"),
+    (["bench", "throughput", "--kv-bits", "8", "--kv-cache-dtype", "fp8"], "not both"),
     (["bench", "serve", "--policy", "window", "--budget", "4"], "must be < budget (4)"),
     (["bench", "throughput", "--prefill-chunk", "4096"], "must be >= prefill_chunk"),
 ])
@@ -107,15 +110,18 @@ def test_generate_reads_stdin_and_reports_speed_and_memory():
 
 
 def test_generate_with_packed_kv_runs_through_the_engine_in_about_half_the_bytes():
-    """--kv-bits 8 packs the engine's pool: the same answer, and peak KV memory of (64 + 4) / 128 of bf16's
-    (SmolLM2: head_dim 64, one group of 64 with an fp16 scale and bias per head)."""
+    """--kv-bits 8 and --kv-cache-dtype fp8 pack the engine's pool: the same answer, and peak KV memory of
+    (64 + 4) / 128 and (64 + 2) / 128 of bf16's (SmolLM2: head_dim 64; an fp16 scale and bias, or one scale,
+    per head)."""
     def peak(r):
         return float(re.search(r"peak KV memory: ([0-9.]+) MiB", r.stderr).group(1))
     plain = run("generate", "The capital of France is", "--max-tokens", "4", "--kv-dtype", "bfloat16")
     packed = run("generate", "The capital of France is", "--max-tokens", "4", "--kv-bits", "8")
-    assert plain.returncode == 0 and packed.returncode == 0, packed.stderr
-    assert "Paris" in packed.stdout
+    fp8 = run("generate", "The capital of France is", "--max-tokens", "4", "--kv-cache-dtype", "fp8")
+    assert plain.returncode == 0 and packed.returncode == 0 and fp8.returncode == 0, packed.stderr + fp8.stderr
+    assert "Paris" in packed.stdout and "Paris" in fp8.stdout
     assert peak(packed) / peak(plain) == pytest.approx(68 / 128, rel=0.05)  # MiB printed to 2 decimals
+    assert peak(fp8) / peak(plain) == pytest.approx(66 / 128, rel=0.05)  # a byte per value, an fp16 scale per head
 
 
 def test_info_reports_each_width_of_mixed_kv():

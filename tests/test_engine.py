@@ -508,3 +508,23 @@ def test_mixed_widths_are_refused_by_the_pool(model32):
         LLMEngine(model32, kv_bits={"heavy": 4, "recent": 8})
     with pytest.raises(KvboundError, match="8 or 4 bits"):
         LLMEngine(model32, kv_bits=2)
+
+
+def test_fp8_pool_round_trip_stays_within_e4m3_precision():
+    from kvbound.cache.quant import Fp8KV
+    x = torch.randn(50, 2, 32, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 2, 50)[:, None, None]
+    back = Fp8KV(1, 1, 2, 32, "cpu").roundtrip(x)
+    scale = x.abs().amax(-1, keepdim=True) / 448
+    # 3 mantissa bits: half an ulp is 1/16 of a normal value; below e4m3's smallest normal, 2^-10 of the scale
+    assert ((back - x).abs() <= x.abs() / 16 * 1.002 + scale * 2 ** -9).all()
+
+
+def test_fp8_pool_batches_equal_alone_and_survive_prefix_hits_and_preemption(model32):
+    reqs = mixed_requests()
+    roomy, _ = run_engine(model32, reqs, num_blocks=256, max_num_batched_tokens=48, kv_bits="fp8")
+    tight, engine = run_engine(model32, reqs, num_blocks=10, block_size=8, max_num_batched_tokens=48, kv_bits="fp8")
+    assert engine.scheduler.stats["preemptions"] > 0 and tight == roomy
+    for (ids, pol), out in list(zip(reqs, roomy))[:3]:
+        single, _ = run_engine(model32, [(ids, pol)], num_blocks=256, max_num_batched_tokens=48, kv_bits="fp8")
+        assert single[0] == out, pol
+    assert engine.pool.bytes_per_token() == 2 * 2 * (32 + 2)  # K and V, 2 heads, a byte a value + an fp16 scale

@@ -19,7 +19,7 @@ from collections import OrderedDict
 import torch
 
 from ..errors import KvboundError
-from .quant import PackedKV
+from .quant import Fp8KV, PackedKV
 from .store import at
 
 
@@ -31,14 +31,15 @@ class BlockPool:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, num_blocks: int, block_size: int = 16,
                  device="cpu", dtype=torch.float32, kv_bits: int | None = None, group_size: int = 64):
         """kv_bits 8 or 4: blocks hold packed codes with an fp16 scale and bias per group of `group_size`
-        (`kernels.packing`), written quantized once and moved as packed bytes; None: `dtype` K/V."""
+        (`kernels.packing`), written quantized once and moved as packed bytes; "fp8": float8 e4m3 codes with
+        a scale per token and head; None: `dtype` K/V."""
         if block_size < 1 or num_blocks < 1:
             raise KvboundError(f"block pool: block_size ({block_size}) and num_blocks ({num_blocks}) must be >= 1")
         self.block_size, self.num_blocks = block_size, num_blocks
         self.device, self.dtype, self.kv_heads = torch.device(device), dtype, kv_heads
         slots = num_blocks * block_size
-        self.packed = None if kv_bits is None else PackedKV(layers, slots, kv_heads, head_dim, kv_bits, group_size,
-                                                             device)
+        self.packed = (None if kv_bits is None else Fp8KV(layers, slots, kv_heads, head_dim, device)
+                       if kv_bits == "fp8" else PackedKV(layers, slots, kv_heads, head_dim, kv_bits, group_size, device))
         self.exact = self.packed is None  # reads back exactly what was written
         self.k = self.v = None
         if self.packed is None:

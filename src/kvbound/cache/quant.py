@@ -99,6 +99,43 @@ class PackedKV:
         return k.codes[layer], v.codes[layer], quant
 
 
+FP8_MAX = 448.0  # the largest float8 e4m3 value
+
+
+class Fp8KV:
+    """K and V as float8 e4m3 codes with an fp16 scale per token and head (its largest magnitude maps to 448):
+    the paged pool's storage with kv_bits="fp8" (vLLM's --kv-cache-dtype fp8). No decode kernel reads it yet,
+    so attention gathers and dequantizes."""
+
+    def __init__(self, layers, slots, heads, head_dim, device):
+        def side():
+            return [torch.zeros(layers, slots, heads, head_dim, dtype=torch.uint8, device=device),
+                    torch.zeros(layers, slots, heads, 1, dtype=torch.float16, device=device)]
+        self.tensors = side() + side()
+
+    @staticmethod
+    def _pack(x):
+        scale = (x.float().abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=1e-7).to(torch.float16)
+        codes = (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return [codes.view(torch.uint8), scale]
+
+    @staticmethod
+    def _unpack(codes, scale, dtype):
+        return (codes.view(torch.float8_e4m3fn).float() * scale.float()).to(dtype)
+
+    def pack(self, k, v) -> list[torch.Tensor]:
+        return self._pack(k) + self._pack(v)
+
+    def unpack(self, raw, dtype):
+        return self._unpack(*raw[:2], dtype), self._unpack(*raw[2:], dtype)
+
+    def roundtrip(self, x):
+        return self._unpack(*self._pack(x), x.dtype)
+
+    def kernel_args(self, layer):
+        return None
+
+
 class QuantizedStore:
     """Packed K/V, a `store.KVStore` and its own `SlotStorage`. A full-precision prefix store until `start` tokens."""
     exact = False  # reads back the dequantized codes

@@ -11,7 +11,8 @@ from ..errors import KvboundError
 from .bench_cmds import add_bench_parser
 from .eval_cmds import add_eval_parser
 from .serve_cmd import add_serve_parser
-from .options import add_cache_args, add_model_args, kv_dtype, load_model, make_policy, positive_int
+from .options import (add_cache_args, add_model_args, engine_kv_bits, kv_dtype, load_model, make_policy,
+                      positive_int, token_bytes)
 
 
 def engine_tokens(engine, ids, params, report):
@@ -41,7 +42,10 @@ def cmd_generate(args):
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
     policy = make_policy(args)
-    bits = parse_kv_bits(args.kv_bits)
+    bits = engine_kv_bits(args) if args.kv_cache_dtype != "auto" else parse_kv_bits(args.kv_bits)
+    if bits == "fp8" and args.reindex_positions:
+        raise KvboundError("--kv-cache-dtype fp8 lives in the engine's pool; --reindex-positions needs a cache of "
+                           "its own (float32 K/V)")
     text = sys.stdin.read().rstrip("\n") if args.prompt == "-" else args.prompt
     model, tok, dtype = load_model(args)
     prompt = tok.apply_chat_template([{"role": "user", "content": text}]) if args.chat else text
@@ -88,6 +92,9 @@ def cmd_chat(args):
                             seed=args.seed)
     policy = make_policy(args)
     bits = parse_kv_bits(args.kv_bits)
+    if args.kv_cache_dtype != "auto":
+        raise KvboundError(f"--kv-cache-dtype {args.kv_cache_dtype}: fp8 KV lives in the engine's pool (generate, "
+                           "bench, serve); chat keeps one cache of its own, which takes --kv-bits")
     model, tok, dtype = load_model(args)
     session = ChatSession(model, tok, policy, args.system, params, args.prefill_chunk, device=args.device,
                           dtype=kv_dtype(args, dtype), kv_bits=bits, kv_group_size=args.kv_group_size,
@@ -123,6 +130,10 @@ def cmd_info(args):
     print(f"context           {cfg.max_position_embeddings}")
     print(f"parameters        {model.num_parameters():,}")
     print(f"KV bytes/token    {cfg.kv_bytes_per_token(2):,} (bf16, all layers)")
+    if args.kv_cache_dtype != "auto":
+        n = token_bytes(cfg, torch.bfloat16, engine_kv_bits(args), args.kv_group_size)
+        print(f"KV bytes/token    {n:,} at fp8 e4m3 (codes + a scale per token and head, the engine's pool; "
+              f"{cfg.kv_bytes_per_token(2) / n:.3f}x smaller than bf16)")
     bits = parse_kv_bits(args.kv_bits)
     policy = make_policy(args)
     cache = KVCache(cfg, policy, kv_bits=bits, kv_group_size=args.kv_group_size, dtype=torch.bfloat16)

@@ -91,6 +91,8 @@ def add_cache_args(p, with_policy=True):
                    "until the cache holds N tokens")
     g.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="dtype of unquantized K/V (default: the model's dtype)")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto",
+                   help="fp8: the engine's pool stores float8 e4m3 K/V with a scale per token and head (vLLM's flag)")
 
 
 def check_cache_args(args):
@@ -107,6 +109,9 @@ def cache_options(args):
     """The eval harness's cache settings from the KV-cache flags."""
     from ..eval.strategies import CacheOptions
     check_cache_args(args)
+    if args.kv_cache_dtype != "auto":
+        raise KvboundError(f"--kv-cache-dtype {args.kv_cache_dtype}: fp8 KV lives in the engine's pool (generate, "
+                           "bench, serve); the eval harness's caches take --kv-bits")
     return CacheOptions(kv_dtype=getattr(torch, args.kv_dtype) if args.kv_dtype else None, kv_bits=args.kv_bits,
                         kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start,
                         prefill_chunk=args.prefill_chunk)
@@ -156,11 +161,16 @@ def engine_policy(args):
     return make_policy(args)
 
 
-def engine_kv_bits(args) -> int | None:
-    """--kv-bits for the engine's pool: one width (8 or 4); mixed widths and a full-precision start run on a
-    single-sequence cache (`kvbound generate` / `kvbound eval`)."""
+def engine_kv_bits(args) -> int | str | None:
+    """--kv-bits / --kv-cache-dtype for the engine's pool: one width (8, 4 or "fp8"); mixed widths and a
+    full-precision start run on a single-sequence cache (`kvbound generate` / `kvbound eval`)."""
     from ..cache import parse_kv_bits
     bits = parse_kv_bits(args.kv_bits)
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":
+        if bits is not None:
+            raise KvboundError(f"give --kv-bits ({args.kv_bits}) or --kv-cache-dtype ({args.kv_cache_dtype}), "
+                               "not both")
+        return "fp8"
     if isinstance(bits, dict) or (bits is not None and getattr(args, "quantized_kv_start", 0)):
         raise KvboundError(f"--kv-bits {args.kv_bits}: the engine's block pool packs one width (8 or 4) from the "
                            "first token; mixed widths and --quantized-kv-start run through `kvbound generate` / "
@@ -197,7 +207,8 @@ def token_bytes(config, kv_dtype, kv_bits: int | None, group_size: int) -> int:
     if kv_bits is None:
         return config.kv_bytes_per_token(torch.finfo(kv_dtype).bits // 8)
     from ..cache.quant import packed_head_bytes
-    return 2 * config.num_layers * config.num_kv_heads * packed_head_bytes(config.head_dim, kv_bits, group_size)
+    head = config.head_dim + 2 if kv_bits == "fp8" else packed_head_bytes(config.head_dim, kv_bits, group_size)
+    return 2 * config.num_layers * config.num_kv_heads * head
 
 
 def add_engine_args(p):

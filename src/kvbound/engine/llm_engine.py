@@ -87,16 +87,17 @@ class LLMEngine:
         when first seen (`cuda_graphs=False` runs them eagerly).
         kv_bits 8 or 4: the pool's blocks hold packed K/V (codes with an fp16 scale and bias per group of
         kv_group_size), quantized once as they are written; the same tokens then take a half or a quarter of
-        the bf16 bytes, so kv_cache_tokens can grow in proportion for the same memory."""
+        the bf16 bytes, so kv_cache_tokens can grow in proportion for the same memory. kv_bits "fp8": float8
+        e4m3 codes with a scale per token and head (vLLM's --kv-cache-dtype fp8)."""
         cfg = model.config
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         self.kv_dtype = kv_dtype or next(model.parameters()).dtype
         self.default_policy = policy or FullPolicy()
         num_blocks = num_blocks or max(1, kv_cache_tokens // block_size)
-        if kv_bits is not None and not isinstance(kv_bits, int):
-            raise KvboundError(f"kv_bits {kv_bits!r}: the paged pool packs one width, 8 or 4 (mixed widths run "
-                               "on a single-sequence cache)")
+        if kv_bits is not None and not isinstance(kv_bits, int) and kv_bits != "fp8":
+            raise KvboundError(f"kv_bits {kv_bits!r}: the paged pool packs one width, 8, 4 or 'fp8' (mixed widths "
+                               "run on a single-sequence cache)")
         self.pool = BlockPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size,
                               self.device, self.kv_dtype, kv_bits, kv_group_size)
         self.caches = PoolCaches(cfg, self.pool, self.device, self.kv_dtype, max_num_seqs + 1)
