@@ -49,7 +49,7 @@ def models(shape, dtype):
     return hf, ours
 
 
-def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=False):
+def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=False, kv_bits=None):
     """As many `context`-token requests as fit in `blocks` (at most `cap`): prefill them all, then time
     `steps` decode steps with every one of them running. Returns fit, running, prefill and decode figures."""
     bs = 16
@@ -58,7 +58,7 @@ def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=
     fit = blocks // need
     n = min(fit, cap)
     eng = LLMEngine(model, None, policy=policy, num_blocks=blocks, max_num_seqs=n, max_num_batched_tokens=8192,
-                    prefill_chunk=512)
+                    prefill_chunk=512, kv_bits=kv_bits)
     params = SamplingParams(max_tokens=out_len, ignore_eos=True)
     for p in prompts(n, context, vocab, 1):
         eng.add_request(p, params)
@@ -236,6 +236,8 @@ def main():
     ap.add_argument("--max-bounded-seqs", type=int, default=256, help="run at most this many of those that fit")
     ap.add_argument("--policies", default="full,h2o", help="policies of the bounded comparison (names or specs)")
     ap.add_argument("--budget", type=int, default=256, help="KV budget of the named bounded policies")
+    ap.add_argument("--kv-formats", default="bf16", help="pool formats of the bounded comparison: bf16, 8, 4, fp8 "
+                    "(issue #17: --kv-formats bf16,8,4,fp8)")
     ap.add_argument("--skip-hf-batch", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--check", action="store_true", help="first compare batched engine outputs with single runs")
@@ -278,16 +280,19 @@ def main():
     del hf
     torch.cuda.empty_cache()
     if args.bounded:
+        from kvbound.cli.options import token_bytes
         cfg = ours.config
-        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
-        blocks = int(args.kv_gib * 2**30 // (per_token * 16))
-        res["bounded"] = {"kv_gib": args.kv_gib, "blocks": blocks, "context": args.context}
-        for name in args.policies.split(","):
-            pol = parse_policy(name, args.budget)
-            r = steady_decode(ours, pol, blocks, args.context, args.max_bounded_seqs, vocab)
-            res["bounded"][name] = r
-            rows.append((f"{args.context}-token prompts, {name}", r["running"], float("nan"), r["decode_tok_s"],
-                         r["fit"]))
+        res["bounded"] = {"kv_gib": args.kv_gib, "context": args.context}
+        for fmt in args.kv_formats.split(","):
+            bits = None if fmt == "bf16" else ("fp8" if fmt == "fp8" else int(fmt))
+            blocks = int(args.kv_gib * 2**30 // (token_bytes(cfg, torch.bfloat16, bits, 64) * 16))
+            for name in args.policies.split(","):
+                pol = parse_policy(name, args.budget)
+                r = steady_decode(ours, pol, blocks, args.context, args.max_bounded_seqs, vocab, kv_bits=bits)
+                label = name if fmt == "bf16" and args.kv_formats == "bf16" else f"{name}, {fmt}"
+                res["bounded"][label] = dict(r, blocks=blocks)
+                rows.append((f"{args.context}-token prompts, {label}", r["running"], float("nan"), r["decode_tok_s"],
+                             r["fit"]))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"engine_{args.shape}.json"), "w") as f:
