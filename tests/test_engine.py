@@ -15,15 +15,19 @@ from kvbound.cache.policies import H2OPolicy, parse_policy
 VOCAB = 96
 
 
-@pytest.fixture(scope="module")
-def model():
+def tiny_model(head_dim: int):
     cfg = ModelConfig(arch="LlamaForCausalLM", vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, intermediate_size=96)
+                      num_kv_heads=2, head_dim=head_dim, intermediate_size=96)
     torch.manual_seed(0)
     m = CausalLM(cfg).eval()
     with torch.no_grad():  # sharper logits than the default init, so greedy choices are not near-ties
         m.lm_head.weight.mul_(8)
     return m
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(16)
 
 
 def prompt(seed, n):
@@ -441,13 +445,7 @@ def test_scored_policies_on_cuda_batched_equal_alone(model, spec):
 @pytest.fixture(scope="module")
 def model32():
     """head_dim 32: one quantization group of 32 per head."""
-    cfg = ModelConfig(arch="LlamaForCausalLM", vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=32, intermediate_size=96)
-    torch.manual_seed(0)
-    m = CausalLM(cfg).eval()
-    with torch.no_grad():
-        m.lm_head.weight.mul_(8)
-    return m
+    return tiny_model(32)
 
 
 def alone_quantized(model, ids, policy, params, chunk, bits):
