@@ -217,3 +217,24 @@ def test_needle_of_ones_own_with_samples_over_depths(smollm, tmp_path):
         b = subprocess.run([sys.executable, "-m", "kvbound.cli", "eval", "needle", *bad], capture_output=True,
                            text=True, timeout=120)
         assert b.returncode == 2 and "Traceback" not in b.stderr, b.stderr
+
+
+def test_perplexity_through_the_engine_equals_the_harness(tiny):
+    """Teacher tokens through the serving engine (one continuous batch, paged pool, packed at +kv8 / +kv4)
+    give the harness's perplexities, bounded and quantized strategies included (issue #17's quality check)."""
+    from kvbound.errors import KvboundError
+    from kvbound.eval.perplexity import engine_perplexity, perplexity
+    from kvbound.eval.strategies import CacheOptions, parse_strategies
+    from kvbound.models import load
+    model, _ = load(tiny)
+    args = CacheOptions(kv_group_size=32, prefill_chunk=8)
+    strategies = parse_strategies(["baseline", "window", "h2o-heavy", "h2o-heavy+kv8", "h2o-heavy+kv4",
+                                   "baseline+kv8"], 16, args)
+    samples = torch.randint(4, len(WORDS) + 4, (3, 40), generator=torch.Generator().manual_seed(4)).tolist()
+    harness = perplexity(model, samples, strategies, args, 8, progress=False)
+    engine = engine_perplexity(model, samples, strategies, args, 8, progress=False)
+    for name in strategies:
+        assert engine[name]["ppl"] == pytest.approx(harness[name]["ppl"], rel=1e-4), name
+    assert engine["h2o-heavy+kv4"]["kv_held_bytes"] < engine["h2o-heavy"]["kv_held_bytes"]
+    with pytest.raises(KvboundError, match="mixed widths"):
+        engine_perplexity(model, samples, parse_strategies(["h2o-heavy+kvmixed"], 16, args), args, 8, progress=False)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ..eval.data import token_samples
 from ..eval.needle import Needle, found_lists, needle_grid, needle_runs, spread_depths
-from ..eval.perplexity import perplexity, print_ppl_table
+from ..eval.perplexity import engine_perplexity, perplexity, print_ppl_table
 from ..eval.plots import heatmap, needle_heatmap, ppl_bars, sweep_lines
 from ..eval.strategies import DEFAULT_STRATEGIES, parse_strategies, with_baseline
 from ..errors import KvboundError
@@ -23,8 +23,12 @@ def cmd_ppl(args):
     strategies = strategies_for(args, names, args.budget)
     model, tok, dtype = load_model(args)
     samples, files = token_samples(tok, args.text, args.samples, args.seq_len)
-    res = perplexity(model, samples, strategies, cache_options(args), args.prefill, args.device, dtype)
-    print_ppl_table(res, f"{args.samples} x {args.seq_len} tokens, prefill {args.prefill}, budget {args.budget}")
+    if args.engine:
+        res = engine_perplexity(model, samples, strategies, cache_options(args), args.prefill)
+    else:
+        res = perplexity(model, samples, strategies, cache_options(args), args.prefill, args.device, dtype)
+    print_ppl_table(res, f"{args.samples} x {args.seq_len} tokens, prefill {args.prefill}, budget {args.budget}"
+                    + (", through the engine" if args.engine else ""))
     config = {k: getattr(args, k) for k in ("samples", "seq_len", "prefill", "budget", "model", "kv_group_size")}
     config["files"] = files
     if args.json:
@@ -142,6 +146,8 @@ def add_eval_parser(sub):
     p = esub.add_parser("ppl", help="perplexity under a bounded cache")
     common(p)
     text_samples(p)
+    p.add_argument("--engine", action="store_true", help="score through the serving engine (one continuous batch "
+                   "over its paged pool, packed for +kv8 / +kv4) instead of the harness's caches")
     p.set_defaults(func=cmd_ppl)
 
     p = esub.add_parser("sweep", help="perplexity over budgets or sequence lengths, with a plot")

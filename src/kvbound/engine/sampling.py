@@ -36,6 +36,7 @@ class SamplingParams:
     stop: tuple = field(default_factory=tuple)  # strings; the output text ends before the first one (engine)
     logprobs: int | None = None  # return the chosen token's log-probability and this many top alternatives
     n: int = 1  # completions per prompt (the engine forks them after the prompt, sharing its blocks)
+    teacher_tokens: tuple = ()  # fed in this order instead of sampled: scores a given continuation (perplexity)
 
     def __post_init__(self):
         def bad(name, why):
@@ -65,6 +66,9 @@ class SamplingParams:
         self.stop, self.stop_token_ids = tuple(self.stop), tuple(int(t) for t in self.stop_token_ids)
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "non-empty strings")
+        self.teacher_tokens = tuple(int(t) for t in self.teacher_tokens)
+        if len(self.teacher_tokens) > self.max_tokens:
+            bad("teacher_tokens", f"at most max_tokens={self.max_tokens} tokens")
 
     @property
     def penalized(self) -> bool:
@@ -160,7 +164,8 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], prompts: li
                  outputs: list[list[int]], seeds: list[int | None], eos_ids=()) -> list[tuple[int, dict | None]]:
     """Row i's next token under params[i], having generated outputs[i] after prompts[i]; seeds[i] makes its draw
     reproducible. Returns (token, logprobs) per row: logprobs is None, or {"logprob": the chosen token's, "top":
-    [(token, logprob), ...]} of the model's own distribution (log_softmax of the logits, before processing)."""
+    [(token, logprob), ...]} of the model's own distribution (log_softmax of the logits, before processing).
+    A row with teacher_tokens left takes the next of them instead of a draw (its logprob is that token's)."""
     bsz, vocab = logits.shape
     raw = logits.float()
     x = raw.clone()
@@ -178,6 +183,10 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], prompts: li
         u = [seeded_uniform(seeds[i], len(outputs[i])) if seeds[i] is not None else None for i in sampled]
         drawn = _draw(x if len(sampled) == bsz else x[sampled], [params[i] for i in sampled], u)
         tokens = drawn if len(sampled) == bsz else tokens.index_put_((torch.tensor(sampled, device=x.device),), drawn)
+    forced = [(i, p.teacher_tokens[len(outputs[i])]) for i, p in enumerate(params)
+              if len(outputs[i]) < len(p.teacher_tokens)]
+    if forced:
+        tokens[[i for i, _ in forced]] = torch.tensor([t for _, t in forced], device=tokens.device)
     chosen = tokens.tolist()  # the step's one transfer to the host
     want = [p.logprobs for p in params]
     if all(w is None for w in want):

@@ -71,6 +71,57 @@ def perplexity(model, samples, strategies: dict, options: CacheOptions, prefill:
     return out
 
 
+def engine_perplexity(model, samples, strategies: dict, options: CacheOptions, prefill: int, progress=True) -> dict:
+    """`perplexity` through the serving engine: each (sample, strategy) is one request whose prompt is the
+    sample's first `prefill` tokens and whose continuation is fed as teacher tokens, scored token by token,
+    every request in one continuous batch over the engine's paged pool (packed with a +kv8 / +kv4 width: one
+    engine per width). The same numbers as `perplexity`, through the code that serves."""
+    from ..engine import LLMEngine, SamplingParams
+    if options.quantized_kv_start:
+        raise KvboundError("--quantized-kv-start runs on single-sequence caches; drop --engine")
+    names = list(strategies)
+    for name, (_, bits) in strategies.items():
+        if isinstance(bits, dict):
+            raise KvboundError(f"strategy {name!r}: mixed widths run on single-sequence caches; drop --engine")
+    model.config.check_length(len(samples[0]))
+    if prefill < 1 or prefill >= len(samples[0]):
+        raise KvboundError(f"--prefill must be in [1, seq-len), got {prefill}")
+    nll = {s: 0.0 for s in names}
+    held = {s: [] for s in names}
+    count = sum(len(x) - prefill for x in samples)
+    bar = tqdm(total=count * len(names), desc="ppl (engine)", disable=not progress, unit="tok")
+    for bits in dict.fromkeys(b for _, b in strategies.values()):
+        mine = [s for s in names if strategies[s][1] == bits]
+        n_req = len(samples) * len(mine)
+        engine = LLMEngine(model, None, kv_cache_tokens=n_req * (len(samples[0]) + 32),
+                           max_num_batched_tokens=max(2048, options.prefill_chunk), max_num_seqs=n_req,
+                           prefill_chunk=options.prefill_chunk, kv_dtype=options.kv_dtype, kv_bits=bits,
+                           kv_group_size=options.kv_group_size)
+        with engine:
+            owner = {}
+            for sample in samples:
+                for s in mine:
+                    rest = sample[prefill:]
+                    params = SamplingParams(max_tokens=len(rest), teacher_tokens=rest, logprobs=0, ignore_eos=True)
+                    owner[engine.add_request(sample[:prefill], params, policy=strategies[s][0])] = s
+            while engine.has_unfinished():
+                for out in engine.step(only_finished=True):
+                    s, done = owner[out.request_id], out.outputs[0]
+                    nll[s] -= sum(lp["logprob"] for lp in done.logprobs)
+                    held[s].append(done.peak_kv_bytes)
+                    bar.update(len(done.logprobs))
+    bar.close()
+    full = len(samples[0]) * model.config.kv_bytes_per_token(2)
+    out = {}
+    for s in names:
+        kv = sum(held[s]) / len(held[s])
+        out[s] = {"ppl": math.exp(nll[s] / count), "policy": strategies[s][0].describe(), "kv_bits": strategies[s][1],
+                  "kv_held_bytes": kv, "kv_full_bf16_bytes": full, "compression_vs_full_bf16": full / kv}
+    for s in names:
+        out[s]["delta_pct"] = 100 * (out[s]["ppl"] / out[names[0]]["ppl"] - 1)
+    return out
+
+
 def print_ppl_table(res: dict, title: str = ""):
     if title:
         print(title)
