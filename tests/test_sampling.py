@@ -104,6 +104,7 @@ def test_min_tokens_holds_back_eos_and_stop_tokens():
     (dict(presence_penalty=3.0), "presence_penalty must be"), (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(min_tokens=100), "min_tokens must be"), (dict(logprobs=99), "logprobs must be"),
     (dict(stop=("",)), "stop must be"),
+    (dict(teacher_tokens=(1, 2, 3), max_tokens=2), "teacher_tokens must be"),
 ])
 def test_bad_sampling_params_are_refused(kw, needle):
     with pytest.raises(KvboundError, match=needle):
