@@ -124,6 +124,12 @@ def test_generate_with_packed_kv_runs_through_the_engine_in_about_half_the_bytes
     assert peak(fp8) / peak(plain) == pytest.approx(66 / 128, rel=0.05)  # a byte per value, an fp16 scale per head
 
 
+def test_info_reports_how_many_tokens_a_pool_holds_at_the_chosen_width():
+    r = run("info", "--kv-cache-memory", "4", "--kv-bits", "8")
+    assert r.returncode == 0, r.stderr
+    assert f"4 GiB holds {4 * 2**30 // 23040:,} tokens at bf16 / {4 * 2**30 // 12240:,} tokens at 8-bit" in r.stdout
+
+
 def test_info_reports_each_width_of_mixed_kv():
     r = run("info", "--policy", "h2o", "--budget", "256", "--kv-bits", "heavy=8,recent=4")
     assert r.returncode == 0

@@ -501,6 +501,13 @@ def test_packed_blocks_preemption_under_a_tight_pool_gives_the_same_outputs(mode
     assert tight == roomy
 
 
+def test_the_pool_describes_its_tokens_width_and_bytes(model32):
+    assert LLMEngine(model32, num_blocks=64, block_size=8, kv_bits=4, kv_group_size=32).describe_pool() == (
+        f"KV pool: 64 blocks x 8 = 512 tokens, 4-bit packed, {64 * 8 * 2 * 2 * 2 * (16 + 4) / 2**30:.2f} GiB")
+    assert "fp8 e4m3" in LLMEngine(model32, num_blocks=4, kv_bits="fp8").describe_pool()
+    assert "float32" in LLMEngine(model32, num_blocks=4).describe_pool()
+
+
 def test_mixed_widths_are_refused_by_the_pool(model32):
     with pytest.raises(KvboundError, match="one width"):
         LLMEngine(model32, kv_bits={"heavy": 4, "recent": 8})

@@ -20,6 +20,7 @@ def cmd_throughput(args):
     res = run_offline(engine, prompts, SamplingParams(max_tokens=args.output_len, ignore_eos=True))
     res.update(input_len=args.input_len, output_len=args.output_len)
     print(f"{res['requests']} requests x ({args.input_len} in, {args.output_len} out), policy {res['policy']}")
+    print(engine.describe_pool())
     print(f"elapsed {res['elapsed_s']:.2f} s   {res['requests_per_s']:.2f} req/s   "
           f"{res['output_tokens_per_s']:.1f} output tok/s   {res['total_tokens_per_s']:.1f} total tok/s   "
           f"peak running {res['peak_running']}   preemptions {res['preemptions']}")
@@ -29,7 +30,7 @@ def cmd_throughput(args):
 
 
 ENGINE_FLAGS = ("model", "dtype", "block_size", "num_blocks", "kv_cache_tokens", "kv_cache_memory", "max_num_seqs",
-                "max_num_batched_tokens", "prefill_chunk", "kv_bits", "kv_dtype", "score", "ema_decay",
+                "max_num_batched_tokens", "prefill_chunk", "kv_bits", "kv_cache_dtype", "kv_group_size", "kv_dtype", "score", "ema_decay",
                 "granularity", "evict_every", "pin_prefix", "threads")
 
 

@@ -12,7 +12,7 @@ from .bench_cmds import add_bench_parser
 from .eval_cmds import add_eval_parser
 from .serve_cmd import add_serve_parser
 from .options import (add_cache_args, add_model_args, engine_kv_bits, kv_dtype, load_model, make_policy,
-                      positive_int, token_bytes)
+                      positive_float, positive_int, token_bytes)
 
 
 def engine_tokens(engine, ids, params, report):
@@ -134,6 +134,14 @@ def cmd_info(args):
         n = token_bytes(cfg, torch.bfloat16, engine_kv_bits(args), args.kv_group_size)
         print(f"KV bytes/token    {n:,} at fp8 e4m3 (codes + a scale per token and head, the engine's pool; "
               f"{cfg.kv_bytes_per_token(2) / n:.3f}x smaller than bf16)")
+    if args.kv_cache_memory is not None:
+        pool = int(args.kv_cache_memory * 2**30)
+        widths = {"bf16": None}
+        if args.kv_cache_dtype != "auto" or args.kv_bits is not None:
+            widths[args.kv_cache_dtype if args.kv_cache_dtype != "auto" else f"{args.kv_bits}-bit"] = engine_kv_bits(args)
+        held = [f"{pool // token_bytes(cfg, torch.bfloat16, b, args.kv_group_size):,} tokens at {name}"
+                for name, b in widths.items()]
+        print(f"KV pool           {args.kv_cache_memory:g} GiB holds {' / '.join(held)}")
     bits = parse_kv_bits(args.kv_bits)
     policy = make_policy(args)
     cache = KVCache(cfg, policy, kv_bits=bits, kv_group_size=args.kv_group_size, dtype=torch.bfloat16)
@@ -206,6 +214,8 @@ def build_parser():
     i = sub.add_parser("info", help="architecture, parameters and KV bytes per token")
     add_model_args(i)
     add_cache_args(i)
+    i.add_argument("--kv-cache-memory", type=positive_float, default=None, metavar="GiB",
+                   help="also: how many tokens an engine pool of this many GiB holds, at bf16 and at the chosen width")
     i.set_defaults(func=cmd_info)
 
     add_eval_parser(sub)

@@ -37,7 +37,9 @@ def check_address(host: str, port: int):
 def build_engine(args):
     """The engine of the server's flags (in the engine's own process)."""
     model, tok, dtype = load_model(args)
-    return make_engine(args, model, tok, dtype)
+    engine = make_engine(args, model, tok, dtype)
+    print(f"kvbound: {engine.describe_pool()}", file=sys.stderr)
+    return engine
 
 
 def cmd_serve(args):

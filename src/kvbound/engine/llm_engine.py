@@ -14,6 +14,7 @@ from typing import Iterator
 import torch
 
 from ..cache import BlockPool, FullPolicy, KVCache
+from ..cache.quant import Fp8KV
 from ..cache.stacked import StackedMeta, stackable
 from ..cache.store import PagedStore
 from ..errors import KvboundError
@@ -111,6 +112,14 @@ class LLMEngine:
             self.graphs = DecodeGraphs(model, self.pool, max_num_seqs, graph_max_len, cfg.max_position_embeddings)
             if stackable(self.default_policy):  # the default policy's evict graphs, pre-warmed too
                 self.graphs.capture_evict(self.caches.stacked_meta(self.default_policy))
+
+    def describe_pool(self) -> str:
+        """The KV pool in one line: tokens it holds, at which width, in how many bytes."""
+        p = self.pool
+        width = ("fp8 e4m3" if isinstance(p.packed, Fp8KV) else f"{p.packed.bits}-bit packed"
+                 if p.packed is not None else str(p.dtype).removeprefix("torch."))
+        return (f"KV pool: {p.num_blocks:,} blocks x {p.block_size} = {p.num_blocks * p.block_size:,} tokens, "
+                f"{width}, {p.num_blocks * p.block_bytes / 2**30:.2f} GiB")
 
     def close(self):
         """Free the pool, the stacked metadata and the CUDA graphs now; the engine takes no more requests."""
