@@ -15,8 +15,8 @@ size, through the same steps a single cache runs (`cache.steps`), over the share
   - "fill": prefill pieces of bounded caches that still have room for them (nothing is evicted), of one
     length after as many held tokens, sharing a policy: K/V and positions into their slots, one batched
     attention with scores.
-  - everything else (bounded caches still filling, policies without stacked metadata): each cache's own
-    `attend`.
+  - everything else (a bounded piece that fills its cache up to eviction, the first decodes of a bounded
+    cache, policies without stacked metadata): each cache's own `attend`.
 """
 from __future__ import annotations
 
