@@ -51,6 +51,8 @@ def shrink(line: str, tmp: Path) -> tuple[list[str], str | None]:
     for flag in ENSURE.get(out[1] if out[0] == "eval" else out[0], []):
         if flag not in out:
             out += [flag, SMALL[flag]]
+    if "seq-len" in out and "--values" in out:  # a length sweep: lengths past the default --prefill of 32
+        out[out.index("--values") + 1] = "48,64"
     if out[:2] == ["generate", "-"]:
         stdin = "The capital of France is"
     if out[:1] == ["chat"]:
