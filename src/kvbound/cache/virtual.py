@@ -115,8 +115,6 @@ class SequencePages:
     """One sequence's range: its mapped pages by index, the first index still kept (a window moves it), and
     its pages' bytes on the host while offloaded."""
     rng: int
-    reserved: int
-    region_pages: int
     mapped: dict[int, int] = field(default_factory=dict)
     floor: int = 0  # region-relative page index below which pages stay unmapped (behind a window)
     host: dict[int, torch.Tensor] | None = None
@@ -182,8 +180,7 @@ class VirtualPages:
     def add(self, sid) -> SequencePages:
         if sid in self.seqs:
             raise KvboundError(f"sequence {sid!r} already has a virtual range")
-        reserved = self.regions * self.region_pages
-        self.seqs[sid] = SequencePages(self.backend.reserve(reserved), reserved, self.region_pages)
+        self.seqs[sid] = SequencePages(self.backend.reserve(self.regions * self.region_pages))
         return self.seqs[sid]
 
     def _indices(self, first_token: int, end_token: int, floor: int = 0):
