@@ -25,11 +25,7 @@ def perplexity(model, samples, strategies: dict, options: CacheOptions, prefill:
     nll = {s: 0.0 for s in names}
     count = 0
     mem = {s: [] for s in names}
-    if any(len(x) != len(samples[0]) for x in samples):
-        raise KvboundError("perplexity: all samples must have the same length")
-    model.config.check_length(len(samples[0]))
-    if prefill < 1 or prefill >= len(samples[0]):
-        raise KvboundError(f"--prefill must be in [1, seq-len), got {prefill}")
+    _check_samples(model, samples, prefill)
     steps = sum(len(x) - prefill for x in samples)
     bar = tqdm(total=steps, desc="ppl", disable=not progress, unit="tok")
     chunk = options.prefill_chunk
@@ -58,16 +54,29 @@ def perplexity(model, samples, strategies: dict, options: CacheOptions, prefill:
         for r, c in enumerate(caches):
             mem[names[r % len(names)]].append(c.nbytes())
     bar.close()
-    base = names[0]
+    return _results(strategies, nll, count, {s: [m["held_bytes"] for m in mem[s]] for s in names},
+                    {s: [m["full_bf16_bytes"] for m in mem[s]] for s in names})
+
+
+def _check_samples(model, samples, prefill: int):
+    if any(len(x) != len(samples[0]) for x in samples):
+        raise KvboundError("perplexity: all samples must have the same length")
+    model.config.check_length(len(samples[0]))
+    if prefill < 1 or prefill >= len(samples[0]):
+        raise KvboundError(f"--prefill must be in [1, seq-len), got {prefill}")
+
+
+def _results(strategies: dict, nll: dict, count: int, held: dict, full: dict) -> dict:
+    """Per strategy: perplexity over `count` scored tokens, mean KV bytes held and of a full bf16 cache (lists
+    per sample), the compression, and the change against the first strategy."""
     out = {}
-    for s in names:
-        ppl = math.exp(nll[s] / count)
-        out[s] = {"ppl": ppl, "policy": strategies[s][0].describe(), "kv_bits": strategies[s][1],
-                  "kv_held_bytes": sum(m["held_bytes"] for m in mem[s]) / len(mem[s]),
-                  "kv_full_bf16_bytes": sum(m["full_bf16_bytes"] for m in mem[s]) / len(mem[s])}
-        out[s]["compression_vs_full_bf16"] = out[s]["kv_full_bf16_bytes"] / out[s]["kv_held_bytes"]
-    for s in names:
-        out[s]["delta_pct"] = 100 * (out[s]["ppl"] / out[base]["ppl"] - 1)
+    for s, (policy, bits) in strategies.items():
+        kv, whole = sum(held[s]) / len(held[s]), sum(full[s]) / len(full[s])
+        out[s] = {"ppl": math.exp(nll[s] / count), "policy": policy.describe(), "kv_bits": bits,
+                  "kv_held_bytes": kv, "kv_full_bf16_bytes": whole, "compression_vs_full_bf16": whole / kv}
+    base = out[next(iter(out))]["ppl"]
+    for r in out.values():
+        r["delta_pct"] = 100 * (r["ppl"] / base - 1)
     return out
 
 
@@ -83,9 +92,7 @@ def engine_perplexity(model, samples, strategies: dict, options: CacheOptions, p
     for name, (_, bits) in strategies.items():
         if isinstance(bits, dict):
             raise KvboundError(f"strategy {name!r}: mixed widths run on single-sequence caches; drop --engine")
-    model.config.check_length(len(samples[0]))
-    if prefill < 1 or prefill >= len(samples[0]):
-        raise KvboundError(f"--prefill must be in [1, seq-len), got {prefill}")
+    _check_samples(model, samples, prefill)
     nll = {s: 0.0 for s in names}
     held = {s: [] for s in names}
     count = sum(len(x) - prefill for x in samples)
@@ -112,14 +119,7 @@ def engine_perplexity(model, samples, strategies: dict, options: CacheOptions, p
                     bar.update(len(done.logprobs))
     bar.close()
     full = len(samples[0]) * model.config.kv_bytes_per_token(2)
-    out = {}
-    for s in names:
-        kv = sum(held[s]) / len(held[s])
-        out[s] = {"ppl": math.exp(nll[s] / count), "policy": strategies[s][0].describe(), "kv_bits": strategies[s][1],
-                  "kv_held_bytes": kv, "kv_full_bf16_bytes": full, "compression_vs_full_bf16": full / kv}
-    for s in names:
-        out[s]["delta_pct"] = 100 * (out[s]["ppl"] / out[names[0]]["ppl"] - 1)
-    return out
+    return _results(strategies, nll, count, held, {s: [full] for s in names})
 
 
 def print_ppl_table(res: dict, title: str = ""):
