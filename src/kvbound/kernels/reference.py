@@ -116,6 +116,7 @@ def _flash_batch(q, k, v, score_mode, last_queries):
     b, t, hq, d = q.shape
     m = k.shape[1]
     dev = q.device
+    k, v = k.to(q.dtype), v.to(q.dtype)
     cu_q = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=dev)
     cu_k = torch.arange(0, (b + 1) * m, m, dtype=torch.int32, device=dev)
     out, lse = _flash_varlen(q.reshape(b * t, hq, d), k.reshape(b * m, -1, d), v.reshape(b * m, -1, d), cu_q, cu_k,
@@ -125,7 +126,7 @@ def _flash_batch(q, k, v, score_mode, last_queries):
         return out, None
     from .triton_prefill import key_scores
     first = t - min(t, last_queries or t)
-    return out, key_scores(q, k.to(q.dtype), lse, first, score_mode == "normalized")
+    return out, key_scores(q, k, lse, first, score_mode == "normalized")
 
 
 def _causal_cuda(q, k, v, n, scale):
