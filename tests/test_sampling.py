@@ -67,6 +67,19 @@ def test_truncated_rows_beyond_the_candidates_fall_back_to_the_whole_vocabulary(
         assert got == reference(row, p, [1], [0] * step, seeded_uniform(p.seed, step)), step
 
 
+@pytest.mark.parametrize("p", CASES[1:5], ids=range(1, 5))
+def test_truncated_rows_within_the_candidates_draw_from_them_alone(p, monkeypatch):
+    """Candidates fewer than the vocabulary but enough for the rules: no full sort, the reference's token."""
+    import kvbound.engine.sampling as sampling
+    monkeypatch.setattr(sampling, "CANDIDATES", 12)
+    sorts = []
+    monkeypatch.setattr(torch.Tensor, "sort", lambda self, *a, **k: sorts.append(1) or torch.sort(self, *a, **k))
+    for step, row in enumerate(logits_rows(30, seed=p.seed) * 2):  # sharper: the kept set fits in 12
+        (got, _), = sample_batch(row[None], [p], [[1]], [[0] * step], [p.seed])
+        assert got == reference(row, p, [1], [0] * step, seeded_uniform(p.seed, step)), step
+    assert not sorts
+
+
 def test_seeded_rows_draw_the_same_alone_and_anywhere_in_a_batch():
     p = SamplingParams(temperature=1.0, top_p=0.95, seed=42)
     others = [SamplingParams(temperature=0.8), SamplingParams(), SamplingParams(temperature=1.5, top_k=3)]
