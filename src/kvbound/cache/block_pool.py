@@ -20,7 +20,7 @@ import torch
 
 from ..errors import KvboundError
 from .quant import Fp8KV, PackedKV
-from .store import at
+from .store import EACH_HEAD, at
 
 
 def block_hash(prev: int | None, tokens) -> int:
@@ -36,7 +36,7 @@ class BlockPool:
         if block_size < 1 or num_blocks < 1:
             raise KvboundError(f"block pool: block_size ({block_size}) and num_blocks ({num_blocks}) must be >= 1")
         self.block_size, self.num_blocks = block_size, num_blocks
-        self.device, self.dtype, self.kv_heads = torch.device(device), dtype, kv_heads
+        self.device, self.dtype, self.kv_heads, self.head_dim = torch.device(device), dtype, kv_heads, head_dim
         slots = num_blocks * block_size
         self.packed = (None if kv_bits is None else Fp8KV(layers, slots, kv_heads, head_dim, device)
                        if kv_bits == "fp8" else PackedKV(layers, slots, kv_heads, head_dim, kv_bits, group_size, device))
@@ -110,6 +110,10 @@ class BlockPool:
         return [t[layer, slots] for t in self.raw]
 
     def write(self, layer, slots, k, v, heads=None):
+        if self.packed is not None and k.is_cuda and (heads is None or heads is EACH_HEAD):
+            # one store kernel quantizes and writes (a dozen PyTorch ops otherwise)
+            self.packed.store(layer, slots if heads is EACH_HEAD else slots[:, None].expand(-1, k.shape[1]), k, v)
+            return
         self.write_raw(layer, slots, self.pack(k, v), heads)
 
     def gather(self, layer, slots):

@@ -92,6 +92,13 @@ class PackedKV:
     def roundtrip(self, x):
         return dequantize(*quantize(x, self.bits, self.group), self.bits, self.group, x.dtype)
 
+    def store(self, layer, slots, k, v):
+        """k, v [T, H, D] quantized into slots [T, H] by the Triton store kernel (CUDA), bit for bit as `pack`."""
+        from ..kernels.triton_decode import store_kv
+        for side, x in ((self.k, k), (self.v, v)):
+            store_kv(x.contiguous(), slots, side.codes[layer], side.scale[layer], side.bias[layer], self.bits,
+                     self.group)
+
     def kernel_args(self, layer):
         k, v = self.k, self.v
         quant = dict(bits=self.bits, group=self.group, k_scale=k.scale[layer], k_bias=k.bias[layer],
@@ -104,8 +111,8 @@ FP8_MAX = 448.0  # the largest float8 e4m3 value
 
 class Fp8KV:
     """K and V as float8 e4m3 codes with an fp16 scale per token and head (its largest magnitude maps to 448):
-    the paged pool's storage with kv_bits="fp8" (vLLM's --kv-cache-dtype fp8). No decode kernel reads it yet,
-    so attention gathers and dequantizes."""
+    the paged pool's storage with kv_bits="fp8" (vLLM's --kv-cache-dtype fp8). The decode kernel reads the codes
+    and applies the scales once per key."""
 
     def __init__(self, layers, slots, heads, head_dim, device):
         def side():
@@ -132,8 +139,16 @@ class Fp8KV:
     def roundtrip(self, x):
         return self._unpack(*self._pack(x), x.dtype)
 
+    def store(self, layer, slots, k, v):
+        """k, v [T, H, D] into slots [T, H] by the Triton store kernel (CUDA), as `pack` does."""
+        from ..kernels.triton_decode import store_kv
+        for (codes, scale), x in ((self.tensors[:2], k), (self.tensors[2:], v)):
+            store_kv(x.contiguous(), slots, codes[layer].view(torch.float8_e4m3fn), scale[layer], bits="fp8")
+
     def kernel_args(self, layer):
-        return None
+        kc, ks, vc, vs = self.tensors
+        return (kc[layer].view(torch.float8_e4m3fn), vc[layer].view(torch.float8_e4m3fn),
+                dict(bits="fp8", k_scale=ks[layer], v_scale=vs[layer]))
 
 
 class QuantizedStore:

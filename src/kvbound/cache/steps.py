@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import causal_attention_batch, decode_attention, decode_with_scores, fold_scores
+from .store import EACH_HEAD
 
 
 def _per_layer(policy, step: torch.Tensor) -> torch.Tensor:
@@ -101,7 +102,7 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
                           policy.fold_decay, *fused)
     r, heads = rows[:, None], torch.arange(k.shape[1], device=k.device)[None, :]
     slot = spare[rows]  # [B, H]: the local slot each head writes
-    storage.write(layer, table.gather(1, slot).long(), k, v, heads)
+    storage.write(layer, table.gather(1, slot).long(), k, v, EACH_HEAD)
     pos[r, slot, heads] = positions[:, None].to(pos.dtype)
     step_score = None
     if score is not None:

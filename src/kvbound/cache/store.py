@@ -15,9 +15,15 @@ from typing import Protocol
 import torch
 
 
+EACH_HEAD = "each head"  # `heads` of a write whose slots [T, H] name one slot per token and head
+
+
 def at(layer, slots, heads):
     """Index of (slot, head) places in a [layers, slots, heads, ...] tensor: every head of `slots` when
-    heads is None, else the (slots[i], heads[i]) pairs (broadcast)."""
+    heads is None, head h of token t at slots[t, h] when heads is EACH_HEAD, else the (slots[i], heads[i])
+    pairs (broadcast)."""
+    if heads is EACH_HEAD:
+        return layer, slots, torch.arange(slots.shape[-1], device=slots.device)
     return (layer, slots) if heads is None else (layer, slots, heads)
 
 
@@ -25,7 +31,7 @@ class SlotStorage(Protocol):
     exact: bool  # reads back exactly what was written (unquantized)
 
     def write(self, layer: int, slots, k, v, heads=None) -> None:
-        """k, v [T, H, D] into `slots` [T] (every head) or into (slots, heads) pairs [T, H]."""
+        """k, v [T, H, D] into `slots` [T] (every head) or into (slots, heads) pairs [T, H] (`at`)."""
 
     def gather(self, layer: int, slots) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at `slots` (any shape [...]) -> [..., H, D], dequantized."""

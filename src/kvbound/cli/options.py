@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import os
 
 import torch
@@ -158,6 +159,7 @@ def kv_dtype(args, model_dtype):
 def engine_policy(args):
     """The engine's default policy, checked before the model loads; options the engine cannot honour fail."""
     engine_kv_bits(args)
+    check_pool_size(args)
     return make_policy(args)
 
 
@@ -179,16 +181,58 @@ def engine_kv_bits(args) -> int | str | None:
 
 
 def pool_blocks(args, config, kv_dtype) -> int | None:
-    """--num-blocks, or the blocks that --kv-cache-memory GiB holds (None: --kv-cache-tokens decides)."""
+    """--num-blocks, or the blocks that --kv-cache-memory GiB (or --gpu-memory-utilization) holds (None:
+    --kv-cache-tokens decides)."""
+    check_pool_size(args)
+    if getattr(args, "gpu_memory_utilization", None):
+        args.kv_cache_memory = utilization_kv_gib(args, config)
     if args.kv_cache_memory is None:
         return args.num_blocks
-    if args.num_blocks is not None:
-        raise KvboundError("give --num-blocks or --kv-cache-memory, not both")
     per_block = args.block_size * token_bytes(config, kv_dtype, engine_kv_bits(args), args.kv_group_size)
     blocks = int(args.kv_cache_memory * 2**30) // per_block
     if blocks < 1:
-        raise KvboundError(f"--kv-cache-memory {args.kv_cache_memory} GiB holds no block of {per_block:,} bytes")
+        raise KvboundError(f"--kv-cache-memory {args.kv_cache_memory:.3g} GiB holds no block of {per_block:,} bytes")
     return blocks
+
+
+def check_pool_size(args):
+    """One of --num-blocks / --kv-cache-memory / --gpu-memory-utilization, the last one on a GPU."""
+    given = [f for f in ("num_blocks", "kv_cache_memory", "gpu_memory_utilization") if getattr(args, f, None)]
+    if len(given) > 1:
+        raise KvboundError(f"give one of --{' / --'.join(f.replace('_', '-') for f in given)}, not several")
+    util = getattr(args, "gpu_memory_utilization", None)
+    if util is None:
+        return
+    if not 0 < util <= 1:
+        raise KvboundError(f"--gpu-memory-utilization must be in (0, 1], got {util}")
+    if not str(args.device).startswith("cuda") or not torch.cuda.is_available():
+        raise KvboundError(f"--gpu-memory-utilization sizes the pool from GPU memory, but the device is "
+                           f"{args.device}; give --kv-cache-memory GiB")
+
+
+def activation_bytes(config, batched_tokens: int, seqs: int) -> int:
+    """A step's activations at most, estimated: a prefill step's hidden states, q/k/v and MLP rows (bf16), the
+    rows' fp32 logits and their sampling copy, and 256 MiB for CUDA graphs and kernel workspaces."""
+    per_token = 4 * config.hidden_size + (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    per_token += 3 * config.intermediate_size
+    return batched_tokens * per_token * 2 + seqs * config.vocab_size * 4 * 2 + 256 * 2**20
+
+
+def utilization_kv_gib(args, config) -> float:
+    """vLLM's --gpu-memory-utilization: the KV pool gets that fraction of the GPU's memory, less what is in use
+    now (weights, the CUDA context, other processes) and the activations' estimate (`activation_bytes`)."""
+    util = args.gpu_memory_utilization
+    free, total = torch.cuda.mem_get_info(torch.device(args.device))
+    reserve = activation_bytes(config, args.max_num_batched_tokens, args.max_num_seqs)
+    kv = util * total - (total - free) - reserve
+    gib = 2.0**30
+    if kv <= 0:
+        raise KvboundError(f"--gpu-memory-utilization {util}: {util} x {total / gib:.1f} GiB leaves nothing for the "
+                           f"KV cache after {(total - free) / gib:.2f} GiB in use and {reserve / gib:.2f} GiB for "
+                           "activations")
+    print(f"KV pool from --gpu-memory-utilization {util}: {util} x {total / gib:.1f} GiB - {(total - free) / gib:.2f} "
+          f"GiB in use - {reserve / gib:.2f} GiB for activations = {kv / gib:.2f} GiB", file=sys.stderr)
+    return kv / gib
 
 
 def make_engine(args, model, tok, dtype):
@@ -219,5 +263,8 @@ def add_engine_args(p):
     g.add_argument("--kv-cache-tokens", type=positive_int, default=16384)
     g.add_argument("--kv-cache-memory", type=positive_float, default=None, metavar="GiB",
                    help="size the KV pool by memory instead: GiB of K/V (sets the number of blocks)")
+    g.add_argument("--gpu-memory-utilization", type=positive_float, default=None, metavar="F",
+                   help="size the KV pool as vLLM does: fraction F of the GPU's memory for this engine, less the "
+                   "memory in use after loading and an estimate of the activations")
     g.add_argument("--max-num-seqs", type=positive_int, default=256)
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)

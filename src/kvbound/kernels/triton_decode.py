@@ -2,7 +2,8 @@
 
 One query token per sequence; each sequence reads its keys through its own slot table (local key j
 lives in pool slot `slot_table[b, j]`), GQA, split-K ("flash decoding") with a stable merge, fp32
-accumulation. K/V are bf16/fp16/fp32, or packed 8/4-bit codes with per-group fp16 scale and bias.
+accumulation. K/V are bf16/fp16/fp32, packed 8/4-bit codes with per-group fp16 scale and bias, or float8 e4m3 codes
+with an fp16 scale per token and head (vLLM's fp8 KV; q.k and p @ v take the scale once per key).
 Packed keys are never dequantized: with k = code * scale + bias per group, q.k = sum over groups of
 scale * (q . codes) + bias * sum(q), so the tensor cores multiply the raw codes and the scales apply once
 per key and group. Packed values at d=128 take the same route: p @ (code * scale + bias) per group is
@@ -51,7 +52,7 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                   scale, split,
                   G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                   BITS: tl.constexpr, GS: tl.constexpr, EXPORT: tl.constexpr, IEEE: tl.constexpr,
-                  VDOT: tl.constexpr):
+                  VDOT: tl.constexpr, FP8: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -83,7 +84,11 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
         valid = offs_n < end
         slot = tl.load(SlotTable + b * stride_tb + offs_n, mask=valid, other=0).to(tl.int64)
         kv_ptr = slot[:, None] * stride_ks + h * stride_kh + offs_d[None, :]
-        if BITS == 16:
+        if FP8:  # e4m3 codes with a scale per token and head: (q . codes) * scale
+            sp = slot * stride_ss + h * stride_sh
+            k = tl.load(K + kv_ptr, mask=valid[:, None], other=0.0).to(tl.bfloat16)
+            qk = _dot(q, tl.trans(k), IEEE) * tl.load(KS + sp, mask=valid, other=0.0).to(tl.float32)[None, :]
+        elif BITS == 16:
             qk = _dot(q, tl.trans(tl.load(K + kv_ptr, mask=valid[:, None], other=0.0)), IEEE)
         else:
             qk = _packed_qk(Q, K, KS, KB, slot, h, valid, q_row, stride_ks, stride_kh, stride_ss, stride_sh, scale,
@@ -113,6 +118,10 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                 else:
                     acc_hi = _codes_dot(acc_hi, alpha, ps, pb, codes & 0xF, IEEE)
                     acc_hi_odd = _codes_dot(acc_hi_odd, alpha, ps, pb, codes >> 4, IEEE)
+        elif FP8:  # p @ (codes * scale) = (p * scale) @ codes
+            v = tl.load(V + kv_ptr, mask=valid[:, None], other=0.0).to(tl.bfloat16)
+            vs = tl.load(VS + sp, mask=valid, other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + _dot(p * vs[None, :], v, IEEE)
         else:
             if BITS == 16:
                 v = tl.load(V + kv_ptr, mask=valid[:, None], other=0.0)
@@ -354,7 +363,8 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
                      ema_decay=0.95, quant=None, split=None, block_n=None, out=None, programs_per_sm=None,
                      num_warps=None, rows=None, victim=None, num_stages=None, value_dot=None):
     """q: [B, Hq, D]; k_pool/v_pool: [slots, Hkv, D] (or packed codes [slots, Hkv, D*bits/8] with
-    quant=dict(bits=, group=, k_scale=, k_bias=, v_scale=, v_bias=) of [slots, Hkv, D/group]);
+    quant=dict(bits=, group=, k_scale=, k_bias=, v_scale=, v_bias=) of [slots, Hkv, D/group]; or float8 e4m3
+    codes [slots, Hkv, D] with quant=dict(bits="fp8", k_scale=, v_scale=) of [slots, Hkv, 1]);
     slot_table: [B, max_len] int32; ctx_lens: [B] int32; score: [B, max_len, Hkv] float32 (or, with
     rows [B], [R, >= max_len, Hkv] read at row rows[b]), updated in place with this step's probabilities
     when score_mode is "cumulative" | "normalized" | "ema".
@@ -374,7 +384,8 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     # blocks, 4 warps and 4 programs per SM; packed tiles from `--tune-quant` on an H100
     # (results/tune_quant_d64_h100.log at d=64; tune_quant_q8_d128_h100.log, _q4_d128_h100.log and _short_h100.log at
     # d=128), where other tiles spill registers (up to 9x slower)
-    bits = 16 if quant is None else quant["bits"]
+    fp8 = quant is not None and quant["bits"] == "fp8"  # one code a value, as 16-bit K/V, and a scale per key
+    bits = 16 if quant is None or fp8 else quant["bits"]
     tile = (64, 4, None)
     if bits != 16 and q.is_cuda:
         tile = PACKED_TILES.get((bits, d), (64, 2, 2))
@@ -413,7 +424,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         e = m_blk = part_m
     if out is None:
         out = torch.empty_like(q)
-    gs = d if quant is None else quant["group"]
+    gs = d if quant is None or fp8 else quant["group"]
     if value_dot is None:  # results/tune_quant_q8_d128_h100.log, tune_quant_q4_d128_h100.log
         value_dot = bits in (8, 4) and d == 128 and d // gs == 2
     if value_dot and not (bits in (8, 4) and d // gs <= 2 and gs * bits // 8 >= 16):
@@ -422,7 +433,8 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     ks = kb = vs = vb = k_pool
     ss = (0, 0)
     if quant is not None:
-        ks, kb, vs, vb = quant["k_scale"], quant["k_bias"], quant["v_scale"], quant["v_bias"]
+        ks, vs = quant["k_scale"], quant["v_scale"]
+        kb, vb = (ks, vs) if fp8 else (quant["k_bias"], quant["v_bias"])
         ss = (ks.stride(0), ks.stride(1))
     ieee = q.dtype == torch.float32 or not q.is_cuda
     _split_kernel[(bsz, hkv, num_splits)](
@@ -431,7 +443,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
         e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), scale, split,
         G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee, VDOT=value_dot,
-        num_warps=num_warps, **({} if num_stages is None else dict(num_stages=num_stages)))
+        FP8=fp8, num_warps=num_warps, **({} if num_stages is None else dict(num_stages=num_stages)))
     _merge_kernel[(bsz, hkv)](
         part_o, part_m, part_l, out, ctx_lens,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
@@ -505,7 +517,7 @@ def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spa
 
 @triton.jit
 def _store_kernel(X, Slots, P, PS, PB, stride_xt, stride_xh, stride_st, stride_sth, stride_ps, stride_ph, stride_ss,
-                  stride_sh, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr):
+                  stride_sh, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(Slots + t * stride_st + h * stride_sth).to(tl.int64)
@@ -513,7 +525,13 @@ def _store_kernel(X, Slots, P, PS, PB, stride_xt, stride_xh, stride_st, stride_s
         return
     offs_d = tl.arange(0, D)
     x = tl.load(X + t * stride_xt + h * stride_xh + offs_d)
-    if BITS == 16:
+    if FP8:  # e4m3 codes and an fp16 scale per token and head (its largest magnitude maps to 448), as `Fp8KV`
+        xf = x.to(tl.float32)
+        sc = tl.maximum(tl.max(tl.abs(xf), 0) / 448.0, 1e-7).to(tl.float16)
+        codes = tl.minimum(tl.maximum(xf / sc.to(tl.float32), -448.0), 448.0)
+        tl.store(P + slot * stride_ps + h * stride_ph + offs_d, codes.to(P.dtype.element_ty))
+        tl.store(PS + slot * stride_ss + h * stride_sh, sc)
+    elif BITS == 16:
         tl.store(P + slot * stride_ps + h * stride_ph + offs_d, x.to(P.dtype.element_ty))
     else:
         NG: tl.constexpr = D // GS
@@ -542,13 +560,15 @@ def _store_kernel(X, Slots, P, PS, PB, stride_xt, stride_xh, stride_st, stride_s
 
 def store_kv(x, slots, pool, scale=None, bias=None, bits=16, group=64):
     """Write x [T, Hkv, D] into pool at slots [T, Hkv] (one slot per token and KV head; -1 skips),
-    quantizing to `bits` (8/4) on the way in when scale/bias pools are given."""
+    quantizing on the way in: to `bits` 8/4 with scale/bias pools, or to "fp8" codes (pool of float8_e4m3fn)
+    with a scale pool [slots, Hkv, 1]."""
     t, h, d = x.shape
+    fp8 = bits == "fp8"
     ps = (0, 0) if scale is None else (scale.stride(0), scale.stride(1))
     _store_kernel[(t, h)](x, slots, pool, scale if scale is not None else pool, bias if bias is not None else pool,
                           x.stride(0), x.stride(1), slots.stride(0), slots.stride(1), pool.stride(0), pool.stride(1),
                           ps[0], ps[1],
-                          D=d, BITS=bits, GS=group)
+                          D=d, BITS=16 if fp8 else bits, GS=group, FP8=fp8)
 
 
 @triton.jit
