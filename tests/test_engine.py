@@ -55,7 +55,8 @@ def run_engine(model, requests, chunk=16, **kw):
     pols = [parse_policy(p) if p else None for _, p in requests]
     outs = llm.generate([ids for ids, _ in requests], GREEDY, pols, use_tqdm=False)
     llm.engine.pool.check()
-    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks, "blocks leaked after all requests finished"
+    pool = llm.engine.pool  # on CUDA the decode graphs keep a scratch block for good
+    assert pool.num_free == pool.num_blocks - pool.reserved, "blocks leaked after all requests finished"
     return [o.outputs[0].token_ids for o in outs], llm.engine
 
 

@@ -86,6 +86,22 @@ def test_decode_attention_quantized_matches_dequantize_then_attend(bits, d, grou
     torch.testing.assert_close(score.double(), want_score, atol=1e-5, rtol=1e-4)
 
 
+def test_a_table_far_wider_than_the_contexts_gives_the_trimmed_tables_result():
+    """A CUDA graph's table is as wide as its bucket: each sequence shares its own length among the grid's splits."""
+    q, k, v, table, n = _case(21, 2, 4, 2, 32, [200, 3], slots=300)
+    wide = torch.cat([table, torch.zeros(2, 1024 - table.shape[1], dtype=torch.int32)], 1)
+    outs, scores = [], []
+    for t in (table, wide):
+        score = torch.zeros(2, t.shape[1], 2, device=DEV)
+        outs.append(decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), t.to(DEV), n.to(DEV), score=score,
+                                     score_mode="cumulative", split=64, block_n=32).cpu())
+        scores.append(score[:, :200].cpu())
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(scores[1], scores[0], atol=1e-6, rtol=1e-5)
+    want, _ = _reference(q, k, v, table, n, None, torch.zeros(2, 200, 2), 0)
+    torch.testing.assert_close(outs[1].double(), want, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("d, mode", [(64, "cumulative"), (128, "ema"), (32, None)])
 def test_decode_attention_fp8_matches_dequantize_then_attend(d, mode):
     """float8 e4m3 codes with a scale per token and head (`Fp8KV`): the kernel applies the scales per key."""

@@ -57,6 +57,7 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
     h = tl.program_id(1)
     s = tl.program_id(2)
     n = tl.load(CtxLen + b)
+    split = _seq_split(n, split, tl.num_programs(2), BLOCK_N)
     start = s * split
     end = tl.minimum(start + split, n)
     offs_g = tl.arange(0, G_PAD)
@@ -239,13 +240,22 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _seq_split(n, min_split, num_splits, BLOCK_N: tl.constexpr):
+    """Keys per program for a sequence of n keys: its own length shared by the grid's splits, at least min_split.
+    The grid is sized for the table's width, which a CUDA graph's width bucket makes far longer than most of the
+    contexts it serves: split by the width, most programs would find no keys and a few would take them all."""
+    return tl.maximum(min_split, tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N)
+
+
+@triton.jit
 def _merge_kernel(PartO, PartM, PartL, Out, CtxLen, stride_ob, stride_oh, stride_os, stride_mb, stride_mh,
-                  stride_outb, stride_outh, split, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                  stride_outb, stride_outh, split, num_splits, BLOCK_N: tl.constexpr, G: tl.constexpr,
+                  G_PAD: tl.constexpr, D: tl.constexpr,
                   MODE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.load(CtxLen + b)
-    used = tl.cdiv(n, split)
+    used = tl.cdiv(n, _seq_split(n, split, num_splits, BLOCK_N))
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D)
     gmask = offs_g < G
@@ -408,6 +418,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name} must have its KV heads contiguous (last stride 1), got strides {t.stride()}")
     num_splits = max(1, triton.cdiv(max_len, split))
+    min_split = min(split, 4 * block_n)  # each sequence spreads its own length over the splits (`_seq_split`)
     g_pad = max(16, triton.next_power_of_2(g))
     part_o = torch.empty(bsz, hq, num_splits, d, device=q.device, dtype=torch.float32)
     part_m = torch.empty(bsz, hq, num_splits, device=q.device, dtype=torch.float32)
@@ -441,13 +452,13 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         q, k_pool, v_pool, ks, kb, vs, vb, slot_table, ctx_lens, part_o, part_m, part_l, e, m_blk,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), ss[0], ss[1], slot_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
-        e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), scale, split,
+        e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), scale, min_split,
         G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee, VDOT=value_dot,
         FP8=fp8, num_warps=num_warps, **({} if num_stages is None else dict(num_stages=num_stages)))
     _merge_kernel[(bsz, hkv)](
         part_o, part_m, part_l, out, ctx_lens,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
-        out.stride(0), out.stride(1), split, G=g, G_PAD=g_pad, D=d, MODE=mode)
+        out.stride(0), out.stride(1), min_split, num_splits, BLOCK_N=block_n, G=g, G_PAD=g_pad, D=d, MODE=mode)
     if export or victim is not None:
         # one block of keys per program (a chain of dependent loads is slow); with a victim, each block
         # proposes a candidate per head and `_victim_kernel` chooses among them
