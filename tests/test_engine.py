@@ -538,14 +538,20 @@ def test_fp8_pool_batches_equal_alone_and_survive_prefix_hits_and_preemption(mod
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the packed decode and store kernels and CUDA graphs")
 @pytest.mark.parametrize("bits", [8, 4, "fp8"])
-def test_packed_pools_on_cuda_batched_equal_alone(model32, bits):
+def test_packed_pools_on_cuda_batched_equal_alone(model32, bits, monkeypatch):
     """On CUDA, packed blocks are written by the store kernel and read by the decode kernel (in CUDA graphs):
     a mixed batch's greedy tokens equal each request run alone, and for 8/4 bits the single-sequence
-    quantized cache's."""
+    quantized cache's. The fused evict step on packed blocks gives the PyTorch steps' tokens."""
     gpu = model32.cuda()
     try:
         reqs = mixed_requests()
         got, _ = run_engine(gpu, reqs, num_blocks=256, max_num_batched_tokens=48, kv_bits=bits, kv_group_size=32)
+        with monkeypatch.context() as m:
+            from kvbound.cache.policies import Policy
+            m.setattr(Policy, "fused_protection", lambda self: None)
+            unfused, _ = run_engine(gpu, reqs, num_blocks=256, max_num_batched_tokens=48, kv_bits=bits,
+                                    kv_group_size=32)
+        assert unfused == got
         for (ids, pol), out in zip(reqs, got):
             single, _ = run_engine(gpu, [(ids, pol)], num_blocks=256, max_num_batched_tokens=48, kv_bits=bits,
                                    kv_group_size=32)

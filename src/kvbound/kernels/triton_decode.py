@@ -490,8 +490,9 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
 @triton.jit
 def _evict_store_kernel(KN, VN, KP, VP, Table, Rows, Spare, Pos, Score, Positions, stride_nt, stride_nh,
                         stride_ps, stride_ph, stride_tb, stride_spr, stride_pr, stride_pj, stride_sr, stride_sj,
-                        D: tl.constexpr, DP: tl.constexpr, HAS_SCORE: tl.constexpr):
-    """Sequence b, KV head h: the new token goes into the head's spare slot (K, V, position, score 0)."""
+                        D: tl.constexpr, DP: tl.constexpr, HAS_SCORE: tl.constexpr, WRITE_KV: tl.constexpr):
+    """Sequence b, KV head h: the new token goes into the head's spare slot (K, V, position, score 0). Packed
+    pools (WRITE_KV off) had K/V stored, quantized, by `store_kv` first."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.load(Rows + b)
@@ -501,28 +502,31 @@ def _evict_store_kernel(KN, VN, KP, VP, Table, Rows, Spare, Pos, Score, Position
     dm = offs < D
     k = tl.load(KN + b * stride_nt + h * stride_nh + offs, mask=dm)
     v = tl.load(VN + b * stride_nt + h * stride_nh + offs, mask=dm)
-    tl.store(KP + slot * stride_ps + h * stride_ph + offs, k.to(KP.dtype.element_ty), mask=dm)
-    tl.store(VP + slot * stride_ps + h * stride_ph + offs, v.to(VP.dtype.element_ty), mask=dm)
+    if WRITE_KV:
+        tl.store(KP + slot * stride_ps + h * stride_ph + offs, k.to(KP.dtype.element_ty), mask=dm)
+        tl.store(VP + slot * stride_ps + h * stride_ph + offs, v.to(VP.dtype.element_ty), mask=dm)
     tl.store(Pos + row * stride_pr + j * stride_pj + h, tl.load(Positions + b).to(tl.int32))
     if HAS_SCORE:
         tl.store(Score + row * stride_sr + j * stride_sj + h, 0.0)
 
 
 def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spare, score, score_mode, ema_decay,
-                 prefix: int, recent: int):
+                 prefix: int, recent: int, quant=None):
     """One layer of the engine's steady-state bounded decode, fused: each head's new token into its spare
     slot, attention with score export over the `table` slots, and each head's next victim, which becomes
     its spare slot. pos/score/spare are the layer's stacked metadata [R, cap, H] / [R, H], read at
     rows[b]. Same result as the PyTorch route of `cache.steps.evict_decode` for policies whose protected
-    tokens are a prefix of positions plus the `recent` newest."""
+    tokens are a prefix of positions plus the `recent` newest. With `quant` (a packed pool) the caller has
+    already stored the new K/V in the spare slots."""
     bsz, hkv, d = k.shape
     sc = score if score is not None else pos
     _evict_store_kernel[(bsz, hkv)](
         k, v, k_pool, v_pool, table, rows, spare, pos, sc, positions, k.stride(0), k.stride(1),
         k_pool.stride(0), k_pool.stride(1), table.stride(0), spare.stride(0), pos.stride(0), pos.stride(1),
-        sc.stride(0), sc.stride(1), D=d, DP=triton.next_power_of_2(d), HAS_SCORE=score is not None)
+        sc.stride(0), sc.stride(1), D=d, DP=triton.next_power_of_2(d), HAS_SCORE=score is not None,
+        WRITE_KV=quant is None)
     return decode_attention(q, k_pool, v_pool, table, lens, score=score, score_mode=score_mode, ema_decay=ema_decay,
-                            rows=rows, victim=dict(pos=pos, spare=spare, positions=positions, prefix=prefix,
+                            quant=quant, rows=rows, victim=dict(pos=pos, spare=spare, positions=positions, prefix=prefix,
                                                    recent=recent, by_score=score is not None))
 
 
