@@ -49,7 +49,8 @@ def models(shape, dtype):
     return hf, ours
 
 
-def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=False, kv_bits=None):
+def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=False, kv_bits=None,
+                  kv_storage="paged"):
     """As many `context`-token requests as fit in `blocks` (at most `cap`): prefill them all, then time
     `steps` decode steps with every one of them running. Returns fit, running, prefill and decode figures."""
     bs = 16
@@ -58,7 +59,7 @@ def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=
     fit = blocks // need
     n = min(fit, cap)
     eng = LLMEngine(model, None, policy=policy, num_blocks=blocks, max_num_seqs=n, max_num_batched_tokens=8192,
-                    prefill_chunk=512, kv_bits=kv_bits)
+                    prefill_chunk=512, kv_bits=kv_bits, kv_storage=kv_storage)
     params = SamplingParams(max_tokens=out_len, ignore_eos=True)
     for p in prompts(n, context, vocab, 1):
         eng.add_request(p, params)
@@ -84,9 +85,12 @@ def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=
         eng.step(only_finished=True)
     t2 = sync_time()
     running = len(eng.scheduler.running)
-    return dict(fit=fit, running=running, prefill_s=t1 - t0, prefill_tok_s=n * context / (t1 - t0),
-                decode_tok_s=running * steps / (t2 - td), step_ms=1000 * (t2 - td) / steps,
-                write_ms=write_ms(eng.pool, running, model.config.num_layers))
+    res = dict(fit=fit, running=running, prefill_s=t1 - t0, prefill_tok_s=n * context / (t1 - t0),
+               decode_tok_s=running * steps / (t2 - td), step_ms=1000 * (t2 - td) / steps,
+               write_ms=write_ms(eng.pool, running, model.config.num_layers),
+               committed_gib=eng.pool.committed_bytes / 2**30)
+    eng.close()
+    return res
 
 
 def write_ms(pool, rows, layers, reps=20):
@@ -256,6 +260,8 @@ def main():
     ap.add_argument("--budget", type=int, default=256, help="KV budget of the named bounded policies")
     ap.add_argument("--kv-formats", default="bf16", help="pool formats of the bounded comparison: bf16, 8, 4, fp8 "
                     "(issue #17: --kv-formats bf16,8,4,fp8)")
+    ap.add_argument("--kv-storage", default="paged", help="pool storage of the bounded comparison: paged, "
+                    "virtual, or both (issue #20: paged,virtual)")
     ap.add_argument("--skip-hf-batch", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--check", action="store_true", help="first compare batched engine outputs with single runs")
@@ -311,9 +317,11 @@ def main():
                 bf16 = res["bounded"].get(f"{name}, bf16")
                 if fmt != "bf16" and bf16 and bf16["running"] < caps[0]:
                     caps.append(bf16["running"])  # also at bf16's count: the per-sequence speed
-                for cap in caps:
-                    r = steady_decode(ours, pol, blocks, args.context, cap, vocab, kv_bits=bits)
+                for cap, storage in [(c, "paged") for c in caps[1:]] + [(caps[0], st) for st in
+                                                                         args.kv_storage.split(",")]:
+                    r = steady_decode(ours, pol, blocks, args.context, cap, vocab, kv_bits=bits, kv_storage=storage)
                     key = label if cap == caps[0] else f"{label}, as many as bf16"
+                    key += ", virtual" if storage == "virtual" else ""
                     res["bounded"][key] = dict(r, blocks=blocks)
                     rows.append((f"{args.context}-token prompts, {key}", r["running"], float("nan"),
                                  r["decode_tok_s"], r["fit"], r["step_ms"], r["write_ms"]))

@@ -517,9 +517,9 @@ def test_mixed_widths_are_refused_by_the_pool(model32):
 
 
 def test_fp8_pool_round_trip_stays_within_e4m3_precision():
-    from kvbound.cache.quant import Fp8KV
+    from kvbound.cache.quant import Fp8KV, zeros_on
     x = torch.randn(50, 2, 32, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 2, 50)[:, None, None]
-    back = Fp8KV(1, 1, 2, 32, "cpu").roundtrip(x)
+    back = Fp8KV(1, 1, 2, 32, zeros_on("cpu")).roundtrip(x)
     scale = x.abs().amax(-1, keepdim=True) / 448
     # 3 mantissa bits: half an ulp is 1/16 of a normal value; below e4m3's smallest normal, 2^-10 of the scale
     assert ((back - x).abs() <= x.abs() / 16 * 1.002 + scale * 2 ** -9).all()
@@ -559,5 +559,77 @@ def test_packed_pools_on_cuda_batched_equal_alone(model32, bits, monkeypatch):
             if bits != "fp8" and pol is None:
                 cache = KVCache(gpu.config, None, device="cuda", kv_bits=bits, kv_group_size=32)
                 assert out == list(generate_ids(gpu, ids, GREEDY, cache, (), 16))
+    finally:
+        model32.cpu()
+
+
+# --- virtual storage (kv_storage="virtual") ---------------------------------------------------------------
+
+
+def held_pages(pool):
+    """(range, page) pairs under the blocks that hold data: taken, or cached for a prefix hit."""
+    pages = pool.pages
+    return {key for b in range(pool.num_blocks) if pool.ref[b] > 0 or b in pool.free_cached
+            for key in pages._pages(b)}
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_virtual_storage_gives_the_paged_outputs_and_commits_only_the_pages_in_use(model32, bits, monkeypatch):
+    """Token-major tensors in reserved ranges (dense here, pages simulated): the same greedy tokens as the
+    paged pool, and after every step exactly the pages under blocks holding data are mapped; idle, the
+    spare pages go back."""
+    from kvbound.cache import block_pool
+    from kvbound.cache.virtual import HostPages
+    monkeypatch.setattr(block_pool, "HostPages", lambda: HostPages(page_bytes=4096))
+    reqs = mixed_requests()
+    paged, _ = run_engine(model32, reqs, num_blocks=64, block_size=8, max_num_batched_tokens=48, kv_bits=bits,
+                          kv_group_size=32)
+    engine = LLMEngine(model32, num_blocks=64, block_size=8, max_num_batched_tokens=48, prefill_chunk=16,
+                       kv_bits=bits, kv_group_size=32, kv_storage="virtual")
+    pool = engine.pool
+    assert pool.committed_bytes == 0 and pool.pages.reserved_bytes >= pool.num_blocks * pool.block_bytes
+    ids = [engine.add_request(p, GREEDY, parse_policy(pol) if pol else None) for p, pol in reqs]
+    outs, peak = {}, 0
+    while engine.has_unfinished():
+        outs.update({o.request_id: o.outputs[0].token_ids for o in engine.step(only_finished=True)})
+        assert set(pool.pages.mapped) == held_pages(pool)
+        peak = max(peak, len(pool.pages.mapped))
+    assert [outs[i] for i in ids] == paged
+    assert 0 < peak < len(list(pool.pages._pages(0))) * pool.num_blocks  # never the whole pool
+    assert not pool.pages.spare and pool.committed_bytes == len(held_pages(pool)) * 4096  # idle: trimmed
+    assert "committed (virtual storage)" in engine.describe_pool()
+    engine.close()
+
+
+def test_virtual_storage_hands_out_the_lowest_free_block_first(model32, monkeypatch):
+    engine = LLMEngine(model32, num_blocks=16, block_size=8, kv_storage="virtual")
+    pool = engine.pool
+    taken = [pool.allocate() for _ in range(5)]
+    pool.decref(taken[1])
+    pool.decref(taken[3])
+    assert pool.allocate() == 1 and pool.allocate() == 3 and pool.allocate() == 5
+    with pytest.raises(KvboundError, match="kv_storage must be"):
+        LLMEngine(model32, num_blocks=4, kv_storage="vmm")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA driver's virtual memory")
+def test_virtual_storage_on_cuda_maps_pages_as_blocks_fill_and_gives_them_back(model32):
+    """Real reserved ranges and 2 MiB pages under the pool's tensors (CUDA graphs and the decode kernels read
+    them through strided token-major views): the paged pool's tokens, and pages mapped only under data."""
+    gpu = model32.cuda()
+    try:
+        reqs = mixed_requests()
+        for bits in (None, 8):
+            paged, _ = run_engine(gpu, reqs, num_blocks=4096, max_num_batched_tokens=48, kv_bits=bits,
+                                  kv_group_size=32)
+            llm = LLM(gpu, prefill_chunk=16, num_blocks=4096, max_num_batched_tokens=48, kv_bits=bits,
+                      kv_group_size=32, kv_storage="virtual")
+            outs = llm.generate([ids for ids, _ in reqs], GREEDY, [parse_policy(p) if p else None for _, p in reqs],
+                                use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outs] == paged
+            pool = llm.engine.pool
+            assert set(pool.pages.mapped) == held_pages(pool) and not pool.pages.spare
+            assert pool.committed_bytes < pool.pages.reserved_bytes / 4
+            llm.engine.close()
     finally:
         model32.cpu()

@@ -14,13 +14,15 @@ blocks are handed out never-published first, then least recently freed.
 """
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 
 import torch
 
 from ..errors import KvboundError
-from .quant import Fp8KV, PackedKV
+from .quant import Fp8KV, PackedKV, zeros_on
 from .store import EACH_HEAD, at
+from .virtual import BlockPages, CudaPages, HostPages
 
 
 def block_hash(prev: int | None, tokens) -> int:
@@ -29,24 +31,37 @@ def block_hash(prev: int | None, tokens) -> int:
 
 class BlockPool:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, num_blocks: int, block_size: int = 16,
-                 device="cpu", dtype=torch.float32, kv_bits: int | None = None, group_size: int = 64):
+                 device="cpu", dtype=torch.float32, kv_bits: int | None = None, group_size: int = 64,
+                 kv_storage: str = "paged"):
         """kv_bits 8 or 4: blocks hold packed codes with an fp16 scale and bias per group of `group_size`
         (`kernels.packing`), written quantized once and moved as packed bytes; "fp8": float8 e4m3 codes with
-        a scale per token and head; None: `dtype` K/V."""
+        a scale per token and head; None: `dtype` K/V. kv_storage "virtual": the tensors are reserved virtual
+        ranges with physical pages only under blocks that hold data (`virtual.BlockPages`), and free blocks
+        are handed out lowest first so the pages in use stay few; "paged": ordinary tensors, all committed."""
         if block_size < 1 or num_blocks < 1:
             raise KvboundError(f"block pool: block_size ({block_size}) and num_blocks ({num_blocks}) must be >= 1")
+        if kv_storage not in ("paged", "virtual"):
+            raise KvboundError(f"kv_storage must be 'paged' or 'virtual', got {kv_storage!r}")
+        self.pages = None
+        zeros = zeros_on(device)
+        if kv_storage == "virtual":
+            cuda = torch.device(device).type == "cuda"
+            self.pages = BlockPages(CudaPages(device) if cuda else HostPages(), device, block_size)
+            zeros = self.pages.zeros
         self.block_size, self.num_blocks = block_size, num_blocks
         self.device, self.dtype, self.kv_heads, self.head_dim = torch.device(device), dtype, kv_heads, head_dim
         slots = num_blocks * block_size
-        self.packed = (None if kv_bits is None else Fp8KV(layers, slots, kv_heads, head_dim, device)
-                       if kv_bits == "fp8" else PackedKV(layers, slots, kv_heads, head_dim, kv_bits, group_size, device))
+        self.packed = (None if kv_bits is None else Fp8KV(layers, slots, kv_heads, head_dim, zeros)
+                       if kv_bits == "fp8" else PackedKV(layers, slots, kv_heads, head_dim, kv_bits, group_size, zeros))
         self.exact = self.packed is None  # reads back exactly what was written
         self.k = self.v = None
         if self.packed is None:
-            self.k = torch.zeros(layers, slots, kv_heads, head_dim, device=device, dtype=dtype)
-            self.v = torch.zeros_like(self.k)
+            self.k = zeros((layers, slots, kv_heads, head_dim), dtype)
+            self.v = zeros((layers, slots, kv_heads, head_dim), dtype)
         self.ref = [0] * num_blocks
         self.free_plain = list(range(num_blocks - 1, -1, -1))  # popped from the end: block 0 first
+        if self.pages is not None:
+            heapq.heapify(self.free_plain)  # a min-heap: the lowest free block first
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # published blocks with refcount 0, LRU first
         self.by_hash: dict[int, int] = {}  # hash -> block
         self.block_info: dict[int, tuple[int, tuple]] = {}  # block -> (hash, token ids) while published
@@ -145,7 +160,11 @@ class BlockPool:
 
     def allocate(self) -> int:
         if self.free_plain:
-            b = self.free_plain.pop()
+            if self.pages is None:
+                b = self.free_plain.pop()
+            else:
+                b = heapq.heappop(self.free_plain)
+                self.pages.hold(b)
         elif self.free_cached:
             b, _ = self.free_cached.popitem(last=False)  # drop the least recently freed cached block
             h, _ = self.block_info.pop(b)
@@ -166,9 +185,12 @@ class BlockPool:
         self.ref[b] -= 1
         if self.ref[b] == 0:
             if b in self.block_info:
-                self.free_cached[b] = None
-            else:
+                self.free_cached[b] = None  # keeps its contents (and pages) for a prefix hit
+            elif self.pages is None:
                 self.free_plain.append(b)
+            else:
+                heapq.heappush(self.free_plain, b)
+                self.pages.drop(b)
 
     def free_all(self, blocks: list[int]):
         for b in reversed(blocks):  # the tail first, so a prompt's head stays cached longest
@@ -182,6 +204,17 @@ class BlockPool:
             t[:, dst * bs:(dst + 1) * bs] = t[:, src * bs:(src + 1) * bs]
         self.copies += 1
         return dst
+
+    def trim(self) -> int:
+        """Virtual storage: give unmapped physical pages back to the device (bytes returned)."""
+        return 0 if self.pages is None else self.pages.trim() * self.pages.page_bytes
+
+    @property
+    def committed_bytes(self) -> int:
+        """Device memory the K/V hold: the whole pool, or with virtual storage the pages taken."""
+        if self.pages is not None:
+            return self.pages.committed_bytes
+        return self.num_blocks * self.block_bytes
 
     # --- prefix cache ---------------------------------------------------------------------------
     def publish(self, b: int, h: int, tokens):

@@ -55,14 +55,19 @@ def packed_head_bytes(head_dim: int, bits: int, group_size: int) -> int:
     return head_dim * bits // 8 + 2 * 2 * (head_dim // group_size)
 
 
+def zeros_on(device):
+    """The plain allocator of storage tensors: zeros(shape, dtype) on `device` (the pool may pass its own)."""
+    return lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=device)
+
+
 class _Packed:
     """Codes + scales + biases of one of K or V for every layer and slot, at one bit width."""
 
-    def __init__(self, layers, slots, heads, head_dim, bits, group_size, device):
+    def __init__(self, layers, slots, heads, head_dim, bits, group_size, zeros):
         self.bits, self.group = bits, group_size
-        self.codes = torch.zeros(layers, slots, heads, head_dim * bits // 8, dtype=torch.uint8, device=device)
-        self.scale = torch.zeros(layers, slots, heads, head_dim // group_size, dtype=torch.float16, device=device)
-        self.bias = torch.zeros_like(self.scale)
+        self.codes = zeros((layers, slots, heads, head_dim * bits // 8), torch.uint8)
+        self.scale = zeros((layers, slots, heads, head_dim // group_size), torch.float16)
+        self.bias = zeros((layers, slots, heads, head_dim // group_size), torch.float16)
 
     def tensors(self):
         return [self.codes, self.scale, self.bias]
@@ -74,13 +79,13 @@ class _Packed:
 class PackedKV:
     """Packed K and V by slot at one width, the paged pool's storage with `kv_bits` (`BlockPool`)."""
 
-    def __init__(self, layers, slots, heads, head_dim, bits, group_size, device):
+    def __init__(self, layers, slots, heads, head_dim, bits, group_size, zeros):
         if bits not in (4, 8):
             raise KvboundError(f"the paged pool packs K/V at 8 or 4 bits, got {bits!r}")
         check_group(head_dim, group_size)
         self.bits, self.group = bits, group_size
-        self.k = _Packed(layers, slots, heads, head_dim, bits, group_size, device)
-        self.v = _Packed(layers, slots, heads, head_dim, bits, group_size, device)
+        self.k = _Packed(layers, slots, heads, head_dim, bits, group_size, zeros)
+        self.v = _Packed(layers, slots, heads, head_dim, bits, group_size, zeros)
         self.tensors = self.k.tensors() + self.v.tensors()
 
     def pack(self, k, v) -> list[torch.Tensor]:
@@ -114,10 +119,10 @@ class Fp8KV:
     the paged pool's storage with kv_bits="fp8" (vLLM's --kv-cache-dtype fp8). The decode kernel reads the codes
     and applies the scales once per key."""
 
-    def __init__(self, layers, slots, heads, head_dim, device):
+    def __init__(self, layers, slots, heads, head_dim, zeros):
         def side():
-            return [torch.zeros(layers, slots, heads, head_dim, dtype=torch.uint8, device=device),
-                    torch.zeros(layers, slots, heads, 1, dtype=torch.float16, device=device)]
+            return [zeros((layers, slots, heads, head_dim), torch.uint8),
+                    zeros((layers, slots, heads, 1), torch.float16)]
         self.tensors = side() + side()
 
     @staticmethod
@@ -167,8 +172,8 @@ class QuantizedStore:
         self.dtype, self.group, self.start = dtype, group_size, start
         shape = (layers, slots, heads, head_dim)
         widths = sorted({self.recent_bits, self.heavy_bits})
-        self.k = {b: _Packed(*shape, b, group_size, device) for b in widths}
-        self.v = {b: _Packed(*shape, b, group_size, device) for b in widths}
+        self.k = {b: _Packed(*shape, b, group_size, zeros_on(device)) for b in widths}
+        self.v = {b: _Packed(*shape, b, group_size, zeros_on(device)) for b in widths}
         # width of the token in each (layer, slot, head)
         self.width = torch.full((layers, slots, heads), self.recent_bits, dtype=torch.uint8, device=device)
         self.dense = None

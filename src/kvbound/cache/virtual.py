@@ -275,6 +275,96 @@ class VirtualPages:
         return region * self.region_pages * self.page_bytes + token * self.token_bytes
 
 
+class BlockPages:
+    """The engine's block pool in virtual ranges (`--kv-storage virtual`): each pool tensor is reserved whole
+    but stored token-major ([slots, layers, ...], exposed as the pool's [layers, slots, ...] view), so one
+    block's bytes are contiguous and physical pages back only the blocks that hold data (taken, or cached for
+    prefix reuse). A page is mapped (and zeroed) when its first such block appears and unmapped when its last
+    goes; unmapped pages wait for reuse until `trim` gives them back. Without the CUDA driver API (CPU, CI) the
+    tensors are dense and `HostPages` keeps the same accounting."""
+
+    def __init__(self, backend: PageBackend, device, block_size: int):
+        self.backend, self.device, self.block_size = backend, torch.device(device), block_size
+        self.page_bytes = backend.page_bytes
+        self.ranges: list[tuple[int, int]] = []  # (range, bytes of one slot over all layers)
+        self.users: dict[tuple[int, int], int] = {}  # (range index, page index) -> blocks holding data on it
+        self.mapped: dict[tuple[int, int], int] = {}  # (range index, page index) -> physical page
+        self.spare: list[int] = []  # physical pages unmapped, ready for reuse
+        self.reserved_bytes = 0
+
+    def zeros(self, shape, dtype) -> torch.Tensor:
+        """A pool tensor [layers, slots, ...] over a fresh reserved range (the allocator `BlockPool` passes down)."""
+        layers, slots, *rest = shape
+        row = layers * torch.empty((), dtype=dtype).element_size()
+        for d in rest:
+            row *= d
+        pages = -(-slots * row // self.page_bytes)
+        rng = self.backend.reserve(pages)
+        self.ranges.append((rng, row))
+        self.reserved_bytes += pages * self.page_bytes
+        token_major = (slots, layers, *rest)
+        if isinstance(self.backend, CudaPages):
+            return self.backend.tensor(rng, 0, token_major, dtype).transpose(0, 1)
+        return torch.zeros(token_major, dtype=dtype, device=self.device).transpose(0, 1)
+
+    def _pages(self, block: int):
+        bs = self.block_size
+        for i, (_, row) in enumerate(self.ranges):
+            for index in range(block * bs * row // self.page_bytes, -(-(block + 1) * bs * row // self.page_bytes)):
+                yield i, index
+
+    def hold(self, block: int):
+        """`block` now holds data: map the pages under it that no other block holds."""
+        for key in self._pages(block):
+            self.users[key] = self.users.get(key, 0) + 1
+            if self.users[key] == 1:
+                page = self.spare.pop() if self.spare else self.backend.create()
+                rng = self.ranges[key[0]][0]
+                self.backend.map(rng, key[1], page)
+                self.mapped[key] = page
+                if isinstance(self.backend, CudaPages):  # fresh bytes could read as NaN under masked attention
+                    self.backend.tensor(rng, key[1] * self.page_bytes, (self.page_bytes,)).zero_()
+
+    def drop(self, block: int):
+        """`block` holds nothing any more: unmap the pages under it that no other block holds."""
+        for key in self._pages(block):
+            self.users[key] -= 1
+            if self.users[key] == 0:
+                del self.users[key]
+                self.backend.unmap(self.ranges[key[0]][0], key[1])
+                self.spare.append(self.mapped.pop(key))
+
+    def trim(self) -> int:
+        """Give the spare pages back to the device; returns how many."""
+        n = len(self.spare)
+        for page in self.spare:
+            self.backend.release(page)
+        self.spare = []
+        return n
+
+    @property
+    def committed_bytes(self) -> int:
+        """Physical memory taken: mapped pages and spare ones."""
+        return (len(self.mapped) + len(self.spare)) * self.page_bytes
+
+    def close(self):
+        """Unmap and release every page and free the ranges; the pool's tensors must not be read after this."""
+        for (i, index), page in self.mapped.items():
+            self.backend.unmap(self.ranges[i][0], index)
+            self.spare.append(page)
+        self.mapped, self.users = {}, {}
+        self.trim()
+        for rng, _ in self.ranges:
+            self.backend.free(rng)
+        self.ranges = []
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # at interpreter exit the driver may be gone already
+            pass
+
+
 class CudaPages:
     """`PageBackend` on the CUDA driver's virtual memory API (cuda-bindings), on PyTorch's primary context.
     Pages are the allocation granularity (2 MiB on current drivers) unless a multiple is asked for."""

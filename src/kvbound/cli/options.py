@@ -242,7 +242,8 @@ def make_engine(args, model, tok, dtype):
                      num_blocks=pool_blocks(args, model.config, kv),
                      kv_cache_tokens=args.kv_cache_tokens, max_num_batched_tokens=args.max_num_batched_tokens,
                      max_num_seqs=args.max_num_seqs, prefill_chunk=args.prefill_chunk,
-                     kv_dtype=kv, kv_bits=engine_kv_bits(args), kv_group_size=args.kv_group_size)
+                     kv_dtype=kv, kv_bits=engine_kv_bits(args), kv_group_size=args.kv_group_size,
+                     kv_storage=args.kv_storage)
 
 
 def token_bytes(config, kv_dtype, kv_bits: int | None, group_size: int) -> int:
@@ -263,6 +264,9 @@ def add_engine_args(p):
     g.add_argument("--kv-cache-tokens", type=positive_int, default=16384)
     g.add_argument("--kv-cache-memory", type=positive_float, default=None, metavar="GiB",
                    help="size the KV pool by memory instead: GiB of K/V (sets the number of blocks)")
+    g.add_argument("--kv-storage", choices=("paged", "virtual"), default="paged",
+                   help="virtual: reserve the pool and commit GPU pages only under the blocks in use, giving them "
+                   "back when idle (CUDA driver virtual memory; dense with the same accounting elsewhere)")
     g.add_argument("--gpu-memory-utilization", type=positive_float, default=None, metavar="F",
                    help="size the KV pool as vLLM does: fraction F of the GPU's memory for this engine, less the "
                    "memory in use after loading and an estimate of the activations")

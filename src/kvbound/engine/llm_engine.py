@@ -79,7 +79,7 @@ class LLMEngine:
     def __init__(self, model, tokenizer=None, policy=None, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_tokens: int = 16384, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                  prefill_chunk: int = 512, kv_dtype=None, cuda_graphs: bool = True, graph_max_len: int = 8192,
-                 kv_bits: int | None = None, kv_group_size: int = 64):
+                 kv_bits: int | None = None, kv_group_size: int = 64, kv_storage: str = "paged"):
         """policy: the default eviction policy of a request (a policy object; FullPolicy when None).
         The pool holds `num_blocks` blocks of `block_size` tokens (default: kv_cache_tokens / block_size).
         On CUDA, whole decode steps replay CUDA graphs for batch sizes up to max_num_seqs: those of unbounded
@@ -89,7 +89,9 @@ class LLMEngine:
         kv_bits 8 or 4: the pool's blocks hold packed K/V (codes with an fp16 scale and bias per group of
         kv_group_size), quantized once as they are written; the same tokens then take a half or a quarter of
         the bf16 bytes, so kv_cache_tokens can grow in proportion for the same memory. kv_bits "fp8": float8
-        e4m3 codes with a scale per token and head (vLLM's --kv-cache-dtype fp8)."""
+        e4m3 codes with a scale per token and head (vLLM's --kv-cache-dtype fp8).
+        kv_storage "virtual": the pool is reserved, not committed: physical pages back only the blocks in use
+        (`cache.virtual.BlockPages`), and go back to the device whenever the engine falls idle."""
         cfg = model.config
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
@@ -100,7 +102,7 @@ class LLMEngine:
             raise KvboundError(f"kv_bits {kv_bits!r}: the paged pool packs one width, 8, 4 or 'fp8' (mixed widths "
                                "run on a single-sequence cache)")
         self.pool = BlockPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size,
-                              self.device, self.kv_dtype, kv_bits, kv_group_size)
+                              self.device, self.kv_dtype, kv_bits, kv_group_size, kv_storage)
         self.caches = PoolCaches(cfg, self.pool, self.device, self.kv_dtype, max_num_seqs + 1)
         self.scheduler = Scheduler(self.pool, self.caches, max_num_batched_tokens, max_num_seqs, prefill_chunk)
         self.eos_ids = set(tokenizer.eos_ids) if tokenizer is not None else set()
@@ -118,12 +120,18 @@ class LLMEngine:
         p = self.pool
         width = ("fp8 e4m3" if isinstance(p.packed, Fp8KV) else f"{p.packed.bits}-bit packed"
                  if p.packed is not None else str(p.dtype).removeprefix("torch."))
+        size = f"{p.num_blocks * p.block_bytes / 2**30:.2f} GiB"
+        if p.pages is not None:
+            size += f" reserved, {p.committed_bytes / 2**30:.2f} GiB committed (virtual storage)"
         return (f"KV pool: {p.num_blocks:,} blocks x {p.block_size} = {p.num_blocks * p.block_size:,} tokens, "
-                f"{width}, {p.num_blocks * p.block_bytes / 2**30:.2f} GiB")
+                f"{width}, {size}")
 
     def close(self):
         """Free the pool, the stacked metadata and the CUDA graphs now; the engine takes no more requests."""
+        pages = self.pool.pages if self.pool is not None else None
         self.graphs = self.pool = self.caches = self.scheduler = None
+        if pages is not None:  # virtual storage: unmap and release now, after everything reading the pool is gone
+            pages.close()
         self.requests.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -224,7 +232,10 @@ class LLMEngine:
         for s, (tok, logprob) in zip(seqs, picked):
             if self._append(s, tok, logprob, now) or not only_finished:
                 touched[s.request_id] = True
-        return [out for out in map(self._output, touched) if out.finished or not only_finished]
+        outs = [out for out in map(self._output, touched) if out.finished or not only_finished]
+        if not self.has_unfinished():
+            self.pool.trim()  # idle: virtual storage gives its unmapped pages back to the device
+        return outs
 
     def stream(self, request_id: str, on_step=None) -> Iterator[int]:
         """Token ids of the request's first completion as they are generated, stepping the engine (other
