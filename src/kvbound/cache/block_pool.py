@@ -71,6 +71,10 @@ class BlockPool:
         # its slot tables from here with one gather per step
         self.tables = torch.zeros(16, num_blocks, dtype=torch.int32, device=device)
         self.free_rows = list(range(15, -1, -1))
+        if self.pages is not None:
+            # block 0, held for good: the tables' unused entries point at it, since a batch's gather reads a
+            # whole table width and an entry left from a freed block could point at an unmapped page
+            self.reserve()
 
     def reserve(self) -> int:
         """A block that is never given back."""
@@ -85,6 +89,8 @@ class BlockPool:
         return self.free_rows.pop()
 
     def give_row(self, row: int):
+        if self.pages is not None:
+            self.tables[row].zero_()  # its blocks may be unmapped once freed: point the row at block 0 again
         self.free_rows.append(row)
 
     def set_blocks(self, row: int, blocks: list[int]):
