@@ -98,7 +98,9 @@ def write_ms(pool, rows, layers, reps=20):
     for packed pools: the quantize-on-write cost)."""
     k = torch.randn(rows, pool.kv_heads, pool.head_dim, device="cuda",
                     dtype=torch.bfloat16)
-    slots = torch.randperm(pool.num_blocks * pool.block_size, device="cuda")[:rows]
+    held = torch.tensor([b for b in range(pool.num_blocks) if pool.ref[b] > 0], device="cuda")  # mapped pages
+    slots = (held[:, None] * pool.block_size + torch.arange(pool.block_size, device="cuda")).flatten()
+    slots = slots[torch.randperm(len(slots), device="cuda")[:rows]]
     graph = torch.cuda.CUDAGraph()  # replayed, as the decode step's writes are: no launch overhead counted
     with torch.cuda.graph(graph):
         for layer in range(layers):
