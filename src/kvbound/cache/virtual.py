@@ -39,6 +39,15 @@ class PageBackend(Protocol):
     def write(self, rng: int, offset: int, data: torch.Tensor) -> None: ...
 
 
+def release_all(backend: PageBackend, pages: list[int]) -> int:
+    """Release unmapped physical pages to the device and empty the list; returns how many."""
+    n = len(pages)
+    for page in pages:
+        backend.release(page)
+    pages.clear()
+    return n
+
+
 class HostPages:
     """`PageBackend` simulated with host tensors: a page is a uint8 tensor, a range a dict of mapped pages.
     Writes through one range land in the page, so every range mapping it sees them, as on the GPU."""
@@ -170,11 +179,7 @@ class VirtualPages:
 
     def trim(self) -> int:
         """Give the pool's spare pages back to the device; returns how many."""
-        n = len(self.pool)
-        for page in self.pool:
-            self.backend.release(page)
-        self.pool = []
-        return n
+        return release_all(self.backend, self.pool)
 
     # --- sequences -------------------------------------------------------------------------------
     def add(self, sid) -> SequencePages:
@@ -336,11 +341,7 @@ class BlockPages:
 
     def trim(self) -> int:
         """Give the spare pages back to the device; returns how many."""
-        n = len(self.spare)
-        for page in self.spare:
-            self.backend.release(page)
-        self.spare = []
-        return n
+        return release_all(self.backend, self.spare)
 
     @property
     def committed_bytes(self) -> int:
