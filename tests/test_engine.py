@@ -636,3 +636,28 @@ def test_virtual_storage_on_cuda_maps_pages_as_blocks_fill_and_gives_them_back(m
             llm.engine.close()
     finally:
         model32.cpu()
+
+
+# --- swap: preempted sequences' blocks in host memory ----------------------------------------------------
+
+
+def test_preempted_sequences_resume_from_host_copies_with_the_same_outputs(model):
+    """In a pool too small for all, preempted unbounded sequences copy their full blocks to host memory and
+    get them back on resume: outputs equal a roomy pool's and recompute-only preemption's, and of the tokens
+    they had processed only those of a partial block are computed again."""
+    reqs = [(prompt(70 + i, 20 + 8 * i), None) for i in range(8)]
+    roomy, _ = run_engine(model, reqs, num_blocks=256, max_num_batched_tokens=48)
+    runs = {}
+    for swap in (0, 1.0):
+        got, engine = run_engine(model, reqs, num_blocks=16, block_size=8, max_num_batched_tokens=48,
+                                 swap_space=swap)
+        assert got == roomy, swap
+        runs[swap] = engine.scheduler
+    recompute, swapped = runs[0].stats, runs[1.0].stats
+    assert recompute["preemptions"] > 0 and recompute["swapped_out_blocks"] == 0
+    assert swapped["swapped_out_blocks"] > 0 and swapped["swapped_in_blocks"] > 0
+    assert swapped["recomputed_tokens"] < 8 * swapped["preemptions"]  # at most a partial block each
+    assert recompute["recomputed_tokens"] > 8 * swapped["recomputed_tokens"]
+    assert runs[1.0].swap_left == 2**30  # every host copy was given back
+    with pytest.raises(KvboundError, match="swap_space must be >= 0"):
+        LLMEngine(model, num_blocks=4, swap_space=-1)

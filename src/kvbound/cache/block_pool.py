@@ -222,6 +222,27 @@ class BlockPool:
             return self.pages.committed_bytes
         return self.num_blocks * self.block_bytes
 
+    # --- host copies (swap) ------------------------------------------------------------------------
+    def _slots(self, blocks: list[int]) -> torch.Tensor:
+        bs = self.block_size
+        return (torch.tensor(blocks, device=self.device)[:, None] * bs + torch.arange(bs, device=self.device)).flatten()
+
+    def read_blocks(self, blocks: list[int]) -> list[torch.Tensor]:
+        """The stored bytes of `blocks`, every layer, copied to host memory (pinned where the pool is on CUDA)."""
+        slots = self._slots(blocks)
+        out = []
+        for t in self.raw:
+            got = t.index_select(1, slots)
+            host = torch.empty(got.shape, dtype=got.dtype, pin_memory=got.is_cuda)
+            out.append(host.copy_(got))
+        return out
+
+    def write_blocks(self, blocks: list[int], host: list[torch.Tensor]):
+        """Bytes from `read_blocks` (of as many blocks) back into `blocks`."""
+        slots = self._slots(blocks)
+        for t, x in zip(self.raw, host):
+            t[:, slots] = x.to(self.device, non_blocking=True)
+
     # --- prefix cache ---------------------------------------------------------------------------
     def publish(self, b: int, h: int, tokens):
         """Make full block `b` findable by its hash. Its owner promises never to write it again."""

@@ -27,15 +27,20 @@ positive_int = int_at_least(1, "a positive integer")
 nonneg_int = int_at_least(0, "an integer >= 0")
 
 
-def positive_float(s):
-    """An argparse type: a finite number > 0."""
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}")
-    return v
+def finite_float(strict: bool):
+    """An argparse type: a finite number > 0 (strict) or >= 0."""
+    def parse(s):
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+        if not (v > 0 if strict else v >= 0) or v == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number {'>' if strict else '>='} 0, got {s}")
+        return v
+    return parse
+
+
+positive_float, nonneg_float = finite_float(True), finite_float(False)
 
 
 def int_list(s):
@@ -243,7 +248,7 @@ def make_engine(args, model, tok, dtype):
                      kv_cache_tokens=args.kv_cache_tokens, max_num_batched_tokens=args.max_num_batched_tokens,
                      max_num_seqs=args.max_num_seqs, prefill_chunk=args.prefill_chunk,
                      kv_dtype=kv, kv_bits=engine_kv_bits(args), kv_group_size=args.kv_group_size,
-                     kv_storage=args.kv_storage)
+                     kv_storage=args.kv_storage, swap_space=args.swap_space)
 
 
 def token_bytes(config, kv_dtype, kv_bits: int | None, group_size: int) -> int:
@@ -267,6 +272,9 @@ def add_engine_args(p):
     g.add_argument("--kv-storage", choices=("paged", "virtual"), default="paged",
                    help="virtual: reserve the pool and commit GPU pages only under the blocks in use, giving them "
                    "back when idle (CUDA driver virtual memory; dense with the same accounting elsewhere)")
+    g.add_argument("--swap-space", type=nonneg_float, default=4.0, metavar="GiB",
+                   help="host memory for preempted sequences' KV blocks, restored on resume instead of "
+                   "recomputed (0: recompute)")
     g.add_argument("--gpu-memory-utilization", type=positive_float, default=None, metavar="F",
                    help="size the KV pool as vLLM does: fraction F of the GPU's memory for this engine, less the "
                    "memory in use after loading and an estimate of the activations")

@@ -79,7 +79,8 @@ class LLMEngine:
     def __init__(self, model, tokenizer=None, policy=None, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_tokens: int = 16384, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                  prefill_chunk: int = 512, kv_dtype=None, cuda_graphs: bool = True, graph_max_len: int = 8192,
-                 kv_bits: int | None = None, kv_group_size: int = 64, kv_storage: str = "paged"):
+                 kv_bits: int | None = None, kv_group_size: int = 64, kv_storage: str = "paged",
+                 swap_space: float = 4.0):
         """policy: the default eviction policy of a request (a policy object; FullPolicy when None).
         The pool holds `num_blocks` blocks of `block_size` tokens (default: kv_cache_tokens / block_size).
         On CUDA, whole decode steps replay CUDA graphs for batch sizes up to max_num_seqs: those of unbounded
@@ -91,7 +92,11 @@ class LLMEngine:
         the bf16 bytes, so kv_cache_tokens can grow in proportion for the same memory. kv_bits "fp8": float8
         e4m3 codes with a scale per token and head (vLLM's --kv-cache-dtype fp8).
         kv_storage "virtual": the pool is reserved, not committed: physical pages back only the blocks in use
-        (`cache.virtual.BlockPages`), and go back to the device whenever the engine falls idle."""
+        (`cache.virtual.BlockPages`), and go back to the device whenever the engine falls idle.
+        swap_space: GiB of host memory for the full blocks of preempted unbounded sequences (vLLM's
+        --swap-space); they come back when the sequence resumes instead of being recomputed. 0: recompute."""
+        if not swap_space >= 0:
+            raise KvboundError(f"swap_space must be >= 0 GiB, got {swap_space}")
         cfg = model.config
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
@@ -104,7 +109,8 @@ class LLMEngine:
         self.pool = BlockPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size,
                               self.device, self.kv_dtype, kv_bits, kv_group_size, kv_storage)
         self.caches = PoolCaches(cfg, self.pool, self.device, self.kv_dtype, max_num_seqs + 1)
-        self.scheduler = Scheduler(self.pool, self.caches, max_num_batched_tokens, max_num_seqs, prefill_chunk)
+        self.scheduler = Scheduler(self.pool, self.caches, max_num_batched_tokens, max_num_seqs, prefill_chunk,
+                                   int(swap_space * 2**30))
         self.eos_ids = set(tokenizer.eos_ids) if tokenizer is not None else set()
         self.requests: dict[str, list[Sequence]] = {}
         self._ids = itertools.count()

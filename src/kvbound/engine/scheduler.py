@@ -4,8 +4,10 @@ Every step (vLLM v1's order): running decodes first, one token each; then prefil
 sequences; then waiting sequences are admitted in arrival order while the per-step token budget
 (`max_num_batched_tokens`), the sequence limit and free blocks allow. A decode that needs a block when
 none is free preempts the newest running sequence: its blocks are freed and it goes back to the front of
-the queue, to be recomputed later (preemption by recompute). A request that could never fit in the pool is
-refused when it is added.
+the queue. An unbounded sequence's full blocks are first copied to host memory while `swap_bytes` allow
+(vLLM's --swap-space); when it is admitted again they come back as prefix-cache hits (those still cached
+are taken as they are), so only the tokens of its last, partial block are computed again. Other preempted
+sequences are recomputed. A request that could never fit in the pool is refused when it is added.
 
 Chunk boundaries of a bounded (evicting) sequence are fixed by the sequence alone: its prompt is fed in
 pieces ending at multiples of `prefill_chunk`, and tokens it generated (replayed after a preemption) one
@@ -52,6 +54,8 @@ class Sequence:
     logprobs: list[dict] = field(default_factory=list)  # per generated token, when the request asks for them
     text: str | None = None  # the output text so far, kept when the request has stop strings
     decoder: object = None  # its incremental detokenizer (models.tokenizer.StreamDecoder)
+    swapped: tuple | None = None  # while preempted: (full blocks, their bytes in host memory) to restore
+    seen_at_preemption: int = 0  # tokens its cache had processed when it was last preempted
 
     @property
     def tokens(self) -> list[int]:
@@ -97,7 +101,7 @@ class Sequence:
 
 class Scheduler:
     def __init__(self, pool, make_cache, max_num_batched_tokens: int = 512, max_num_seqs: int = 256,
-                 prefill_chunk: int = 512):
+                 prefill_chunk: int = 512, swap_bytes: int = 0):
         if max_num_batched_tokens < prefill_chunk:
             raise KvboundError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= prefill_chunk "
                                f"({prefill_chunk}): a bounded sequence's prefill pieces are whole chunks")
@@ -108,7 +112,9 @@ class Scheduler:
         self.chunk = prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.stats = dict(preemptions=0, prompt_tokens=0, prefix_hit_tokens=0, steps=0)
+        self.swap_left = swap_bytes  # host memory left for preempted sequences' blocks
+        self.stats = dict(preemptions=0, prompt_tokens=0, prefix_hit_tokens=0, steps=0, swapped_out_blocks=0,
+                          swapped_in_blocks=0, recomputed_tokens=0)
 
     # --- requests -------------------------------------------------------------------------------
     def blocks_to_finish(self, seq: Sequence) -> int:
@@ -163,6 +169,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.cache is None:
                 self._attach_cache(seq)
+                if seq.cache is None:  # its swapped-out blocks do not fit yet: it waits for room, in order
+                    break
             t = seq.next_piece(room, self.chunk)
             if not t or not self._take(seq, t):
                 if not self.running:  # nothing will free blocks: must not happen when `add` checked
@@ -170,6 +178,9 @@ class Scheduler:
                 seq.drop_cache()
                 break
             self.waiting.popleft()
+            if seq.preemptions:  # tokens processed before that neither the swap nor the prefix cache gave back
+                self.stats["recomputed_tokens"] += max(0, seq.seen_at_preemption - seq.cache.seen)
+                self._drop_swap(seq)
             if seq.preemptions == 0:  # counted once: recomputation after a preemption is no hit (vLLM #25780)
                 self.stats["prompt_tokens"] += len(seq.prompt)
                 self.stats["prefix_hit_tokens"] += seq.hit_tokens
@@ -209,18 +220,62 @@ class Scheduler:
         share: all full blocks but the one holding the last prompt token (which must be computed to give
         logits), and for a bounded sequence only blocks inside its protected prefix (it never writes those)."""
         bs = self.pool.block_size
-        limit = (len(seq.prompt) - 1) // bs
+        tokens = seq.prompt if seq.swapped is None else seq.tokens
+        limit = (len(tokens) - 1) // bs
         if seq.bounded:
             limit = min(limit, seq.policy.protected_prefix // bs)
-        hits = self.pool.match_prefix(seq.prompt, limit)
+        hits = self.pool.match_prefix(tokens, limit)
+        if seq.swapped is not None:
+            restored = self._swap_in(seq, tokens, len(hits), limit)
+            if restored is None:
+                self.pool.free_all(hits)
+                return
+            hits += restored
         seq.cache = self.make_cache(seq.policy, hits)
         if hits:
             seq.cache.adopt_prefix(len(hits) * bs)
         seq.published, seq.last_hash = 0, None
         seq.hit_tokens = len(hits) * bs
 
+    def _swap_in(self, seq: Sequence, tokens: list[int], first: int, limit: int) -> list[int] | None:
+        """A swapped-out sequence's blocks [first, its full blocks) written back into fresh blocks and published
+        under their hashes; None while the pool has no room for all of them."""
+        full, host = seq.swapped
+        n, bs = min(full, limit) - first, self.pool.block_size
+        if n <= 0:
+            return []
+        if n > self.pool.num_free:
+            return None
+        blocks = [self.pool.allocate() for _ in range(n)]
+        self.pool.write_blocks(blocks, [x[:, first * bs:(first + n) * bs] for x in host])
+        h = None
+        for i in range(first + n):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            h = block_hash(h, chunk)
+            if i >= first:
+                self.pool.publish(blocks[i - first], h, chunk)
+        self.stats["swapped_in_blocks"] += n
+        return blocks
+
+    def _swap_out(self, seq: Sequence):
+        """Copy an unbounded sequence's full blocks to host memory, if the swap space has room."""
+        full = len(seq.cache) // self.pool.block_size
+        need = full * self.pool.block_bytes
+        if seq.bounded or not full or need > self.swap_left:
+            return
+        seq.swapped = (full, self.pool.read_blocks(seq.cache.store.blocks[:full]))
+        self.swap_left -= need
+        self.stats["swapped_out_blocks"] += full
+
+    def _drop_swap(self, seq: Sequence):
+        if seq.swapped is not None:
+            self.swap_left += seq.swapped[0] * self.pool.block_bytes
+            seq.swapped = None
+
     def preempt(self, seq: Sequence):
         self.running.remove(seq)
+        self._swap_out(seq)
+        seq.seen_at_preemption = seq.cache.seen
         seq.drop_cache()
         seq.status = WAITING
         seq.preemptions += 1
@@ -238,6 +293,7 @@ class Scheduler:
             self.finish(seq, "abort")
         elif seq.status == WAITING:
             self.waiting.remove(seq)
+            self._drop_swap(seq)
             if seq.cache is not None:
                 seq.drop_cache()
             seq.status, seq.finish_reason = FINISHED, "abort"
