@@ -213,6 +213,8 @@ def test_disconnected_clients_free_their_blocks(live):
         assert time.time() < deadline, "blocks still in use after the clients went away"
         time.sleep(0.1)
     assert live.metric('kvbound:request_success_total{finished_reason="abort"}') >= 4
+    assert live.metric("kvbound:kv_committed_bytes") > 0  # a paged pool: all of it, all the time
+    assert live.metric("kvbound:swapped_out_blocks_total") == live.metric("kvbound:swapped_in_blocks_total") == 0
 
 
 def test_flood_past_max_waiting_gets_200_or_429_and_nothing_mixed(smollm, offline):

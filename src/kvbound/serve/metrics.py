@@ -20,7 +20,16 @@ class ServerMetrics:
         self.prefix_queries = Counter("kvbound:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       registry=r)
         self.prefix_hits = Counter("kvbound:prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
-        self.preemptions = Counter("kvbound:num_preemptions", "Sequences preempted (recomputed later)", registry=r)
+        self.preemptions = Counter("kvbound:num_preemptions", "Sequences preempted (swapped out or recomputed "
+                                   "later)", registry=r)
+        self.swapped_out = Counter("kvbound:swapped_out_blocks", "KV blocks of preempted sequences copied to host "
+                                   "memory", registry=r)
+        self.swapped_in = Counter("kvbound:swapped_in_blocks", "KV blocks restored from host memory on resume",
+                                  registry=r)
+        self.recomputed = Counter("kvbound:recomputed_tokens", "Tokens processed again after a preemption",
+                                  registry=r)
+        self.committed = Gauge("kvbound:kv_committed_bytes", "Device memory under the KV pool (virtual storage: "
+                               "the pages mapped and spare)", registry=r)
         self.tokens_evicted = Counter("kvbound:tokens_evicted", "Tokens evicted from finished requests' caches "
                                       "(per layer)", registry=r)
         self.prompt_tokens = Counter("kvbound:prompt_tokens", "Prompt tokens of admitted requests", registry=r)
@@ -39,7 +48,8 @@ class ServerMetrics:
                                 ["finished_reason"], registry=r)
         self.rejected = Counter("kvbound:requests_rejected", "Requests refused because the queue was full",
                                 registry=r)
-        self._seen = {"preemptions": 0, "prompt_tokens": 0, "prefix_hit_tokens": 0}
+        self._seen = {"preemptions": 0, "prompt_tokens": 0, "prefix_hit_tokens": 0, "swapped_out_blocks": 0,
+                      "swapped_in_blocks": 0, "recomputed_tokens": 0}
 
     def read_engine(self, engine, running_requests: int, waiting_requests: int):
         """Gauges and the scheduler's counters, read from the engine's thread when /metrics is scraped."""
@@ -50,8 +60,10 @@ class ServerMetrics:
         self.kv_usage.set(used / usable if usable else 0.0)
         self.running.set(running_requests)
         self.waiting.set(waiting_requests)
+        self.committed.set(pool.committed_bytes)
         for key, counter in (("preemptions", self.preemptions), ("prompt_tokens", self.prefix_queries),
-                             ("prefix_hit_tokens", self.prefix_hits)):
+                             ("prefix_hit_tokens", self.prefix_hits), ("swapped_out_blocks", self.swapped_out),
+                             ("swapped_in_blocks", self.swapped_in), ("recomputed_tokens", self.recomputed)):
             counter.inc(stats[key] - self._seen[key])
             self._seen[key] = stats[key]
 
