@@ -327,6 +327,42 @@ def test_evict_decode_matches_torch_path(spec):
         torch.testing.assert_close(score.cpu(), ref_meta.score[:, layer], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_fused_evict_decode_on_packed_pools_matches_torch_path(bits):
+    """Packed pools (8/4-bit codes, group 32): the fused store quantizes the new token into each head's spare
+    slot bit for bit as the pool's PyTorch packer, and attention and victims follow."""
+    import copy
+    from kvbound.cache.block_pool import BlockPool
+    from kvbound.cache.policies import parse_policy
+    from kvbound.engine.runner import EvictGroup
+    from kvbound.kernels.triton_decode import evict_decode
+    pol = parse_policy("h2o:sink=2,heavy=5,recent=3")
+    meta, dense, table, rows, step = _evict_state(pol, 11 + bits)
+    layers, slots, heads, d = dense.k.shape
+    pool = BlockPool(layers, heads, d, slots, 1, kv_bits=bits, group_size=32)
+    for layer in range(layers):
+        pool.write(layer, torch.arange(slots), dense.k[layer], dense.v[layer])
+    ref_meta, ref_pool = copy.deepcopy(meta), copy.deepcopy(pool)
+    layer = 1
+    want = EvictGroup(ref_pool, ref_meta, rows, table).attend(layer, step["q"], step["k"], step["v"],
+                                                                  step["positions"])
+    lens = torch.full((len(rows),), table.shape[1], dtype=torch.int32)
+    dev = lambda t: t.to(DEV)  # noqa: E731
+    kc, vc, quant = pool.kernel_args(layer)
+    raw = [dev(t[layer]) for t in pool.raw]  # K codes, scales, biases, then V's
+    quant = dict(quant, k_scale=raw[1], k_bias=raw[2], v_scale=raw[4], v_bias=raw[5])
+    pos, spare = dev(meta.pos[:, layer]), dev(meta.spare[:, layer])
+    score = dev(meta.score[:, layer])
+    got = evict_decode(dev(step["q"]), dev(step["k"]), dev(step["v"]), raw[0], raw[3], dev(table), dev(lens),
+                       dev(rows), dev(step["positions"]), pos, spare, score, pol.score, pol.ema_decay,
+                       *pol.fused_protection(), quant=quant)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+    for got_t, want_t in zip(raw, ref_pool.raw):
+        assert torch.equal(got_t.cpu(), want_t[layer])
+    assert torch.equal(pos.cpu(), ref_meta.pos[:, layer]) and torch.equal(spare.cpu(), ref_meta.spare[:, layer])
+    torch.testing.assert_close(score.cpu(), ref_meta.score[:, layer], atol=1e-6, rtol=1e-5)
+
+
 def test_fused_victim_refuses_pinned_spans_past_the_prefix():
     from kvbound.cache.policies import parse_policy
     assert parse_policy("h2o:sink=4,heavy=8,recent=4", pinned=((2, 9),)).fused_protection() == (9, 4)

@@ -93,13 +93,11 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
     head's new token goes into its spare slot, attends over all table.shape[1] slots in place while this
     step's probabilities fold into the scores, and the head's victim's slot becomes the next spare.
     Nothing else moves. On CUDA, a protection the kernel knows runs as five fused kernels
-    (`kernels.triton_decode.evict_decode`; packed pools store with `store_kv` first), the same steps as below."""
+    (`kernels.triton_decode.evict_decode`; packed pools are written quantized), the same steps as below."""
     fused = policy.fused_protection()
     args = kernel_reads(storage, layer, q, policy)
     if q.is_cuda and fused is not None and args is not None:
         from ..kernels.triton_decode import evict_decode as fused_step
-        if args[2] is not None:  # packed: the store kernel quantizes each head's new token into its spare slot
-            storage.write(layer, table.gather(1, spare[rows]), k, v, EACH_HEAD)
         return fused_step(q, k, v, args[0], args[1], table, lens, rows, positions, pos, spare, score, policy.fold,
                           policy.fold_decay, *fused, quant=args[2])
     r, heads = rows[:, None], torch.arange(k.shape[1], device=k.device)[None, :]

@@ -488,23 +488,30 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
 
 
 @triton.jit
-def _evict_store_kernel(KN, VN, KP, VP, Table, Rows, Spare, Pos, Score, Positions, stride_nt, stride_nh,
-                        stride_ps, stride_ph, stride_tb, stride_spr, stride_pr, stride_pj, stride_sr, stride_sj,
-                        D: tl.constexpr, DP: tl.constexpr, HAS_SCORE: tl.constexpr, WRITE_KV: tl.constexpr):
-    """Sequence b, KV head h: the new token goes into the head's spare slot (K, V, position, score 0). Packed
-    pools (WRITE_KV off) had K/V stored, quantized, by `store_kv` first."""
+def _evict_store_kernel(KN, VN, KP, VP, KS, KB, VS, VB, Table, Rows, Spare, Pos, Score, Positions, stride_nt,
+                        stride_nh, stride_ps, stride_ph, stride_ss, stride_sh, stride_tb, stride_spr, stride_pr,
+                        stride_pj, stride_sr, stride_sj, D: tl.constexpr, DP: tl.constexpr, HAS_SCORE: tl.constexpr,
+                        BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr):
+    """Sequence b, KV head h: the new token goes into the head's spare slot (K, V, position, score 0); packed
+    pools (BITS 8/4, or FP8) take it quantized, as `store_kv` writes it."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.load(Rows + b)
     j = tl.load(Spare + row * stride_spr + h)
     slot = tl.load(Table + b * stride_tb + j).to(tl.int64)
-    offs = tl.arange(0, DP)
-    dm = offs < D
-    k = tl.load(KN + b * stride_nt + h * stride_nh + offs, mask=dm)
-    v = tl.load(VN + b * stride_nt + h * stride_nh + offs, mask=dm)
-    if WRITE_KV:
+    if BITS == 16 and not FP8:  # any head size: a masked row
+        offs = tl.arange(0, DP)
+        dm = offs < D
+        k = tl.load(KN + b * stride_nt + h * stride_nh + offs, mask=dm)
+        v = tl.load(VN + b * stride_nt + h * stride_nh + offs, mask=dm)
         tl.store(KP + slot * stride_ps + h * stride_ph + offs, k.to(KP.dtype.element_ty), mask=dm)
         tl.store(VP + slot * stride_ps + h * stride_ph + offs, v.to(VP.dtype.element_ty), mask=dm)
+    else:
+        offs = tl.arange(0, D)
+        k = tl.load(KN + b * stride_nt + h * stride_nh + offs)
+        v = tl.load(VN + b * stride_nt + h * stride_nh + offs)
+        _put(k, KP, KS, KB, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D, BITS, GS, FP8)
+        _put(v, VP, VS, VB, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D, BITS, GS, FP8)
     tl.store(Pos + row * stride_pr + j * stride_pj + h, tl.load(Positions + b).to(tl.int32))
     if HAS_SCORE:
         tl.store(Score + row * stride_sr + j * stride_sj + h, 0.0)
@@ -516,15 +523,21 @@ def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spa
     slot, attention with score export over the `table` slots, and each head's next victim, which becomes
     its spare slot. pos/score/spare are the layer's stacked metadata [R, cap, H] / [R, H], read at
     rows[b]. Same result as the PyTorch route of `cache.steps.evict_decode` for policies whose protected
-    tokens are a prefix of positions plus the `recent` newest. With `quant` (a packed pool) the caller has
-    already stored the new K/V in the spare slots."""
+    tokens are a prefix of positions plus the `recent` newest. With `quant` (a packed pool, as for
+    `decode_attention`) the new K/V are quantized into the spare slots."""
     bsz, hkv, d = k.shape
     sc = score if score is not None else pos
+    fp8 = quant is not None and quant["bits"] == "fp8"
+    ks = kb = vs = vb = k_pool
+    if quant is not None:
+        ks, vs = quant["k_scale"], quant["v_scale"]
+        kb, vb = (ks, vs) if fp8 else (quant["k_bias"], quant["v_bias"])
     _evict_store_kernel[(bsz, hkv)](
-        k, v, k_pool, v_pool, table, rows, spare, pos, sc, positions, k.stride(0), k.stride(1),
-        k_pool.stride(0), k_pool.stride(1), table.stride(0), spare.stride(0), pos.stride(0), pos.stride(1),
-        sc.stride(0), sc.stride(1), D=d, DP=triton.next_power_of_2(d), HAS_SCORE=score is not None,
-        WRITE_KV=quant is None)
+        k, v, k_pool, v_pool, ks, kb, vs, vb, table, rows, spare, pos, sc, positions, k.stride(0), k.stride(1),
+        k_pool.stride(0), k_pool.stride(1), ks.stride(0), ks.stride(1), table.stride(0), spare.stride(0),
+        pos.stride(0), pos.stride(1), sc.stride(0), sc.stride(1), D=d, DP=triton.next_power_of_2(d),
+        HAS_SCORE=score is not None, BITS=16 if quant is None or fp8 else quant["bits"],
+        GS=d if quant is None or fp8 else quant["group"], FP8=fp8)
     return decode_attention(q, k_pool, v_pool, table, lens, score=score, score_mode=score_mode, ema_decay=ema_decay,
                             quant=quant, rows=rows, victim=dict(pos=pos, spare=spare, positions=positions, prefix=prefix,
                                                    recent=recent, by_score=score is not None))
@@ -538,8 +551,16 @@ def _store_kernel(X, Slots, P, PS, PB, stride_xt, stride_xh, stride_st, stride_s
     slot = tl.load(Slots + t * stride_st + h * stride_sth).to(tl.int64)
     if slot < 0:
         return
+    x = tl.load(X + t * stride_xt + h * stride_xh + tl.arange(0, D))
+    _put(x, P, PS, PB, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D, BITS, GS, FP8)
+
+
+@triton.jit
+def _put(x, P, PS, PB, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D: tl.constexpr, BITS: tl.constexpr,
+         GS: tl.constexpr, FP8: tl.constexpr):
+    """One token's K or V of head h ([D]) into `slot`: as is (BITS 16), as fp8 codes and a scale, or as packed
+    8/4-bit codes with a scale and bias per group, bit for bit as the PyTorch packers."""
     offs_d = tl.arange(0, D)
-    x = tl.load(X + t * stride_xt + h * stride_xh + offs_d)
     if FP8:  # e4m3 codes and an fp16 scale per token and head (its largest magnitude maps to 448), as `Fp8KV`
         xf = x.to(tl.float32)
         sc = tl.maximum(tl.max(tl.abs(xf), 0) / 448.0, 1e-7).to(tl.float16)
