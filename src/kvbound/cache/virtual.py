@@ -371,7 +371,11 @@ class CudaPages:
     Pages are the allocation granularity (2 MiB on current drivers) unless a multiple is asked for."""
 
     def __init__(self, device=None, page_bytes: int | None = None):
-        from cuda.bindings import driver
+        try:
+            from cuda.bindings import driver
+        except ImportError:
+            raise KvboundError("virtual KV storage on CUDA needs cuda-bindings: pip install 'kvbound[gpu]' "
+                               "(or cuda-bindings), or use --kv-storage paged") from None
         self.cu = driver
         torch.cuda.init()
         self.device = torch.device("cuda", torch.cuda.current_device() if device is None else torch.device(device).index)
