@@ -526,9 +526,13 @@ def test_fp8_pool_round_trip_stays_within_e4m3_precision():
 
 
 def test_fp8_pool_batches_equal_alone_and_survive_prefix_hits_and_preemption(model32):
+    """Preemption by recompute (swap_space=0): with swaps, other batches form, and e4m3's coarse codes can turn
+    a last-bit difference of a batched matmul into another code (the swap itself restores bytes exactly:
+    test_swapped_bounded_caches_come_back_bit_for_bit)."""
     reqs = mixed_requests()
     roomy, _ = run_engine(model32, reqs, num_blocks=256, max_num_batched_tokens=48, kv_bits="fp8")
-    tight, engine = run_engine(model32, reqs, num_blocks=10, block_size=8, max_num_batched_tokens=48, kv_bits="fp8")
+    tight, engine = run_engine(model32, reqs, num_blocks=10, block_size=8, max_num_batched_tokens=48, kv_bits="fp8",
+                               swap_space=0)
     assert engine.scheduler.stats["preemptions"] > 0 and tight == roomy
     for (ids, pol), out in list(zip(reqs, roomy))[:3]:
         single, _ = run_engine(model32, [(ids, pol)], num_blocks=256, max_num_batched_tokens=48, kv_bits="fp8")
@@ -661,3 +665,31 @@ def test_preempted_sequences_resume_from_host_copies_with_the_same_outputs(model
     assert runs[1.0].swap_left == 2**30  # every host copy was given back
     with pytest.raises(KvboundError, match="swap_space must be >= 0"):
         LLMEngine(model, num_blocks=4, swap_space=-1)
+
+
+@pytest.mark.parametrize("bits", [None, 8, "fp8"])
+def test_swapped_bounded_caches_come_back_bit_for_bit(model32, bits, monkeypatch):
+    """Every bounded cache restored from host memory holds exactly the bytes and metadata it was preempted with,
+    and a mixed batch under a tight pool still gives the roomy pool's outputs (float32 and 8-bit)."""
+    from kvbound.engine import scheduler
+    restore, checked = scheduler.Scheduler._restore, []
+
+    def checking(self, seq):
+        state = seq.swapped[1]
+        restore(self, seq)
+        if seq.cache is not None:
+            again = seq.cache.snapshot()
+            assert all(torch.equal(a, b) for a, b in zip(state["bytes"], again["bytes"]))
+            assert torch.equal(state["pos"], again["pos"]) and torch.equal(state["spare"], again["spare"])
+            assert state["score"] is None or torch.equal(state["score"], again["score"])
+            assert (state["n"], state["has_spare"], state["seen"]) == (again["n"], again["has_spare"], again["seen"])
+            checked.append(seq.request_id)
+    monkeypatch.setattr(scheduler.Scheduler, "_restore", checking)
+    reqs = mixed_requests()
+    tight, engine = run_engine(model32, reqs, num_blocks=10, block_size=8, max_num_batched_tokens=48, kv_bits=bits,
+                               kv_group_size=32)
+    assert checked and engine.scheduler.stats["swapped_in_blocks"] > 0
+    if bits != "fp8":
+        roomy, _ = run_engine(model32, reqs, num_blocks=256, max_num_batched_tokens=48, kv_bits=bits,
+                              kv_group_size=32)
+        assert tight == roomy

@@ -161,6 +161,25 @@ class KVCache:
             self.stacked[0].give(self.stacked[1])
             self.stacked = None
 
+    def snapshot(self) -> dict:
+        """This paged cache's whole state in host memory: its blocks' bytes and its metadata (a preempted
+        bounded cache, swapped out; `restore` brings it back into a fresh cache)."""
+        return dict(slots=self.store.capacity, bytes=self.store.pool.read_blocks(self.store.blocks),
+                    pos=self.pos.cpu(), score=None if self.score is None else self.score.cpu(),
+                    spare=self.spare.cpu(), n=list(self.n), has_spare=list(self.has_spare), seen=self.seen)
+
+    def restore(self, state: dict):
+        """Take a `snapshot`'s state: blocks from the pool, written back, and the metadata copied."""
+        if self.seen:
+            raise KvboundError("restore: the cache already holds tokens")
+        self._grow(state["slots"])
+        self.store.pool.write_blocks(self.store.blocks, state["bytes"])
+        self.pos.copy_(state["pos"])
+        if self.score is not None:
+            self.score.copy_(state["score"])
+        self.spare.copy_(state["spare"])
+        self.n, self.has_spare, self.seen = list(state["n"]), list(state["has_spare"]), state["seen"]
+
     def adopt_prefix(self, t: int):
         """The store's first t slots already hold tokens [0, t) (a prefix-cache hit): take them as processed."""
         if self.seen:

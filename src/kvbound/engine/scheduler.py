@@ -4,10 +4,11 @@ Every step (vLLM v1's order): running decodes first, one token each; then prefil
 sequences; then waiting sequences are admitted in arrival order while the per-step token budget
 (`max_num_batched_tokens`), the sequence limit and free blocks allow. A decode that needs a block when
 none is free preempts the newest running sequence: its blocks are freed and it goes back to the front of
-the queue. An unbounded sequence's full blocks are first copied to host memory while `swap_bytes` allow
-(vLLM's --swap-space); when it is admitted again they come back as prefix-cache hits (those still cached
-are taken as they are), so only the tokens of its last, partial block are computed again. Other preempted
-sequences are recomputed. A request that could never fit in the pool is refused when it is added.
+the queue. While `swap_bytes` allow (vLLM's --swap-space) its cache is first copied to host memory: an
+unbounded sequence's full blocks, which come back as prefix-cache hits when it is admitted again (those still
+cached are taken as they are), so only its last, partial block is computed again; a bounded sequence's whole
+state (blocks, positions, scores), restored as it was. Without room there it is recomputed. A request that
+could never fit in the pool is refused when it is added.
 
 Chunk boundaries of a bounded (evicting) sequence are fixed by the sequence alone: its prompt is fed in
 pieces ending at multiples of `prefill_chunk`, and tokens it generated (replayed after a preemption) one
@@ -54,7 +55,7 @@ class Sequence:
     logprobs: list[dict] = field(default_factory=list)  # per generated token, when the request asks for them
     text: str | None = None  # the output text so far, kept when the request has stop strings
     decoder: object = None  # its incremental detokenizer (models.tokenizer.StreamDecoder)
-    swapped: tuple | None = None  # while preempted: (full blocks, their bytes in host memory) to restore
+    swapped: tuple | None = None  # while preempted: (blocks, their bytes / a bounded cache's snapshot) on the host
     seen_at_preemption: int = 0  # tokens its cache had processed when it was last preempted
 
     @property
@@ -220,6 +221,9 @@ class Scheduler:
         share: all full blocks but the one holding the last prompt token (which must be computed to give
         logits), and for a bounded sequence only blocks inside its protected prefix (it never writes those)."""
         bs = self.pool.block_size
+        if seq.swapped is not None and seq.bounded:
+            self._restore(seq)
+            return
         tokens = seq.prompt if seq.swapped is None else seq.tokens
         limit = (len(tokens) - 1) // bs
         if seq.bounded:
@@ -257,15 +261,29 @@ class Scheduler:
         self.stats["swapped_in_blocks"] += n
         return blocks
 
-    def _swap_out(self, seq: Sequence):
-        """Copy an unbounded sequence's full blocks to host memory, if the swap space has room."""
-        full = len(seq.cache) // self.pool.block_size
-        need = full * self.pool.block_bytes
-        if seq.bounded or not full or need > self.swap_left:
+    def _restore(self, seq: Sequence):
+        """A swapped-out bounded sequence's cache back as it was, once the pool has room for its blocks."""
+        blocks, state = seq.swapped
+        if blocks > self.pool.num_free:
             return
-        seq.swapped = (full, self.pool.read_blocks(seq.cache.store.blocks[:full]))
+        seq.cache = self.make_cache(seq.policy, [])
+        seq.cache.restore(state)
+        seq.published, seq.last_hash, seq.hit_tokens = 0, None, 0
+        self.stats["swapped_in_blocks"] += blocks
+
+    def _swap_out(self, seq: Sequence):
+        """Copy a preempted sequence's cache to host memory, if the swap space has room: an unbounded one's full
+        blocks, a bounded one's whole state."""
+        blocks = len(seq.cache.store.blocks) if seq.bounded else len(seq.cache) // self.pool.block_size
+        need = blocks * self.pool.block_bytes
+        if not blocks or need > self.swap_left:
+            return
+        if seq.bounded:
+            seq.swapped = (blocks, seq.cache.snapshot())
+        else:
+            seq.swapped = (blocks, self.pool.read_blocks(seq.cache.store.blocks[:blocks]))
         self.swap_left -= need
-        self.stats["swapped_out_blocks"] += full
+        self.stats["swapped_out_blocks"] += blocks
 
     def _drop_swap(self, seq: Sequence):
         if seq.swapped is not None:
