@@ -295,6 +295,16 @@ def _evict_state(policy, seed, rows=4, batch=(2, 0, 3), layers=2, heads=2, d=32)
     return meta, pool, table, torch.tensor(batch), step
 
 
+def _torch_evict(pool, meta, rows, table, step, layer):
+    """cache.steps.evict_decode's PyTorch steps on copies of the state: (output, metadata, pool, lengths)."""
+    import copy
+    from kvbound.engine.runner import EvictGroup
+    ref_meta, ref_pool = copy.deepcopy(meta), copy.deepcopy(pool)
+    want = EvictGroup(ref_pool, ref_meta, rows, table).attend(layer, step["q"], step["k"], step["v"],
+                                                              step["positions"])
+    return want, ref_meta, ref_pool, torch.full((len(rows),), table.shape[1], dtype=torch.int32)
+
+
 @pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=5,recent=3", "h2o:sink=2,heavy=5,recent=3,score=ema",
                                   "h2o:sink=1,heavy=6,recent=2,score=normalized", "window:budget=9,sink=2",
                                   "h2o:sink=0,heavy=10,recent=0", "h2o:sink=2,heavy=500,recent=100"])
@@ -302,17 +312,12 @@ def test_evict_decode_matches_torch_path(spec):
     """The fused evict step (store, attention with export, victim) against cache.steps.evict_decode's PyTorch
     steps on the same state: output, pool, positions, scores and each head's next spare slot. The last
     case spans several key chunks, so the victim is chosen across chunks."""
-    import copy
     from kvbound.kernels.triton_decode import evict_decode
     from kvbound.cache.policies import parse_policy
-    from kvbound.engine.runner import EvictGroup
     pol = parse_policy(spec, pinned=((1, 2),) if "window" in spec else ())
     meta, pool, table, rows, step = _evict_state(pol, len(spec))
-    ref_meta, ref_pool = copy.deepcopy(meta), copy.deepcopy(pool)
     layer = 1
-    want = EvictGroup(ref_pool, ref_meta, rows, table).attend(layer, step["q"], step["k"], step["v"],
-                                                                  step["positions"])
-    lens = torch.full((len(rows),), table.shape[1], dtype=torch.int32)
+    want, ref_meta, ref_pool, lens = _torch_evict(pool, meta, rows, table, step, layer)
     dev = lambda t: t.to(DEV)  # noqa: E731
     kp, vp, pos, spare = dev(pool.k[layer]), dev(pool.v[layer]), dev(meta.pos[:, layer]), dev(meta.spare[:, layer])
     score = None if meta.score is None else dev(meta.score[:, layer])
@@ -331,10 +336,8 @@ def test_evict_decode_matches_torch_path(spec):
 def test_fused_evict_decode_on_packed_pools_matches_torch_path(bits):
     """Packed pools (8/4-bit codes, group 32): the fused store quantizes the new token into each head's spare
     slot bit for bit as the pool's PyTorch packer, and attention and victims follow."""
-    import copy
     from kvbound.cache.block_pool import BlockPool
     from kvbound.cache.policies import parse_policy
-    from kvbound.engine.runner import EvictGroup
     from kvbound.kernels.triton_decode import evict_decode
     pol = parse_policy("h2o:sink=2,heavy=5,recent=3")
     meta, dense, table, rows, step = _evict_state(pol, 11 + bits)
@@ -342,11 +345,8 @@ def test_fused_evict_decode_on_packed_pools_matches_torch_path(bits):
     pool = BlockPool(layers, heads, d, slots, 1, kv_bits=bits, group_size=32)
     for layer in range(layers):
         pool.write(layer, torch.arange(slots), dense.k[layer], dense.v[layer])
-    ref_meta, ref_pool = copy.deepcopy(meta), copy.deepcopy(pool)
     layer = 1
-    want = EvictGroup(ref_pool, ref_meta, rows, table).attend(layer, step["q"], step["k"], step["v"],
-                                                                  step["positions"])
-    lens = torch.full((len(rows),), table.shape[1], dtype=torch.int32)
+    want, ref_meta, ref_pool, lens = _torch_evict(pool, meta, rows, table, step, layer)
     dev = lambda t: t.to(DEV)  # noqa: E731
     kc, vc, quant = pool.kernel_args(layer)
     raw = [dev(t[layer]) for t in pool.raw]  # K codes, scales, biases, then V's
