@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
 
 
 @triton.jit
@@ -43,7 +43,7 @@ def _key_scores_kernel(Q, K, Lse, Out, t, m_keys, n_cached, first, scale_log2,
             q_ok = (offs_m < t) & (offs_m >= first)
             q = tl.load(Q + (b * t + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                         mask=q_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-            lse = tl.load(Lse + head * stride_lh + b * t + offs_m, mask=q_ok, other=0.0) * 1.4426950408889634
+            lse = tl.load(Lse + head * stride_lh + b * t + offs_m, mask=q_ok, other=0.0) * LOG2E
             if IEEE:  # float32 inputs: no TF32 rounding on the GPU
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2 - lse[:, None]
             else:
@@ -72,7 +72,7 @@ def key_scores(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, first: int =
     out = torch.empty(bsz, m_keys, hkv, dtype=torch.float32, device=q.device)
     block_n = 64
     grid = (triton.cdiv(m_keys, block_n), hkv, bsz)
-    _key_scores_kernel[grid](q, k, lse, out, t, m_keys, m_keys - t, first, d ** -0.5 * LOG2E,
+    _key_scores_kernel[grid](q, k, lse, out, t, m_keys, m_keys - t, first, d ** -0.5 * LOG2E.value,
                              q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), lse.stride(0),
                              out.stride(0), out.stride(1), G=hq // hkv, D=d, D_P=max(16, triton.next_power_of_2(d)),
                              BLOCK_M=64, BLOCK_N=block_n, NORMALIZED=normalized,
