@@ -667,8 +667,8 @@ def test_preempted_sequences_resume_from_host_copies_with_the_same_outputs(model
         LLMEngine(model, num_blocks=4, swap_space=-1)
 
 
-@pytest.mark.parametrize("bits", [None, 8, "fp8"])
-def test_swapped_bounded_caches_come_back_bit_for_bit(model32, bits, monkeypatch):
+@pytest.mark.parametrize("bits, storage", [(None, "paged"), (8, "paged"), ("fp8", "paged"), (None, "virtual")])
+def test_swapped_bounded_caches_come_back_bit_for_bit(model32, bits, storage, monkeypatch):
     """Every bounded cache restored from host memory holds exactly the bytes and metadata it was preempted with,
     and a mixed batch under a tight pool still gives the roomy pool's outputs (float32 and 8-bit)."""
     from kvbound.engine import scheduler
@@ -686,8 +686,8 @@ def test_swapped_bounded_caches_come_back_bit_for_bit(model32, bits, monkeypatch
             checked.append(seq.request_id)
     monkeypatch.setattr(scheduler.Scheduler, "_restore", checking)
     reqs = mixed_requests()
-    tight, engine = run_engine(model32, reqs, num_blocks=10, block_size=8, max_num_batched_tokens=48, kv_bits=bits,
-                               kv_group_size=32)
+    tight, engine = run_engine(model32, reqs, num_blocks=10 + (storage == "virtual"), block_size=8,
+                               max_num_batched_tokens=48, kv_bits=bits, kv_group_size=32, kv_storage=storage)
     assert checked and engine.scheduler.stats["swapped_in_blocks"] > 0
     if bits != "fp8":
         roomy, _ = run_engine(model32, reqs, num_blocks=256, max_num_batched_tokens=48, kv_bits=bits,
