@@ -24,6 +24,9 @@ def cmd_throughput(args):
     print(f"elapsed {res['elapsed_s']:.2f} s   {res['requests_per_s']:.2f} req/s   "
           f"{res['output_tokens_per_s']:.1f} output tok/s   {res['total_tokens_per_s']:.1f} total tok/s   "
           f"peak running {res['peak_running']}   preemptions {res['preemptions']}")
+    if res["preemptions"]:
+        print(f"swap: {res['swapped_out_blocks']} blocks out, {res['swapped_in_blocks']} in; "
+              f"{res['recomputed_tokens']} tokens computed again after preemptions")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     return res
