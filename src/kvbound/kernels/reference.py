@@ -175,7 +175,8 @@ def paged_decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, score=None, 
     """The reference of the Triton decode kernel (same arguments): one query per sequence over the keys at
     slot_table[b, :ctx_lens[b]] of the pools, GQA; `score` [B, max_len, Hkv] folds in this step's
     probabilities (`fold_scores`) for the valid keys only. Packed pools (quant=dict(bits=, group=,
-    k_scale=, k_bias=, v_scale=, v_bias=), or bits="fp8" with k_scale, v_scale) are dequantized first. Returns out [B, Hq, D] in q's dtype."""
+    k_scale=, k_bias=, v_scale=, v_bias=), or bits="fp8" with k_scale, v_scale) are dequantized first.
+    Returns out [B, Hq, D] in q's dtype."""
     idx = slot_table.long()
     if quant is None:
         k, v = k_pool[idx], v_pool[idx]  # [B, M, Hkv, D]

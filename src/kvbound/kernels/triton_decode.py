@@ -369,6 +369,16 @@ def _victim_kernel(CandKey, CandPos, CandJ, Rows, Pos, Spare, blocks, stride_pr,
     tl.store(Spare + row * stride_spr + offs_h, j_min.to(tl.int64), mask=hmask)
 
 
+def _quant_args(quant, k_pool, d):
+    """(bits, group, fp8, [k_scale, k_bias, v_scale, v_bias]) of a `quant` dict for the kernels. fp8 stores one
+    code a value, as 16-bit K/V do, with a scale per key and no bias; unused pointers are the pool itself."""
+    if quant is None:
+        return 16, d, False, [k_pool] * 4
+    if quant["bits"] == "fp8":
+        return 16, d, True, [quant["k_scale"], quant["k_scale"], quant["v_scale"], quant["v_scale"]]
+    return quant["bits"], quant["group"], False, [quant[f"{s}_{x}"] for s in "kv" for x in ("scale", "bias")]
+
+
 def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=None, score_mode=None,
                      ema_decay=0.95, quant=None, split=None, block_n=None, out=None, programs_per_sm=None,
                      num_warps=None, rows=None, victim=None, num_stages=None, value_dot=None):
@@ -394,8 +404,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     # blocks, 4 warps and 4 programs per SM; packed tiles from `--tune-quant` on an H100
     # (results/tune_quant_d64_h100.log at d=64; tune_quant_q8_d128_h100.log, _q4_d128_h100.log and _short_h100.log at
     # d=128), where other tiles spill registers (up to 9x slower)
-    fp8 = quant is not None and quant["bits"] == "fp8"  # one code a value, as 16-bit K/V, and a scale per key
-    bits = 16 if quant is None or fp8 else quant["bits"]
+    bits, gs, fp8, scales = _quant_args(quant, k_pool, d)
     tile = (64, 4, None)
     if bits != 16 and q.is_cuda:
         tile = PACKED_TILES.get((bits, d), (64, 2, 2))
@@ -435,21 +444,15 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         e = m_blk = part_m
     if out is None:
         out = torch.empty_like(q)
-    gs = d if quant is None or fp8 else quant["group"]
     if value_dot is None:  # results/tune_quant_q8_d128_h100.log, tune_quant_q4_d128_h100.log
         value_dot = bits in (8, 4) and d == 128 and d // gs == 2
     if value_dot and not (bits in (8, 4) and d // gs <= 2 and gs * bits // 8 >= 16):
         raise ValueError(f"value_dot needs packed values of one or two groups per head of at least 16 code "
                          f"bytes, got {bits} bits, head_dim {d}, group {gs}")
-    ks = kb = vs = vb = k_pool
-    ss = (0, 0)
-    if quant is not None:
-        ks, vs = quant["k_scale"], quant["v_scale"]
-        kb, vb = (ks, vs) if fp8 else (quant["k_bias"], quant["v_bias"])
-        ss = (ks.stride(0), ks.stride(1))
+    ss = (0, 0) if quant is None else (scales[0].stride(0), scales[0].stride(1))
     ieee = q.dtype == torch.float32 or not q.is_cuda
     _split_kernel[(bsz, hkv, num_splits)](
-        q, k_pool, v_pool, ks, kb, vs, vb, slot_table, ctx_lens, part_o, part_m, part_l, e, m_blk,
+        q, k_pool, v_pool, *scales, slot_table, ctx_lens, part_o, part_m, part_l, e, m_blk,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), ss[0], ss[1], slot_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
         e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), scale, min_split,
@@ -527,17 +530,12 @@ def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spa
     `decode_attention`) the new K/V are quantized into the spare slots."""
     bsz, hkv, d = k.shape
     sc = score if score is not None else pos
-    fp8 = quant is not None and quant["bits"] == "fp8"
-    ks = kb = vs = vb = k_pool
-    if quant is not None:
-        ks, vs = quant["k_scale"], quant["v_scale"]
-        kb, vb = (ks, vs) if fp8 else (quant["k_bias"], quant["v_bias"])
+    bits, gs, fp8, scales = _quant_args(quant, k_pool, d)
     _evict_store_kernel[(bsz, hkv)](
-        k, v, k_pool, v_pool, ks, kb, vs, vb, table, rows, spare, pos, sc, positions, k.stride(0), k.stride(1),
-        k_pool.stride(0), k_pool.stride(1), ks.stride(0), ks.stride(1), table.stride(0), spare.stride(0),
-        pos.stride(0), pos.stride(1), sc.stride(0), sc.stride(1), D=d, DP=triton.next_power_of_2(d),
-        HAS_SCORE=score is not None, BITS=16 if quant is None or fp8 else quant["bits"],
-        GS=d if quant is None or fp8 else quant["group"], FP8=fp8)
+        k, v, k_pool, v_pool, *scales, table, rows, spare, pos, sc, positions, k.stride(0), k.stride(1),
+        k_pool.stride(0), k_pool.stride(1), scales[0].stride(0), scales[0].stride(1), table.stride(0),
+        spare.stride(0), pos.stride(0), pos.stride(1), sc.stride(0), sc.stride(1), D=d, DP=triton.next_power_of_2(d),
+        HAS_SCORE=score is not None, BITS=bits, GS=gs, FP8=fp8)
     return decode_attention(q, k_pool, v_pool, table, lens, score=score, score_mode=score_mode, ema_decay=ema_decay,
                             quant=quant, rows=rows, victim=dict(pos=pos, spare=spare, positions=positions, prefix=prefix,
                                                    recent=recent, by_score=score is not None))
