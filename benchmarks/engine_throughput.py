@@ -96,10 +96,8 @@ def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=
 def write_ms(pool, rows, layers, reps=20):
     """A decode step's KV writes alone: `rows` new tokens into every layer of the pool (quantized on the way in
     for packed pools: the quantize-on-write cost)."""
-    k = torch.randn(rows, pool.kv_heads, pool.head_dim, device="cuda",
-                    dtype=torch.bfloat16)
-    held = torch.tensor([b for b in range(pool.num_blocks) if pool.ref[b] > 0], device="cuda")  # mapped pages
-    slots = (held[:, None] * pool.block_size + torch.arange(pool.block_size, device="cuda")).flatten()
+    k = torch.randn(rows, pool.kv_heads, pool.head_dim, device="cuda", dtype=torch.bfloat16)
+    slots = pool.block_slots([b for b in range(pool.num_blocks) if pool.ref[b] > 0])  # held: their pages are mapped
     slots = slots[torch.randperm(len(slots), device="cuda")[:rows]]
     graph = torch.cuda.CUDAGraph()  # replayed, as the decode step's writes are: no launch overhead counted
     with torch.cuda.graph(graph):

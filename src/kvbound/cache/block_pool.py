@@ -223,13 +223,14 @@ class BlockPool:
         return self.num_blocks * self.block_bytes
 
     # --- host copies (swap) ------------------------------------------------------------------------
-    def _slots(self, blocks: list[int]) -> torch.Tensor:
+    def block_slots(self, blocks: list[int]) -> torch.Tensor:
+        """Every pool slot of `blocks`, block by block (on the pool's device)."""
         bs = self.block_size
         return (torch.tensor(blocks, device=self.device)[:, None] * bs + torch.arange(bs, device=self.device)).flatten()
 
     def read_blocks(self, blocks: list[int]) -> list[torch.Tensor]:
         """The stored bytes of `blocks`, every layer, copied to host memory (pinned where the pool is on CUDA)."""
-        slots = self._slots(blocks)
+        slots = self.block_slots(blocks)
         out = []
         for t in self.raw:
             got = t.index_select(1, slots)
@@ -239,7 +240,7 @@ class BlockPool:
 
     def write_blocks(self, blocks: list[int], host: list[torch.Tensor]):
         """Bytes from `read_blocks` (of as many blocks) back into `blocks`."""
-        slots = self._slots(blocks)
+        slots = self.block_slots(blocks)
         for t, x in zip(self.raw, host):
             t[:, slots] = x.to(self.device, non_blocking=True)
 

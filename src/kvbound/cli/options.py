@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import os
+import sys
 
 import torch
 
@@ -189,14 +189,13 @@ def pool_blocks(args, config, kv_dtype) -> int | None:
     """--num-blocks, or the blocks that --kv-cache-memory GiB (or --gpu-memory-utilization) holds (None:
     --kv-cache-tokens decides)."""
     check_pool_size(args)
-    if getattr(args, "gpu_memory_utilization", None):
-        args.kv_cache_memory = utilization_kv_gib(args, config)
-    if args.kv_cache_memory is None:
+    gib = utilization_kv_gib(args, config) if getattr(args, "gpu_memory_utilization", None) else args.kv_cache_memory
+    if gib is None:
         return args.num_blocks
     per_block = args.block_size * token_bytes(config, kv_dtype, engine_kv_bits(args), args.kv_group_size)
-    blocks = int(args.kv_cache_memory * 2**30) // per_block
+    blocks = int(gib * 2**30) // per_block
     if blocks < 1:
-        raise KvboundError(f"--kv-cache-memory {args.kv_cache_memory:.3g} GiB holds no block of {per_block:,} bytes")
+        raise KvboundError(f"--kv-cache-memory {gib:.3g} GiB holds no block of {per_block:,} bytes")
     return blocks
 
 

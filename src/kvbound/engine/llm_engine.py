@@ -93,8 +93,9 @@ class LLMEngine:
         e4m3 codes with a scale per token and head (vLLM's --kv-cache-dtype fp8).
         kv_storage "virtual": the pool is reserved, not committed: physical pages back only the blocks in use
         (`cache.virtual.BlockPages`), and go back to the device whenever the engine falls idle.
-        swap_space: GiB of host memory for the full blocks of preempted unbounded sequences (vLLM's
-        --swap-space); they come back when the sequence resumes instead of being recomputed. 0: recompute."""
+        swap_space: GiB of host memory for preempted sequences' caches (vLLM's --swap-space): an unbounded
+        one's full blocks, a bounded one's whole state, restored when it resumes instead of recomputed.
+        0: recompute."""
         if not swap_space >= 0:
             raise KvboundError(f"swap_space must be >= 0 GiB, got {swap_space}")
         cfg = model.config

@@ -222,54 +222,56 @@ class Scheduler:
         logits), and for a bounded sequence only blocks inside its protected prefix (it never writes those)."""
         bs = self.pool.block_size
         if seq.swapped is not None and seq.bounded:
-            self._restore(seq)
-            return
-        tokens = seq.prompt if seq.swapped is None else seq.tokens
-        limit = (len(tokens) - 1) // bs
-        if seq.bounded:
-            limit = min(limit, seq.policy.protected_prefix // bs)
-        hits = self.pool.match_prefix(tokens, limit)
-        if seq.swapped is not None:
-            restored = self._swap_in(seq, tokens, len(hits), limit)
-            if restored is None:
-                self.pool.free_all(hits)
+            if not self._restore(seq):
                 return
-            hits += restored
-        seq.cache = self.make_cache(seq.policy, hits)
-        if hits:
-            seq.cache.adopt_prefix(len(hits) * bs)
+            hits = []
+        else:
+            tokens = seq.prompt if seq.swapped is None else seq.tokens
+            limit = (len(tokens) - 1) // bs
+            if seq.bounded:
+                limit = min(limit, seq.policy.protected_prefix // bs)
+            hits = self.pool.match_prefix(tokens, limit)
+            if seq.swapped is not None:
+                restored = self._swap_in(seq, tokens, hits, limit)
+                if restored is None:
+                    self.pool.free_all(hits)
+                    return
+                hits += restored
+            seq.cache = self.make_cache(seq.policy, hits)
+            if hits:
+                seq.cache.adopt_prefix(len(hits) * bs)
         seq.published, seq.last_hash = 0, None
         seq.hit_tokens = len(hits) * bs
 
-    def _swap_in(self, seq: Sequence, tokens: list[int], first: int, limit: int) -> list[int] | None:
-        """A swapped-out sequence's blocks [first, its full blocks) written back into fresh blocks and published
-        under their hashes; None while the pool has no room for all of them."""
+    def _swap_in(self, seq: Sequence, tokens: list[int], hits: list[int], limit: int) -> list[int] | None:
+        """A swapped-out sequence's blocks after the prefix-cache `hits`, up to its full blocks, written back into
+        fresh blocks and published under their hashes; None while the pool has no room for all of them."""
         full, host = seq.swapped
-        n, bs = min(full, limit) - first, self.pool.block_size
+        first, bs = len(hits), self.pool.block_size
+        n = min(full, limit) - first
         if n <= 0:
             return []
         if n > self.pool.num_free:
             return None
         blocks = [self.pool.allocate() for _ in range(n)]
         self.pool.write_blocks(blocks, [x[:, first * bs:(first + n) * bs] for x in host])
-        h = None
-        for i in range(first + n):
+        h = self.pool.block_info[hits[-1]][0] if hits else None  # the chain goes on from the last hit's hash
+        for i, b in enumerate(blocks, first):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = block_hash(h, chunk)
-            if i >= first:
-                self.pool.publish(blocks[i - first], h, chunk)
+            self.pool.publish(b, h, chunk)
         self.stats["swapped_in_blocks"] += n
         return blocks
 
-    def _restore(self, seq: Sequence):
+    def _restore(self, seq: Sequence) -> bool:
         """A swapped-out bounded sequence's cache back as it was, once the pool has room for its blocks."""
         blocks, state = seq.swapped
         if blocks > self.pool.num_free:
-            return
+            return False
         seq.cache = self.make_cache(seq.policy, [])
         seq.cache.restore(state)
-        seq.published, seq.last_hash, seq.hit_tokens = 0, None, 0
         self.stats["swapped_in_blocks"] += blocks
+        return True
 
     def _swap_out(self, seq: Sequence):
         """Copy a preempted sequence's cache to host memory, if the swap space has room: an unbounded one's full
