@@ -102,6 +102,35 @@ def test_a_table_far_wider_than_the_contexts_gives_the_trimmed_tables_result():
     torch.testing.assert_close(outs[1].double(), want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("bits", [16, 8])
+def test_contiguous_buffers_read_from_their_first_slot_equal_the_table(bits):
+    """Per-sequence buffers (virtual storage): with `contiguous`, a [B, 1] column of first slots expanded to
+    the table's width gives what the full table base + j gives, scores included."""
+    lens, d = [70, 5, 129], 64
+    q, k, v, _, n = _case(31 + bits, 3, 8, 2, d, lens, slots=3 * 160)
+    base = torch.tensor([320, 0, 160], dtype=torch.int32)  # buffers of 160 slots, out of order
+    table = base[:, None] + torch.arange(max(lens), dtype=torch.int32)
+    quant = None
+    if bits != 16:
+        (k, *ks), (v, *vs) = quantize(k, bits, 32), quantize(v, bits, 32)
+        quant = dict(bits=bits, group=32, k_scale=ks[0].to(DEV), k_bias=ks[1].to(DEV), v_scale=vs[0].to(DEV),
+                     v_bias=vs[1].to(DEV))
+    outs, scores = [], []
+    for t, contiguous in ((table, False), (base[:, None].expand(-1, max(lens)), True)):
+        score = torch.zeros(3, max(lens), 2, device=DEV)
+        outs.append(decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), t.to(DEV), n.to(DEV), score=score, quant=quant,
+                                     score_mode="cumulative", split=64, block_n=32, contiguous=contiguous).cpu())
+        scores.append(score.cpu())
+    torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
+    torch.testing.assert_close(scores[1], scores[0], atol=0, rtol=0)
+    if bits == 16:
+        want, _ = _reference(q, k, v, table, n, None, torch.zeros(3, max(lens), 2), 0)
+        torch.testing.assert_close(outs[1].double(), want, atol=1e-4, rtol=1e-4)
+        from kvbound.kernels import paged_decode_attention
+        ref = paged_decode_attention(q, k, v, base[:, None].expand(-1, max(lens)), n, contiguous=True)
+        torch.testing.assert_close(ref.double(), want, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("d, mode", [(64, "cumulative"), (128, "ema"), (32, None)])
 def test_decode_attention_fp8_matches_dequantize_then_attend(d, mode):
     """float8 e4m3 codes with a scale per token and head (`Fp8KV`): the kernel applies the scales per key."""

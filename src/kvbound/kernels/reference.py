@@ -171,13 +171,15 @@ def decode_with_scores(q, k, v, ctx_lens, score_mode=None):
 
 
 def paged_decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, score=None, score_mode=None,
-                           ema_decay=0.95, quant=None):
+                           ema_decay=0.95, quant=None, contiguous=False):
     """The reference of the Triton decode kernel (same arguments): one query per sequence over the keys at
     slot_table[b, :ctx_lens[b]] of the pools, GQA; `score` [B, max_len, Hkv] folds in this step's
     probabilities (`fold_scores`) for the valid keys only. Packed pools (quant=dict(bits=, group=,
     k_scale=, k_bias=, v_scale=, v_bias=), or bits="fp8" with k_scale, v_scale) are dequantized first.
-    Returns out [B, Hq, D] in q's dtype."""
+    contiguous: key j of sequence b is at slot_table[b, 0] + j. Returns out [B, Hq, D] in q's dtype."""
     idx = slot_table.long()
+    if contiguous:
+        idx = idx[:, :1] + torch.arange(idx.shape[1], device=idx.device)
     if quant is None:
         k, v = k_pool[idx], v_pool[idx]  # [B, M, Hkv, D]
     elif quant["bits"] == "fp8":  # float8 codes times a scale per token and head

@@ -52,7 +52,7 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                   scale, split,
                   G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                   BITS: tl.constexpr, GS: tl.constexpr, EXPORT: tl.constexpr, IEEE: tl.constexpr,
-                  VDOT: tl.constexpr, FP8: tl.constexpr):
+                  VDOT: tl.constexpr, FP8: tl.constexpr, CONTIG: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -83,7 +83,10 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
     for j0 in range(start, end, BLOCK_N):
         offs_n = j0 + tl.arange(0, BLOCK_N)
         valid = offs_n < end
-        slot = tl.load(SlotTable + b * stride_tb + offs_n, mask=valid, other=0).to(tl.int64)
+        if CONTIG:  # the sequence's keys are one run of slots from its first: no table reads
+            slot = tl.load(SlotTable + b * stride_tb).to(tl.int64) + offs_n
+        else:
+            slot = tl.load(SlotTable + b * stride_tb + offs_n, mask=valid, other=0).to(tl.int64)
         kv_ptr = slot[:, None] * stride_ks + h * stride_kh + offs_d[None, :]
         if FP8:  # e4m3 codes with a scale per token and head: (q . codes) * scale
             sp = slot * stride_ss + h * stride_sh
@@ -381,7 +384,7 @@ def _quant_args(quant, k_pool, d):
 
 def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=None, score_mode=None,
                      ema_decay=0.95, quant=None, split=None, block_n=None, out=None, programs_per_sm=None,
-                     num_warps=None, rows=None, victim=None, num_stages=None, value_dot=None):
+                     num_warps=None, rows=None, victim=None, num_stages=None, value_dot=None, contiguous=False):
     """q: [B, Hq, D]; k_pool/v_pool: [slots, Hkv, D] (or packed codes [slots, Hkv, D*bits/8] with
     quant=dict(bits=, group=, k_scale=, k_bias=, v_scale=, v_bias=) of [slots, Hkv, D/group]; or float8 e4m3
     codes [slots, Hkv, D] with quant=dict(bits="fp8", k_scale=, v_scale=) of [slots, Hkv, 1]);
@@ -392,6 +395,8 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     by_score=) also picks each head's eviction victim after the fold (see `_fold_kernel`); needs rows.
     value_dot: packed values as (p * scale) @ codes per group (one or two groups per head) instead of
     dequantized; None picks what measured faster on the H100: on at d=128 with two groups, off at d=64.
+    contiguous: each sequence's keys lie in slots slot_table[b, 0] + j (a per-sequence buffer, as virtual
+    storage gives): only column 0 is read, so the table may be a [B, 1] column expanded to [B, max_len].
     Returns out [B, Hq, D] in q's dtype."""
     bsz, hq, d = q.shape
     if d & (d - 1):
@@ -457,7 +462,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
         e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), scale, min_split,
         G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee, VDOT=value_dot,
-        FP8=fp8, num_warps=num_warps, **({} if num_stages is None else dict(num_stages=num_stages)))
+        FP8=fp8, CONTIG=bool(contiguous), num_warps=num_warps, **({} if num_stages is None else dict(num_stages=num_stages)))
     _merge_kernel[(bsz, hkv)](
         part_o, part_m, part_l, out, ctx_lens,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
