@@ -81,14 +81,18 @@ def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=50))
         td = sync_time()
+    pages = eng.pool.pages
+    before = (pages.map_seconds, pages.counts["mapped"] + pages.counts["unmapped"]) if pages else (0.0, 0)
     for _ in range(steps):
         eng.step(only_finished=True)
     t2 = sync_time()
+    after = (pages.map_seconds, pages.counts["mapped"] + pages.counts["unmapped"]) if pages else (0.0, 0)
     running = len(eng.scheduler.running)
     res = dict(fit=fit, running=running, prefill_s=t1 - t0, prefill_tok_s=n * context / (t1 - t0),
                decode_tok_s=running * steps / (t2 - td), step_ms=1000 * (t2 - td) / steps,
                write_ms=write_ms(eng.pool, running, model.config.num_layers),
-               committed_gib=eng.pool.committed_bytes / 2**30)
+               committed_gib=eng.pool.committed_bytes / 2**30,
+               map_ms=1000 * (after[0] - before[0]) / steps, maps_per_step=(after[1] - before[1]) / steps)
     eng.close()
     return res
 
@@ -324,7 +328,7 @@ def main():
                     key += ", virtual" if storage == "virtual" else ""
                     res["bounded"][key] = dict(r, blocks=blocks)
                     rows.append((f"{args.context}-token prompts, {key}", r["running"], float("nan"),
-                                 r["decode_tok_s"], r["fit"], r["step_ms"], r["write_ms"]))
+                                 r["decode_tok_s"], r["fit"], r["step_ms"], r["write_ms"], r["map_ms"]))
                     print(key, {k: round(v, 3) for k, v in r.items()}, flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -333,7 +337,7 @@ def main():
     print(f"\n{args.shape} on {res['device']}, bf16, random weights; offline: {args.input_len} in / "
           f"{args.output_len} out")
     print(f"{'run':<50} {'seqs':>6} {'out tok/s':>10} {'decode tok/s':>13} {'peak / fit':>11} {'step ms':>8} "
-          f"{'write ms':>9}")
+          f"{'write ms':>9} {'map ms':>8}")
     for name, n, tps, dec, peak, *step in rows:
         step = "".join(f" {x:>8.2f} " for x in step)
         print(f"{name:<50} {n:>6} {tps:>10.0f} {dec:>13.0f} {peak:>11}{step}")

@@ -598,8 +598,10 @@ def test_virtual_storage_gives_the_paged_outputs_and_commits_only_the_pages_in_u
     while engine.has_unfinished():
         outs.update({o.request_id: o.outputs[0].token_ids for o in engine.step(only_finished=True)})
         assert set(pool.pages.mapped) == held_pages(pool)
+        assert pool.pages.counts["mapped"] - pool.pages.counts["unmapped"] == len(pool.pages.mapped)
         peak = max(peak, len(pool.pages.mapped))
     assert [outs[i] for i in ids] == paged
+    assert pool.pages.map_seconds > 0
     assert 0 < peak < len(list(pool.pages._pages(0))) * pool.num_blocks  # never the whole pool
     assert not pool.pages.spare and pool.committed_bytes == len(held_pages(pool)) * 4096  # idle: trimmed
     assert "committed (virtual storage)" in engine.describe_pool()

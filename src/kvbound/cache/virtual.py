@@ -14,6 +14,7 @@ rounded up to whole pages, so region r's token j lives at byte r * region_bytes 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -296,6 +297,8 @@ class BlockPages:
         self.mapped: dict[tuple[int, int], int] = {}  # (range index, page index) -> physical page
         self.spare: list[int] = []  # physical pages unmapped, ready for reuse
         self.reserved_bytes = 0
+        self.counts = dict(mapped=0, unmapped=0)
+        self.map_seconds = 0.0  # host time in hold / drop's driver calls and page zeroing: the storage's step cost
 
     def zeros(self, shape, dtype) -> torch.Tensor:
         """A pool tensor [layers, slots, ...] over a fresh reserved range (the allocator `BlockPool` passes down)."""
@@ -320,6 +323,7 @@ class BlockPages:
 
     def hold(self, block: int):
         """`block` now holds data: map the pages under it that no other block holds."""
+        t0 = time.perf_counter()
         for key in self._pages(block):
             self.users[key] = self.users.get(key, 0) + 1
             if self.users[key] == 1:
@@ -327,17 +331,22 @@ class BlockPages:
                 rng = self.ranges[key[0]][0]
                 self.backend.map(rng, key[1], page)
                 self.mapped[key] = page
+                self.counts["mapped"] += 1
                 if isinstance(self.backend, CudaPages):  # fresh bytes could read as NaN under masked attention
                     self.backend.tensor(rng, key[1] * self.page_bytes, (self.page_bytes,)).zero_()
+        self.map_seconds += time.perf_counter() - t0
 
     def drop(self, block: int):
         """`block` holds nothing any more: unmap the pages under it that no other block holds."""
+        t0 = time.perf_counter()
         for key in self._pages(block):
             self.users[key] -= 1
             if self.users[key] == 0:
                 del self.users[key]
                 self.backend.unmap(self.ranges[key[0]][0], key[1])
                 self.spare.append(self.mapped.pop(key))
+                self.counts["unmapped"] += 1
+        self.map_seconds += time.perf_counter() - t0
 
     def trim(self) -> int:
         """Give the spare pages back to the device; returns how many."""
