@@ -46,7 +46,7 @@ def virtual_buffer(pages: CudaPages, shape, dtype=torch.bfloat16):
     return pages.tensor(rng, 0, shape, dtype), free
 
 
-def one_context(pages, hq, hkv, d, ctx, batches, gen):
+def one_context(pages, hq, hkv, d, ctx, batches, gen, stages=()):
     """Rows of kernel times for one shape and context, over every batch size."""
     slots = SEQS * ctx
     paged_k = torch.randn(slots, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -65,14 +65,15 @@ def one_context(pages, hq, hkv, d, ctx, batches, gen):
         q = torch.randn(sets, bsz, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         lens = torch.full((bsz,), ctx, device="cuda", dtype=torch.int32)
         outs = [torch.empty(bsz, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
-        ways = {"paged": (paged_k, paged_v, paged_table, False),
-                "virtual, table": (virt_k, virt_v, virt_table, False),
-                "virtual, contiguous": (virt_k, virt_v, base.expand(-1, ctx), True)}
+        ways = {"paged": (paged_k, paged_v, paged_table, False, None),
+                "virtual, table": (virt_k, virt_v, virt_table, False, None),
+                "virtual, contiguous": (virt_k, virt_v, base.expand(-1, ctx), True, None)}
+        ways.update({f"contiguous, {s} stages": (virt_k, virt_v, base.expand(-1, ctx), True, s) for s in stages})
 
         def call(way, i):
-            k, v, table, contiguous = ways[way]
+            k, v, table, contiguous, *st = ways[way]
             return decode_attention(q[i], k, v, table[i * bsz:(i + 1) * bsz], lens, out=outs[i],
-                                    contiguous=contiguous)
+                                    contiguous=contiguous, num_stages=st[0] if st else None)
         want = call("paged", 0).clone()
         row = {"batch": bsz, "context": ctx}
         for way in ways:
@@ -82,7 +83,8 @@ def one_context(pages, hq, hkv, d, ctx, batches, gen):
         row["contiguous / paged"] = row["virtual, contiguous"] / row["paged"]
         rows.append(row)
         print(f"{bsz:>6} {ctx:>8} {row['paged'] * 1e3:>10.1f} {row['virtual, table'] * 1e3:>15.1f} "
-              f"{row['virtual, contiguous'] * 1e3:>20.1f} {row['contiguous / paged']:>19.3f}", flush=True)
+              f"{row['virtual, contiguous'] * 1e3:>20.1f} {row['contiguous / paged']:>19.3f}"
+              + "".join(f" {s}st {row[f'contiguous, {s} stages'] * 1e3:.1f}" for s in stages), flush=True)
     del paged_k, paged_v, virt_k, virt_v
     torch.cuda.synchronize()
     free_k()
@@ -96,10 +98,12 @@ def main():
     ap.add_argument("--shapes", default="smollm2,8b")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--contexts", default="8192,16384,32768")
+    ap.add_argument("--tune-stages", default="", help="also time the contiguous kernel at these pipeline depths")
     args = ap.parse_args()
     pages = CudaPages()
     gen = torch.Generator(device="cuda").manual_seed(0)
     batches = [int(b) for b in args.batches.split(",")]
+    stages = [int(s) for s in args.tune_stages.split(",") if s]
     table = {}
     for name in args.shapes.split(","):
         hq, hkv, d = SHAPES[name]
@@ -107,7 +111,7 @@ def main():
         print(f"{'batch':>6} {'context':>8} {'paged':>10} {'virtual, table':>15} {'virtual, contiguous':>20} "
               f"{'contiguous / paged':>19}", flush=True)
         table[name] = [r for ctx in args.contexts.split(",") for r in one_context(pages, hq, hkv, d, int(ctx),
-                                                                                    batches, gen)]
+                                                                                    batches, gen, stages)]
     os.makedirs(args.out, exist_ok=True)
     gpu = torch.cuda.get_device_name().split()[-1].lower()
     with open(os.path.join(args.out, f"contig_decode_{gpu}.json"), "w") as f:
