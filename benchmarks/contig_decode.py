@@ -113,8 +113,7 @@ def main():
         table[name] = [r for ctx in args.contexts.split(",") for r in one_context(pages, hq, hkv, d, int(ctx),
                                                                                     batches, gen, stages)]
     os.makedirs(args.out, exist_ok=True)
-    gpu = torch.cuda.get_device_name().split()[-1].lower()
-    with open(os.path.join(args.out, f"contig_decode_{gpu}.json"), "w") as f:
+    with open(os.path.join(args.out, "contig_decode.json"), "w") as f:
         json.dump({"args": vars(args), "device": torch.cuda.get_device_name(), "rows": table}, f, indent=2)
 
 

@@ -597,7 +597,8 @@ def test_virtual_storage_gives_the_paged_outputs_and_commits_only_the_pages_in_u
     outs, peak = {}, 0
     while engine.has_unfinished():
         outs.update({o.request_id: o.outputs[0].token_ids for o in engine.step(only_finished=True)})
-        assert set(pool.pages.mapped) == held_pages(pool)
+        pages = pool.pages
+        assert set(pages.users) == held_pages(pool) and set(pages.mapped) == set(pages.users) | set(pages.idle)
         assert pool.pages.counts["mapped"] - pool.pages.counts["unmapped"] == len(pool.pages.mapped)
         peak = max(peak, len(pool.pages.mapped))
     assert [outs[i] for i in ids] == paged
@@ -607,6 +608,27 @@ def test_virtual_storage_gives_the_paged_outputs_and_commits_only_the_pages_in_u
     assert "committed (virtual storage)" in engine.describe_pool()
     assert not engine.pool.tables.any()  # every row given back points at block 0, never at an unmapped page
     engine.close()
+
+
+def test_virtual_pages_stay_mapped_when_idle_until_wanted_elsewhere():
+    """A dropped block's page stays mapped (unmapping waits for the GPU): holding it again maps nothing, a
+    block on a new page takes the oldest idle page's memory before creating one, and trim unmaps the rest."""
+    from kvbound.cache.virtual import BlockPages, HostPages
+    pages = BlockPages(HostPages(page_bytes=1024), "cpu", block_size=4)
+    pages.zeros((2, 64, 4, 8), torch.float32)  # 2 layers x 4 heads x 8 x 4 bytes = 256-byte rows: a page per block
+    for b in (0, 1, 2):
+        pages.hold(b)
+    pages.drop(1)
+    pages.drop(2)
+    assert pages.counts == dict(mapped=3, unmapped=0) and list(pages.idle) == [(0, 1), (0, 2)]
+    pages.hold(1)
+    assert pages.counts["mapped"] == 3 and list(pages.idle) == [(0, 2)]
+    created = len(pages.backend.pages)
+    pages.hold(5)
+    assert pages.counts == dict(mapped=4, unmapped=1) and not pages.idle and len(pages.backend.pages) == created
+    pages.drop(5)
+    assert pages.committed_bytes == 3 * 1024 and pages.trim() == 1 and pages.committed_bytes == 2 * 1024
+    assert set(pages.mapped) == {(0, 0), (0, 1)}
 
 
 def test_virtual_storage_hands_out_the_lowest_free_block_first(model32, monkeypatch):
@@ -637,7 +659,7 @@ def test_virtual_storage_on_cuda_maps_pages_as_blocks_fill_and_gives_them_back(m
                                 use_tqdm=False)
             assert [o.outputs[0].token_ids for o in outs] == paged
             pool = llm.engine.pool
-            assert set(pool.pages.mapped) == held_pages(pool) and not pool.pages.spare
+            assert set(pool.pages.mapped) == held_pages(pool) and not pool.pages.spare and not pool.pages.idle
             assert pool.committed_bytes == len(held_pages(pool)) * pool.pages.page_bytes < pool.pages.reserved_bytes
             llm.engine.close()
     finally:

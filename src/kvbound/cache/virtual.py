@@ -14,6 +14,7 @@ rounded up to whole pages, so region r's token j lives at byte r * region_bytes 
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -285,9 +286,10 @@ class BlockPages:
     """The engine's block pool in virtual ranges (`--kv-storage virtual`): each pool tensor is reserved whole
     but stored token-major ([slots, layers, ...], exposed as the pool's [layers, slots, ...] view), so one
     block's bytes are contiguous and physical pages back only the blocks that hold data (taken, or cached for
-    prefix reuse). A page is mapped (and zeroed) when its first such block appears and unmapped when its last
-    goes; unmapped pages wait for reuse until `trim` gives them back. Without the CUDA driver API (CPU, CI) the
-    tensors are dense and `HostPages` keeps the same accounting."""
+    prefix reuse). A page is mapped (and zeroed) when its first such block appears; when its last goes it
+    stays mapped, idle, until its physical page is wanted elsewhere or `trim` unmaps it (see `drop`); unmapped
+    pages wait for reuse until `trim` gives them back. Without the CUDA driver API (CPU, CI) the tensors are
+    dense and `HostPages` keeps the same accounting."""
 
     def __init__(self, backend: PageBackend, device, block_size: int):
         self.backend, self.device, self.block_size = backend, torch.device(device), block_size
@@ -296,6 +298,7 @@ class BlockPages:
         self.users: dict[tuple[int, int], int] = {}  # (range index, page index) -> blocks holding data on it
         self.mapped: dict[tuple[int, int], int] = {}  # (range index, page index) -> physical page
         self.spare: list[int] = []  # physical pages unmapped, ready for reuse
+        self.idle: dict[tuple[int, int], None] = {}  # mapped keys no block holds, oldest first
         self.reserved_bytes = 0
         self.counts = dict(mapped=0, unmapped=0)
         self.map_seconds = 0.0  # host time in hold / drop's driver calls and page zeroing: the storage's step cost
@@ -322,11 +325,15 @@ class BlockPages:
                 yield i, index
 
     def hold(self, block: int):
-        """`block` now holds data: map the pages under it that no other block holds."""
+        """`block` now holds data: map a page under it where none is (a page still mapped from earlier data
+        is kept as it is: stale finite values, as a paged pool's reused blocks hold)."""
         t0 = time.perf_counter()
         for key in self._pages(block):
             self.users[key] = self.users.get(key, 0) + 1
-            if self.users[key] == 1:
+            self.idle.pop(key, None)
+            if self.users[key] == 1 and key not in self.mapped:
+                if not self.spare:
+                    self._unmap_idle()
                 page = self.spare.pop() if self.spare else self.backend.create()
                 rng = self.ranges[key[0]][0]
                 self.backend.map(rng, key[1], page)
@@ -337,19 +344,25 @@ class BlockPages:
         self.map_seconds += time.perf_counter() - t0
 
     def drop(self, block: int):
-        """`block` holds nothing any more: unmap the pages under it that no other block holds."""
-        t0 = time.perf_counter()
+        """`block` holds nothing any more. Pages no block holds stay mapped (idle) until a page is needed
+        elsewhere or `trim`: unmapping waits for the GPU, and the lowest-first blocks come back to them."""
         for key in self._pages(block):
             self.users[key] -= 1
             if self.users[key] == 0:
                 del self.users[key]
-                self.backend.unmap(self.ranges[key[0]][0], key[1])
-                self.spare.append(self.mapped.pop(key))
-                self.counts["unmapped"] += 1
-        self.map_seconds += time.perf_counter() - t0
+                self.idle[key] = None
+
+    def _unmap_idle(self, every: bool = False):
+        """Unmap the oldest idle page (every one with `every`) into the spare list."""
+        for key in list(self.idle) if every else list(itertools.islice(self.idle, 1)):
+            del self.idle[key]
+            self.backend.unmap(self.ranges[key[0]][0], key[1])
+            self.spare.append(self.mapped.pop(key))
+            self.counts["unmapped"] += 1
 
     def trim(self) -> int:
-        """Give the spare pages back to the device; returns how many."""
+        """Unmap the idle pages and give every spare page back to the device; returns how many."""
+        self._unmap_idle(every=True)
         return release_all(self.backend, self.spare)
 
     @property
@@ -362,7 +375,7 @@ class BlockPages:
         for (i, index), page in self.mapped.items():
             self.backend.unmap(self.ranges[i][0], index)
             self.spare.append(page)
-        self.mapped, self.users = {}, {}
+        self.mapped, self.users, self.idle = {}, {}, {}
         self.trim()
         for rng, _ in self.ranges:
             self.backend.free(rng)
