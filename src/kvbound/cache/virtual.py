@@ -299,6 +299,8 @@ class BlockPages:
         self.mapped: dict[tuple[int, int], int] = {}  # (range index, page index) -> physical page
         self.spare: list[int] = []  # physical pages unmapped, ready for reuse
         self.idle: dict[tuple[int, int], None] = {}  # mapped keys no block holds, oldest first
+        self.flat: list[torch.Tensor] = []  # each range as bytes (CUDA)
+        self.home: dict[int, int] = {}  # physical page -> the range index it last held data of
         self.reserved_bytes = 0
         self.counts = dict(mapped=0, unmapped=0)
         self.map_seconds = 0.0  # host time in hold / drop's driver calls and page zeroing: the storage's step cost
@@ -315,6 +317,7 @@ class BlockPages:
         self.reserved_bytes += pages * self.page_bytes
         token_major = (slots, layers, *rest)
         if isinstance(self.backend, CudaPages):
+            self.flat.append(self.backend.tensor(rng, 0, (pages * self.page_bytes,)))  # for zeroing pages
             return self.backend.tensor(rng, 0, token_major, dtype).transpose(0, 1)
         return torch.zeros(token_major, dtype=dtype, device=self.device).transpose(0, 1)
 
@@ -335,12 +338,14 @@ class BlockPages:
                 if not self.spare:
                     self._unmap_idle()
                 page = self.spare.pop() if self.spare else self.backend.create()
-                rng = self.ranges[key[0]][0]
-                self.backend.map(rng, key[1], page)
+                self.backend.map(self.ranges[key[0]][0], key[1], page)
                 self.mapped[key] = page
                 self.counts["mapped"] += 1
-                if isinstance(self.backend, CudaPages):  # fresh bytes could read as NaN under masked attention
-                    self.backend.tensor(rng, key[1] * self.page_bytes, (self.page_bytes,)).zero_()
+                # fresh bytes, or another tensor's (fp16 scales as e4m3 codes), could read as NaN under masked
+                # attention; stale values of the same tensor are finite, as in a paged pool's reused blocks
+                if self.flat and self.home.get(page) != key[0]:
+                    self.flat[key[0]][key[1] * self.page_bytes:(key[1] + 1) * self.page_bytes].zero_()
+                self.home[page] = key[0]
         self.map_seconds += time.perf_counter() - t0
 
     def drop(self, block: int):
@@ -363,6 +368,8 @@ class BlockPages:
     def trim(self) -> int:
         """Unmap the idle pages and give every spare page back to the device; returns how many."""
         self._unmap_idle(every=True)
+        for page in self.spare:
+            self.home.pop(page, None)
         return release_all(self.backend, self.spare)
 
     @property
@@ -375,7 +382,7 @@ class BlockPages:
         for (i, index), page in self.mapped.items():
             self.backend.unmap(self.ranges[i][0], index)
             self.spare.append(page)
-        self.mapped, self.users, self.idle = {}, {}, {}
+        self.mapped, self.users, self.idle, self.home, self.flat = {}, {}, {}, {}, []
         self.trim()
         for rng, _ in self.ranges:
             self.backend.free(rng)
