@@ -316,7 +316,8 @@ def test_forked_bounded_completions_equal_separate_seeded_runs(model):
                                   "h2o:sink=1,heavy=11,recent=12,score=normalized", "window:budget=24,sink=3",
                                   "h2o:sink=2,heavy=10,recent=12,score=observed", "tova:sink=2,heavy=22",
                                   "knorm:sink=2,heavy=10,recent=12", "snapkv:sink=2,heavy=12,recent=10,window=6",
-                                  "snapkv:sink=2,heavy=12,recent=10,window=6,kernel=3,score=ema"])
+                                  "snapkv:sink=2,heavy=12,recent=10,window=6,kernel=3,score=ema",
+                                  "keydiff:sink=2,heavy=10,recent=12"])
 def test_bounded_prefill_pieces_evict_as_one_batch(model, monkeypatch, spec):
     """Later prefill pieces of full bounded caches with one policy keep-and-rewrite together ("chunk" group),
     with the same outputs as each sequence alone; a pinned prefix is honoured."""
@@ -422,7 +423,7 @@ def test_greedy_at_20k_context_alone_equals_batched_and_replays_wide_graphs():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernels and CUDA graphs")
 @pytest.mark.parametrize("spec", ["tova:sink=2,heavy=22", "knorm:sink=2,heavy=10,recent=12",
-                                  "h2o:sink=2,heavy=10,recent=12,score=observed",
+                                  "h2o:sink=2,heavy=10,recent=12,score=observed", "keydiff:sink=2,heavy=10,recent=12",
                                   "snapkv:sink=2,heavy=12,recent=10,window=6"])
 def test_scored_policies_on_cuda_batched_equal_alone(model, spec):
     """On CUDA the decode steps of tova run the fused evict kernel (an EMA that forgets at once) and those of

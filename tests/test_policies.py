@@ -9,8 +9,8 @@ import torch
 from kvbound.cache import KVCache
 from kvbound.errors import KvboundError
 from kvbound.models import ModelConfig
-from kvbound.cache.policies import (H2OPolicy, KeyNormPolicy, SnapKVPolicy, TOVAPolicy, WindowPolicy,
-                                    parse_policy)
+from kvbound.cache.policies import (H2OPolicy, KeyDiffPolicy, KeyNormPolicy, SnapKVPolicy, TOVAPolicy,
+                                    WindowPolicy, parse_policy)
 
 HQ, HKV, D = 4, 2, 8
 
@@ -71,6 +71,8 @@ class Reference:
                 if p.score == "key-norm":
                     heads = range(HKV) if p.granularity == "layer" else [h]
                     self.score[h].setdefault(j, -sum(float(self.K[j][x].norm()) for x in heads))
+                elif p.score == "key-diff":  # against the anchor of every candidate, below
+                    self.score[h][j] = 0.0
                 elif p.score == "last" or (isinstance(p, SnapKVPolicy) and t > 1):
                     self.score[h][j] = c
                 elif p.score == "ema":
@@ -78,6 +80,14 @@ class Reference:
                 elif p.score:
                     self.score[h][j] = self.score[h].get(j, 0.0) + c
             cand = self.kept[h] + new
+            if p.score == "key-diff":
+                heads = range(HKV) if p.granularity == "layer" else [h]
+                for x in heads:
+                    unit = {j: self.K[j][x] / self.K[j][x].norm() for j in cand}
+                    anchor = sum(unit.values())
+                    anchor = anchor / anchor.norm()
+                    for j in cand:
+                        self.score[h][j] += -float(unit[j] @ anchor)
             cap = p.budget + p.evict_every - 1
             if len(cand) > cap:
                 cand = self._select(cand, h, new[-1])
@@ -110,6 +120,7 @@ for gran, every, pinned in itertools.product(["kv-head", "layer"], [1, 4], [(), 
                            pinned=pinned),
                  TOVAPolicy(sink=1, heavy=9, recent=2, granularity=gran, evict_every=every, pinned=pinned),
                  KeyNormPolicy(sink=2, heavy=6, recent=4, granularity=gran, evict_every=every, pinned=pinned),
+                 KeyDiffPolicy(sink=2, heavy=6, recent=3, granularity=gran, evict_every=every, pinned=pinned),
                  SnapKVPolicy(sink=1, heavy=7, recent=4, window=3, kernel=3, granularity=gran, evict_every=every,
                               pinned=pinned)]
 

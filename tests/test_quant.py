@@ -6,7 +6,7 @@ from kvbound.kernels import causal_attention as attend
 from kvbound.cache import KVCache
 from kvbound.errors import KvboundError
 from kvbound.models import ModelConfig
-from kvbound.cache.policies import H2OPolicy, KeyNormPolicy, SnapKVPolicy, TOVAPolicy, WindowPolicy
+from kvbound.cache.policies import H2OPolicy, KeyDiffPolicy, KeyNormPolicy, SnapKVPolicy, TOVAPolicy, WindowPolicy
 from kvbound.cache.quant import parse_kv_bits
 from kvbound.kernels.packing import convert, dequantize, quantize
 
@@ -59,7 +59,8 @@ def test_attention_over_quantized_matches_dequantize_then_attend():
                                     H2OPolicy(sink=1, heavy=5, recent=4, evict_every=3),
                                     H2OPolicy(sink=2, heavy=4, recent=4, score="observed"),
                                     TOVAPolicy(sink=1, heavy=9), KeyNormPolicy(sink=2, heavy=4, recent=4),
-                                    SnapKVPolicy(sink=1, heavy=5, recent=4, window=3, kernel=3)])
+                                    SnapKVPolicy(sink=1, heavy=5, recent=4, window=3, kernel=3),
+                                    KeyDiffPolicy(sink=2, heavy=4, recent=4)])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_eviction_on_packed_data_equals_evict_then_quantize(policy, bits):
     """Same kept tokens and bit-identical packed bytes as quantizing the kept tokens of a float cache."""

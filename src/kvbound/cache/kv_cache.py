@@ -24,7 +24,7 @@ from ..errors import KvboundError
 from .policies import FullPolicy
 from .quant import QuantizedStore
 from .stacked import StackedMeta
-from .steps import (chunk_attend, evict_decode, evict_one, fresh_scores, keep_and_rewrite, piece_attention,
+from .steps import (chunk_attend, evict_decode, evict_one, fresh_scores, keep_and_rewrite, piece_attention, rescored,
                     table_attention)
 from .store import DenseStore
 
@@ -275,8 +275,12 @@ class KVCache:
             if score is not None:
                 score[total - t:] = fresh_scores(self.policy, k, score, self.store.storage, layer)
             lens = torch.full((1,), total, dtype=torch.int32, device=q.device)
-            return table_attention(q, self.store.storage, layer, table, lens, self.policy,
-                                   None if score is None else score[None])
+            out = table_attention(q, self.store.storage, layer, table, lens, self.policy,
+                                  None if score is None else score[None])
+            if score is not None and self.policy.rescores:
+                kc = self.store.storage.gather(layer, table.long())[0]
+                score.copy_(rescored(self.policy, score[None], kc, self.pos[layer, :total][None])[0])
+            return out
         kc, vc = self.store.storage.gather(layer, table.long())
         out, scores = piece_attention(q[None], kc, vc, self.policy, None if score is None else score[None, :total - t],
                                       self.pos[layer, :total][None])

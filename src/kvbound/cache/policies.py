@@ -4,7 +4,8 @@ Every policy follows `Policy` (below). Ties on score keep the newer token. The s
 keep rule (sinks, pinned spans and a recent window protected, the highest-ranked others kept) and differ
 in the score: accumulated attention (h2o), the same divided by the queries that could see each key
 (ObservedAttention), the current step's attention only (TOVA), an observation window's pooled attention in
-prefill (SnapKV), or the key's norm (KNorm: no attention needed).
+prefill (SnapKV), or the key alone (KNorm: its norm; KeyDiff: how unlike the other keys it is; no attention
+needed).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ SCORES = ("cumulative", "ema", "normalized", "observed")
 # how each score folds a step's attention probabilities in (the kernels' score modes): "last" keeps only the
 # newest step's (an EMA that forgets at once), "key-norm" takes none
 FOLDS = {"cumulative": "cumulative", "ema": "ema", "normalized": "normalized", "observed": "cumulative",
-         "last": "ema", "key-norm": None}
+         "last": "ema", "key-norm": None, "key-diff": None}
 GRANULARITIES = ("kv-head", "layer")
 
 
@@ -132,7 +133,7 @@ class Policy:
         the form the fused evict kernel takes; None for pinned spans past the protected prefix, and for
         scores the kernel does not rank by (it ranks by the folded attention, new tokens starting at 0)."""
         prefix = self.protected_prefix
-        if any(b > prefix for _, b in self.pinned) or self.score == "observed" or self.scores_keys:
+        if any(b > prefix for _, b in self.pinned) or self.score == "observed" or self.scores_keys or self.rescores:
             return None
         return prefix, self.recent
 
@@ -165,6 +166,18 @@ class Policy:
     def key_score(self, k: torch.Tensor) -> torch.Tensor:
         """A new token's starting score from its key, k [..., H, D] -> [..., H]."""
         return -k.float().norm(dim=-1)  # KNorm keeps the keys of lowest L2 norm
+
+    @property
+    def rescores(self) -> bool:
+        """Whether every held token's score is recomputed from all held keys (`rescore`) before each eviction."""
+        return self.score == "key-diff"
+
+    def rescore(self, k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """KeyDiff's score of each key, k [..., M, H, D] with `valid` [..., M, H] marking the held ones: minus
+        its cosine similarity to the anchor, the mean of the valid keys' unit vectors, per head -> [..., M, H]."""
+        unit = F.normalize(k.float(), dim=-1)
+        anchor = F.normalize((unit * valid[..., None]).sum(-3, keepdim=True), dim=-1)
+        return -(unit * anchor).sum(-1)
 
     def piece_scores(self, old: torch.Tensor, step: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Scores after a prefill piece whose probabilities are `step` (both [..., M, H])."""
@@ -303,6 +316,16 @@ class KeyNormPolicy(H2OPolicy):
 
 
 @dataclass(frozen=True)
+class KeyDiffPolicy(H2OPolicy):
+    """KeyDiff: keep the keys least like the rest (lowest cosine similarity to the mean unit key of the cache,
+    per head): distinctive keys draw attention. Before each eviction every held key is scored against the
+    anchor of all the held and new keys; no attention probabilities, so any attention kernel serves it."""
+    score: str = "key-diff"
+    name: str = "keydiff"
+    score_choices = ("key-diff",)
+
+
+@dataclass(frozen=True)
 class SnapKVPolicy(H2OPolicy):
     """SnapKV: in each prefill piece, keys are scored by the attention of the piece's last `window` queries,
     averaged over `kernel` neighbouring positions (the question at the end of a prompt picks what stays);
@@ -335,18 +358,21 @@ class SnapKVPolicy(H2OPolicy):
         return super().describe()[:-1] + f",window={self.window},kernel={self.kernel})"
 
 
-NAMED = ("window", "h2o", "h2o-balanced", "h2o-heavy", "observed", "tova", "snapkv", "knorm")  # "h2o" is h2o-heavy
-SCORED = {"h2o": H2OPolicy, "tova": TOVAPolicy, "snapkv": SnapKVPolicy, "knorm": KeyNormPolicy}
+NAMED = ("window", "h2o", "h2o-balanced", "h2o-heavy", "observed", "tova", "snapkv", "knorm",
+         "keydiff")  # "h2o" is h2o-heavy
+SCORED = {"h2o": H2OPolicy, "tova": TOVAPolicy, "snapkv": SnapKVPolicy, "knorm": KeyNormPolicy,
+          "keydiff": KeyDiffPolicy}
 _H2O_KEYS = ("budget", "sink", "heavy", "recent", "score", "ema_decay", "granularity", "evict_every")
 SPEC_KEYS = {"full": (), "window": ("budget", "sink", "evict_every"), "h2o": _H2O_KEYS,
              "tova": ("budget", "sink", "heavy", "recent", "granularity", "evict_every"),
              "snapkv": _H2O_KEYS + ("window", "kernel"),
-             "knorm": ("budget", "sink", "heavy", "recent", "granularity", "evict_every")}
+             "knorm": ("budget", "sink", "heavy", "recent", "granularity", "evict_every"),
+             "keydiff": ("budget", "sink", "heavy", "recent", "granularity", "evict_every")}
 
 
 def named_policy(name: str, budget: int | None, pinned=()):
     """The evaluation's named strategies, scaled to `budget` (their shapes are given at budget 256): 4 sinks,
-    then half the budget heavy and the rest recent (h2o-heavy, observed, knorm), a quarter heavy
+    then half the budget heavy and the rest recent (h2o-heavy, observed, knorm, keydiff), a quarter heavy
     (h2o-balanced), no recent window (tova), or a recent window of SnapKV's observation window."""
     if name in ("baseline", "full"):
         return FullPolicy()
@@ -371,17 +397,17 @@ def named_policy(name: str, budget: int | None, pinned=()):
     heavy = min(budget - 4, round(budget * (64 if name == "h2o-balanced" else 128) / 256))
     # pinned tokens count against the budget: the recent window gives way to them, heavy hitters fill the rest
     recent = max(0, min(budget - 4 - heavy, budget - pinned_count))
-    if name == "knorm":
-        return KeyNormPolicy(sink=4, heavy=budget - 4 - recent, recent=recent, pinned=pinned)
+    if name in ("knorm", "keydiff"):
+        return SCORED[name](sink=4, heavy=budget - 4 - recent, recent=recent, pinned=pinned)
     return H2OPolicy(sink=4, heavy=budget - 4 - recent, recent=recent, pinned=pinned,
                      score="observed" if name == "observed" else "cumulative")
 
 
 def parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
     """'full' | 'window[:budget=..,sink=..]' | 'h2o:sink=..,heavy=..,recent=..[,score=..,granularity=..,
-    ema_decay=..,evict_every=..]' (and tova / knorm / snapkv[:..,window=..,kernel=..] with the same shape
-    options) | a named strategy ('baseline', 'window', 'h2o-balanced', 'h2o-heavy', 'observed', 'tova',
-    'snapkv', 'knorm')."""
+    ema_decay=..,evict_every=..]' (and tova / knorm / keydiff / snapkv[:..,window=..,kernel=..] with the same
+    shape options) | a named strategy ('baseline', 'window', 'h2o-balanced', 'h2o-heavy', 'observed', 'tova',
+    'snapkv', 'knorm', 'keydiff')."""
     spec = spec.strip()
     if ":" not in spec:
         pol = named_policy(spec, budget, pinned)

@@ -38,6 +38,14 @@ def fresh_scores(policy, k: torch.Tensor, like: torch.Tensor, storage=None, laye
     return _per_layer(policy, policy.key_score(held).to(like.dtype))
 
 
+def rescored(policy, score: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """`score` [..., M, H], or, for a policy that scores each key against all of them (KeyDiff), every
+    score recomputed from the keys k [..., M, H, D] held at positions `pos` (-1: none)."""
+    if not policy.rescores:
+        return score
+    return _per_layer(policy, policy.rescore(k, pos >= 0).to(score.dtype))
+
+
 def piece_attention(q, k, v, policy, old: torch.Tensor | None, pos: torch.Tensor):
     """A prefill piece's causal attention, q [B, t, Hq, D] over k, v [B, n + t, H, D] (the t new last), and
     the n + t keys' scores after it: `old` [B, n, H] and the new keys' starting scores, folded."""
@@ -48,7 +56,7 @@ def piece_attention(q, k, v, policy, old: torch.Tensor | None, pos: torch.Tensor
     scores = torch.cat([old, fresh_scores(policy, k[:, -t:], old)], 1)
     if t == 1 and step is not None:  # a one-token piece is a decode step, wherever it runs
         return out, policy_fold(policy, scores, step)
-    return out, piece_fold(policy, scores, step, pos)
+    return out, rescored(policy, piece_fold(policy, scores, step, pos), k, pos)
 
 
 def kernel_reads(storage, layer, q, policy) -> tuple | None:
@@ -110,7 +118,7 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
         step_score = score[rows]
     out = table_attention(q, storage, layer, table, lens, policy, step_score)
     if score is not None:
-        score[rows] = step_score
+        score[rows] = rescored(policy, step_score, storage.gather(layer, table.long())[0], pos[rows])
     evict_one(pos, spare, score, rows, policy)
     return out
 

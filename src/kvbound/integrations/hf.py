@@ -20,7 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..cache.policies import H2OPolicy, Policy, parse_policy
-from ..cache.steps import fresh_scores, kept_order, piece_fold, policy_fold
+from ..cache.steps import fresh_scores, kept_order, piece_fold, policy_fold, rescored
 from ..errors import KvboundError
 
 ATTENTION = "kvbound"
@@ -174,6 +174,9 @@ class EvictingLayer(DynamicLayer):
         p = self.policy
         if p.scores_keys:
             self.score[:, -t:] = fresh_scores(p, self.keys[:, :, -t:].transpose(1, 2), self.score)
+        if p.rescores:  # left padding is no key of the anchor's
+            held = torch.where(valid[:, :, None], self.pos, -1)
+            self.score = rescored(p, self.score, self.keys.transpose(1, 2), held)
         if p.fold is None:
             return
         step = _key_probs(query, key, valid, scaling, self.keys.shape[1], p.score_window if t > 1 else None)
