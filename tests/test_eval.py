@@ -199,6 +199,20 @@ def test_eval_ruler_cli(tiny, tmp_path):
     assert bad.returncode == 2 and "niah_doubles" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_ruler_through_the_engine_gives_the_single_caches_replies(tiny):
+    """`eval ruler --engine`: every (sample, strategy) one request of a continuous batch, the same greedy replies
+    (so the same scores) as a single-sequence cache per run, packed widths included."""
+    from kvbound.eval.ruler import ruler_runs
+    from kvbound.eval.strategies import CacheOptions
+    from kvbound.models import load
+    model, tok = load(str(tiny))
+    args = (model, tok, ["baseline", "window", "h2o-heavy", "keydiff", "snapkv+kv8"], [200], ["niah_single", "vt"],
+            [0.25, 0.5], CacheOptions(prefill_chunk=64, kv_group_size=32), 2, "after", ["noise"], 4)
+    alone, batched = ruler_runs(*args), ruler_runs(*args, engine=True)
+    assert len(batched) == 2 * 2 * 2 * 5 and [r["reply"] for r in batched] == [r["reply"] for r in alone]
+    assert any(r["reply"] for r in batched)
+
+
 def test_needle_of_ones_own_with_samples_over_depths(smollm, tmp_path):
     from kvbound.eval.needle import Needle, needle_prompt, spread_depths
     _, tok = smollm

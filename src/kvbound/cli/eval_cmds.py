@@ -105,7 +105,7 @@ def cmd_ruler(args):
     model, tok, dtype = load_model(args)
     results = ruler_runs(model, tok, with_baseline(args.strategies), args.context, tasks, args.budget_frac,
                          cache_options(args), args.samples, args.query, args.haystack, args.max_tokens, args.device,
-                         dtype, **policy_defaults(args))
+                         dtype, engine=args.engine, **policy_defaults(args))
     rows, tasks, grid = ruler_table(results)
     print(f"\nruler score (mean of {args.samples} samples per task; contexts {', '.join(map(str, args.context))}; "
           f"question {args.query} the context)")
@@ -186,4 +186,6 @@ def add_eval_parser(sub):
     p.add_argument("--haystack", nargs="+", default=None, help="text files or folders to hide facts in, or "
                    "'noise' for RULER's repeated sentences (default: the package's text)")
     p.add_argument("--max-tokens", type=positive_int, default=32)
+    p.add_argument("--engine", action="store_true", help="run through the serving engine: every (sample, strategy) "
+                   "one request of a continuous batch (fast on a GPU)")
     p.set_defaults(func=cmd_ruler, strategies=["baseline", "window", "h2o-heavy"])

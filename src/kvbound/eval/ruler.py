@@ -195,10 +195,11 @@ def score(reply: str, answers: list[str]) -> float:
 
 
 def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheOptions, samples=20,
-               query="after", haystack=None, max_tokens=32, device="cpu", dtype=None, seed=0,
+               query="after", haystack=None, max_tokens=32, device="cpu", dtype=None, seed=0, engine=False,
                **policy_defaults) -> list[dict]:
     """Every strategy on `samples` instances of every task, context and budget fraction (the same instances
-    for every strategy). One record per run: its score, the reply, the budget."""
+    for every strategy). One record per run: its score, the reply, the budget. `engine`: every run is a
+    request of one continuous batch (`engine_replies`) instead of a single-sequence cache after another."""
     if query not in ("before", "after"):
         raise KvboundError(f"--query must be before or after, got {query!r}")
     for task in tasks:
@@ -215,22 +216,54 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
                     strategies = parse_strategies(names, max(16, int(frac * context)), options, **policy_defaults)
                     jobs += [(context, task, i, frac, name, pol, bits, ids, sample)
                              for name, (pol, bits) in strategies.items()]
-    results, done = [], {}
-    for context, task, i, frac, name, pol, bits, ids, sample in tqdm(jobs, desc="ruler"):
-        key = (context, task, i, name) if not pol.bounded else None
-        if key in done:  # the full cache does not depend on the budget: run it once
-            reply = done[key]
-        else:
+    once = {(c, t, i, n): j for j, (c, t, i, _, n, pol, *_) in enumerate(jobs) if not pol.bounded}
+    # the full cache does not depend on the budget: each of its runs is made once
+    first = [once.get((c, t, i, n), j) if not pol.bounded else j for j, (c, t, i, _, n, pol, *_) in enumerate(jobs)]
+    todo = [j for j in range(len(jobs)) if first[j] == j]
+    if engine:
+        replies = engine_replies(model, tok, [jobs[j][5:8] for j in todo], options, max_tokens)
+    else:
+        replies = []
+        for j in tqdm(todo, desc="ruler"):
+            pol, bits, ids = jobs[j][5:8]
             cache = make_cache(model, pol, bits, options, device, dtype)
-            out = generate_ids(model, ids, SamplingParams(max_tokens=max_tokens), cache, tok.eos_ids,
-                               options.prefill_chunk)
-            reply = tok.decode(list(out))
-            if key is not None:
-                done[key] = reply
+            replies.append(list(generate_ids(model, ids, SamplingParams(max_tokens=max_tokens), cache, tok.eos_ids,
+                                             options.prefill_chunk)))
+    text = {j: tok.decode(r) for j, r in zip(todo, replies)}
+    results = []
+    for j, (context, task, i, frac, name, pol, bits, ids, sample) in enumerate(jobs):
+        reply = text[first[j]]
         results.append({"strategy": name, "context": context, "task": task, "sample": i, "budget_frac": frac,
                         "budget": pol.budget, "query": query, "score": score(reply, sample.answers),
                         "answers": sample.answers, "reply": reply.strip()})
     return results
+
+
+def engine_replies(model, tok, runs, options: CacheOptions, max_tokens: int, pool_tokens: int = 1 << 19,
+                   progress=True) -> list[list[int]]:
+    """Greedy replies to `runs` [(policy, kv bits, prompt ids)] through the serving engine: every run one
+    request with its own policy, in one continuous batch over a paged pool of at most `pool_tokens` tokens
+    (one engine per KV width; mixed widths run on single-sequence caches only)."""
+    from ..engine import LLMEngine
+    if options.quantized_kv_start or any(isinstance(bits, dict) for _, bits, _ in runs):
+        raise KvboundError("mixed KV widths and --quantized-kv-start run on single-sequence caches; drop --engine")
+    replies: list = [None] * len(runs)
+    bar = tqdm(total=len(runs), desc="ruler (engine)", disable=not progress)
+    for width in dict.fromkeys(bits for _, bits, _ in runs):
+        need = sum(len(ids) + max_tokens if pol.budget is None else pol.capacity + options.prefill_chunk
+                   for pol, bits, ids in runs if bits == width)
+        engine = LLMEngine(model, tok, kv_cache_tokens=min(pool_tokens, need + 64), max_num_seqs=256,
+                           max_num_batched_tokens=max(8192, options.prefill_chunk), prefill_chunk=options.prefill_chunk,
+                           kv_dtype=options.kv_dtype, kv_bits=width, kv_group_size=options.kv_group_size)
+        with engine:
+            owner = {engine.add_request(ids, SamplingParams(max_tokens=max_tokens), policy=pol): j
+                     for j, (pol, bits, ids) in enumerate(runs) if bits == width}
+            while engine.has_unfinished():
+                for out in engine.step(only_finished=True):
+                    replies[owner[out.request_id]] = list(out.outputs[0].token_ids)
+                    bar.update()
+    bar.close()
+    return replies
 
 
 def ruler_table(results) -> tuple[list[str], list[str], list[list[float]]]:
