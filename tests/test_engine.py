@@ -585,7 +585,7 @@ def test_virtual_storage_gives_the_paged_outputs_and_commits_only_the_pages_in_u
     spare pages go back."""
     from kvbound.cache import block_pool
     from kvbound.cache.virtual import HostPages
-    monkeypatch.setattr(block_pool, "HostPages", lambda: HostPages(page_bytes=4096))
+    monkeypatch.setattr(block_pool, "HostPages", lambda _: HostPages(page_bytes=4096))
     reqs = mixed_requests()
     paged, _ = run_engine(model32, reqs, num_blocks=64, block_size=8, max_num_batched_tokens=48, kv_bits=bits,
                           kv_group_size=32)

@@ -397,7 +397,7 @@ class BlockPages:
 
 class CudaPages:
     """`PageBackend` on the CUDA driver's virtual memory API (cuda-bindings), on PyTorch's primary context.
-    Pages are the allocation granularity (2 MiB on current drivers) unless a multiple is asked for."""
+    Pages are the allocation granularity (2 MiB on current drivers), or `page_bytes` rounded up to it."""
 
     def __init__(self, device=None, page_bytes: int | None = None):
         try:
@@ -417,10 +417,7 @@ class CudaPages:
         self.prop = prop
         gran = self._check(driver.cuMemGetAllocationGranularity(
             prop, driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
-        page_bytes = page_bytes or gran
-        if page_bytes % gran:
-            raise KvboundError(f"page_bytes {page_bytes} is not a multiple of the granularity {gran}")
-        self.page_bytes = page_bytes
+        self.page_bytes = -(-(page_bytes or gran) // gran) * gran  # whole granules
         access = driver.CUmemAccessDesc()
         access.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         access.location.id = self.device.index
