@@ -68,6 +68,20 @@ def test_sweep_writes_table_json_and_plot(tiny, tmp_path, over, values):
     assert f"over {over}" in r.stdout and (tmp_path / "s.png").stat().st_size > 1000
 
 
+def test_sweep_through_the_engine_gives_the_harness_perplexities(tiny, tmp_path):
+    """`eval sweep --engine`: each (sample, strategy) a teacher-forced request of one continuous batch, per value."""
+    got = []
+    for extra in ([], ["--engine"]):
+        out = tmp_path / f"s{len(extra)}.json"
+        run("sweep", "--over", "seq-len", "--values", "32,48", "--model", str(tiny), "--text", str(tiny / "text"),
+            "--samples", "2", "--prefill", "8", "--budget", "16", "--strategies", "window,h2o-heavy,keydiff",
+            "--json", str(out), *extra)
+        got.append(json.loads(out.read_text())["rows"])
+    for val in ("32", "48"):
+        for name, res in got[0][val].items():
+            assert got[1][val][name]["ppl"] == pytest.approx(res["ppl"], rel=1e-4), (val, name)
+
+
 def test_budget_at_least_length_equals_baseline(tiny, tmp_path):
     out = tmp_path / "ppl.json"
     run("ppl", "--model", str(tiny), "--text", str(tiny / "text"), "--samples", "1", "--seq-len", "40",

@@ -23,10 +23,7 @@ def cmd_ppl(args):
     strategies = strategies_for(args, names, args.budget)
     model, tok, dtype = load_model(args)
     samples, files = token_samples(tok, args.text, args.samples, args.seq_len)
-    if args.engine:
-        res = engine_perplexity(model, samples, strategies, cache_options(args), args.prefill)
-    else:
-        res = perplexity(model, samples, strategies, cache_options(args), args.prefill, args.device, dtype)
+    res = scored(args, model, samples, strategies, dtype)
     print_ppl_table(res, f"{args.samples} x {args.seq_len} tokens, prefill {args.prefill}, budget {args.budget}"
                     + (", through the engine" if args.engine else ""))
     config = {k: getattr(args, k) for k in ("samples", "seq_len", "prefill", "budget", "model", "kv_group_size")}
@@ -38,6 +35,13 @@ def cmd_ppl(args):
     return res
 
 
+def scored(args, model, samples, strategies, dtype) -> dict:
+    """Perplexities through the serving engine (--engine) or the harness's own caches."""
+    if args.engine:
+        return engine_perplexity(model, samples, strategies, cache_options(args), args.prefill)
+    return perplexity(model, samples, strategies, cache_options(args), args.prefill, args.device, dtype)
+
+
 def cmd_sweep(args):
     names = with_baseline(args.strategies)
     model, tok, dtype = load_model(args)
@@ -47,7 +51,7 @@ def cmd_sweep(args):
         seq_len = val if args.over == "seq-len" else args.seq_len
         strategies = strategies_for(args, names, budget)
         samples, _ = token_samples(tok, args.text, args.samples, seq_len)
-        rows[val] = perplexity(model, samples, strategies, cache_options(args), args.prefill, args.device, dtype)
+        rows[val] = scored(args, model, samples, strategies, dtype)
         print_ppl_table(rows[val], f"{args.over} = {val}")
     print(f"\nΔ% vs baseline over {args.over}")
     print(f"{args.over:>8} " + " ".join(f"{s:>14}" for s in names))
@@ -142,12 +146,12 @@ def add_eval_parser(sub):
         p.add_argument("--seq-len", type=positive_int, default=512, help="(default: %(default)s)")
         p.add_argument("--prefill", type=positive_int, default=32, help="tokens fed at once before scoring "
                        "starts (default: %(default)s)")
+        p.add_argument("--engine", action="store_true", help="score through the serving engine (one continuous "
+                       "batch over its paged pool, packed for +kv8 / +kv4) instead of the harness's caches")
 
     p = esub.add_parser("ppl", help="perplexity under a bounded cache")
     common(p)
     text_samples(p)
-    p.add_argument("--engine", action="store_true", help="score through the serving engine (one continuous batch "
-                   "over its paged pool, packed for +kv8 / +kv4) instead of the harness's caches")
     p.set_defaults(func=cmd_ppl)
 
     p = esub.add_parser("sweep", help="perplexity over budgets or sequence lengths, with a plot")
