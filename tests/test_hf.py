@@ -92,7 +92,8 @@ def kept_by_hf(cache):
 @pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=6,recent=6", "h2o:sink=2,heavy=6,recent=6,score=observed",
                                   "h2o:sink=2,heavy=6,recent=6,granularity=layer,evict_every=3",
                                   "window:budget=14,sink=2", "tova:sink=2,heavy=12", "knorm:sink=2,heavy=6,recent=6",
-                                  "snapkv:sink=2,heavy=6,recent=6,window=4,kernel=3", "keydiff:sink=2,heavy=6,recent=6"])
+                                  "snapkv:sink=2,heavy=6,recent=6,window=4,kernel=3",
+                                  "keydiff:sink=2,heavy=6,recent=6"])
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_kept_tokens_at_every_step_and_outputs_equal_kvbounds_own_cache(name, spec):
     """The same policy fed the same attention, step by step: kvbound's own model and KVCache on the same

@@ -411,8 +411,10 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     # d=128), where other tiles spill registers (up to 9x slower)
     bits, gs, fp8, scales = _quant_args(quant, k_pool, d)
     tile = (64, 4, None)
-    if contiguous and bits == 16 and d >= 128:  # direct loads pipeline deeper, and 3 stages of 128-wide K/V
-        tile = (64, 4, 1)  # tiles cost occupancy: 1.08x paged at batch 64, 0.97x with one (results/contig_decode_h100.log)
+    if contiguous and bits == 16 and d >= 128:
+        # direct loads pipeline deeper, and three stages of 128-wide K/V tiles cost occupancy: 1.08x paged at
+        # batch 64, 0.97x with one stage (results/contig_decode_h100.log)
+        tile = (64, 4, 1)
     if bits != 16 and q.is_cuda:
         tile = PACKED_TILES.get((bits, d), (64, 2, 2))
         if bsz * max_len < SHORT_KEYS:
@@ -464,7 +466,8 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
         e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), scale, min_split,
         G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee, VDOT=value_dot,
-        FP8=fp8, CONTIG=bool(contiguous), num_warps=num_warps, **({} if num_stages is None else dict(num_stages=num_stages)))
+        FP8=fp8, CONTIG=bool(contiguous), num_warps=num_warps,
+        **({} if num_stages is None else dict(num_stages=num_stages)))
     _merge_kernel[(bsz, hkv)](
         part_o, part_m, part_l, out, ctx_lens,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
