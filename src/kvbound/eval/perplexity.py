@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from ..cache import MultiCache
 from ..errors import KvboundError
-from .strategies import CacheOptions, make_cache
+from .strategies import CacheOptions, check_engine_strategies, engine_completions, make_cache
 
 
 def perplexity(model, samples, strategies: dict, options: CacheOptions, prefill: int, device="cpu",
@@ -85,38 +85,32 @@ def engine_perplexity(model, samples, strategies: dict, options: CacheOptions, p
     sample's first `prefill` tokens and whose continuation is fed as teacher tokens, scored token by token,
     every request in one continuous batch over the engine's paged pool (packed with a +kv8 / +kv4 width: one
     engine per width). The same numbers as `perplexity`, through the code that serves."""
-    from ..engine import LLMEngine, SamplingParams
-    if options.quantized_kv_start:
-        raise KvboundError("--quantized-kv-start runs on single-sequence caches; drop --engine")
+    from ..engine import SamplingParams
+    check_engine_strategies(strategies, options)
     names = list(strategies)
-    for name, (_, bits) in strategies.items():
-        if isinstance(bits, dict):
-            raise KvboundError(f"strategy {name!r}: mixed widths run on single-sequence caches; drop --engine")
     _check_samples(model, samples, prefill)
     nll = {s: 0.0 for s in names}
     held = {s: [] for s in names}
     count = sum(len(x) - prefill for x in samples)
     bar = tqdm(total=count * len(names), desc="ppl (engine)", disable=not progress, unit="tok")
-    for bits in dict.fromkeys(b for _, b in strategies.values()):
-        mine = [s for s in names if strategies[s][1] == bits]
-        n_req = len(samples) * len(mine)
-        engine = LLMEngine(model, None, kv_cache_tokens=n_req * (len(samples[0]) + 32),
-                           max_num_batched_tokens=max(2048, options.prefill_chunk), max_num_seqs=n_req,
-                           prefill_chunk=options.prefill_chunk, kv_dtype=options.kv_dtype, kv_bits=bits,
-                           kv_group_size=options.kv_group_size)
-        with engine:
-            owner = {}
-            for sample in samples:
-                for s in mine:
-                    rest = sample[prefill:]
-                    params = SamplingParams(max_tokens=len(rest), teacher_tokens=rest, logprobs=0, ignore_eos=True)
-                    owner[engine.add_request(sample[:prefill], params, policy=strategies[s][0])] = s
-            while engine.has_unfinished():
-                for out in engine.step(only_finished=True):
-                    s, done = owner[out.request_id], out.outputs[0]
-                    nll[s] -= sum(lp["logprob"] for lp in done.logprobs)
-                    held[s].append(done.peak_kv_bytes)
-                    bar.update(len(done.logprobs))
+    runs, owner = [], []
+    for bits in dict.fromkeys(b for _, b in strategies.values()):  # one engine per width
+        for sample in samples:
+            for s in [s for s in names if strategies[s][1] == bits]:
+                rest = sample[prefill:]
+                params = SamplingParams(max_tokens=len(rest), teacher_tokens=rest, logprobs=0, ignore_eos=True)
+                runs.append((strategies[s][0], bits, sample[:prefill], params))
+                owner.append(s)
+
+    def sizing(mine):
+        return dict(kv_cache_tokens=len(mine) * (len(samples[0]) + 32), max_num_seqs=len(mine),
+                    max_num_batched_tokens=max(2048, options.prefill_chunk))
+
+    def done(j, completion):
+        nll[owner[j]] -= sum(lp["logprob"] for lp in completion.logprobs)
+        held[owner[j]].append(completion.peak_kv_bytes)
+        bar.update(len(completion.logprobs))
+    engine_completions(model, None, runs, options, sizing, done)
     bar.close()
     full = len(samples[0]) * model.config.kv_bytes_per_token(2)
     return _results(strategies, nll, count, held, {s: [full] for s in names})

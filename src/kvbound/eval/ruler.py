@@ -22,7 +22,7 @@ from tqdm import tqdm
 from ..engine import SamplingParams, generate_ids
 from ..errors import KvboundError
 from .data import chat_frame, joined_text, sentence_end
-from .strategies import CacheOptions, make_cache, parse_strategies
+from .strategies import CacheOptions, check_engine_strategies, engine_completions, make_cache, parse_strategies
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 WORDS = ("apple river stone cloud maple tiger silver garden candle harbor violet meadow falcon copper lantern "
@@ -214,6 +214,8 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
                 sample, ids = sized_prompt(tok, task, context, query, rng, filler)
                 for frac in budget_fracs:
                     strategies = parse_strategies(names, max(16, int(frac * context)), options, **policy_defaults)
+                    if engine:
+                        check_engine_strategies(strategies, options)
                     jobs += [(context, task, i, frac, name, pol, bits, ids, sample)
                              for name, (pol, bits) in strategies.items()]
     once = {(c, t, i, n): j for j, (c, t, i, _, n, pol, *_) in enumerate(jobs) if not pol.bounded}
@@ -241,29 +243,19 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
 
 def engine_replies(model, tok, runs, options: CacheOptions, max_tokens: int, pool_tokens: int = 1 << 19,
                    progress=True) -> list[list[int]]:
-    """Greedy replies to `runs` [(policy, kv bits, prompt ids)] through the serving engine: every run one
-    request with its own policy, in one continuous batch over a paged pool of at most `pool_tokens` tokens
-    (one engine per KV width; mixed widths run on single-sequence caches only)."""
-    from ..engine import LLMEngine
-    if options.quantized_kv_start or any(isinstance(bits, dict) for _, bits, _ in runs):
-        raise KvboundError("mixed KV widths and --quantized-kv-start run on single-sequence caches; drop --engine")
-    replies: list = [None] * len(runs)
+    """Greedy replies to `runs` [(policy, kv bits, prompt ids)] through the serving engine
+    (`strategies.engine_completions`), each width's pool holding what its runs need, at most `pool_tokens`."""
+    params = SamplingParams(max_tokens=max_tokens)
     bar = tqdm(total=len(runs), desc="ruler (engine)", disable=not progress)
-    for width in dict.fromkeys(bits for _, bits, _ in runs):
+
+    def sizing(mine):
         need = sum(len(ids) + max_tokens if pol.budget is None else pol.capacity + options.prefill_chunk
-                   for pol, bits, ids in runs if bits == width)
-        engine = LLMEngine(model, tok, kv_cache_tokens=min(pool_tokens, need + 64), max_num_seqs=256,
-                           max_num_batched_tokens=max(8192, options.prefill_chunk), prefill_chunk=options.prefill_chunk,
-                           kv_dtype=options.kv_dtype, kv_bits=width, kv_group_size=options.kv_group_size)
-        with engine:
-            owner = {engine.add_request(ids, SamplingParams(max_tokens=max_tokens), policy=pol): j
-                     for j, (pol, bits, ids) in enumerate(runs) if bits == width}
-            while engine.has_unfinished():
-                for out in engine.step(only_finished=True):
-                    replies[owner[out.request_id]] = list(out.outputs[0].token_ids)
-                    bar.update()
+                   for pol, _, ids, _ in mine)
+        return dict(kv_cache_tokens=min(pool_tokens, need + 64), max_num_seqs=256,
+                    max_num_batched_tokens=max(8192, options.prefill_chunk))
+    done = engine_completions(model, tok, [(*run, params) for run in runs], options, sizing, lambda j, c: bar.update())
     bar.close()
-    return replies
+    return [list(c.token_ids) for c in done]
 
 
 def ruler_table(results) -> tuple[list[str], list[str], list[list[float]]]:

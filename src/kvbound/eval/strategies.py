@@ -45,3 +45,34 @@ def make_cache(model, policy, bits, options: CacheOptions, device, dtype) -> KVC
 def with_baseline(names):
     """The full cache first: every table reports its change against it."""
     return names if names[0] in ("baseline", "full") else ["baseline"] + names
+
+
+def check_engine_strategies(strategies: dict, options: CacheOptions):
+    """--engine runs every strategy in the serving engine's pool, one KV width per pool: per-token widths and
+    --quantized-kv-start stay on single-sequence caches."""
+    if options.quantized_kv_start:
+        raise KvboundError("--quantized-kv-start runs on single-sequence caches; drop --engine")
+    for name, (_, bits) in strategies.items():
+        if isinstance(bits, dict):
+            raise KvboundError(f"strategy {name!r}: mixed widths run on single-sequence caches; drop --engine")
+
+
+def engine_completions(model, tok, runs, options: CacheOptions, sizing, done=None) -> list:
+    """The completions of `runs` [(policy, kv bits, prompt ids, SamplingParams)] through the serving engine:
+    every run one request of a continuous batch, one engine per KV width (in the runs' order), sized by
+    `sizing(runs of that width)` -> LLMEngine keyword arguments; done(index, completion) as each finishes."""
+    from ..engine import LLMEngine
+    out: list = [None] * len(runs)
+    for width in dict.fromkeys(bits for _, bits, _, _ in runs):
+        mine = [j for j, run in enumerate(runs) if run[1] == width]
+        engine = LLMEngine(model, tok, prefill_chunk=options.prefill_chunk, kv_dtype=options.kv_dtype, kv_bits=width,
+                           kv_group_size=options.kv_group_size, **sizing([runs[j] for j in mine]))
+        with engine:
+            owner = {engine.add_request(runs[j][2], runs[j][3], policy=runs[j][0]): j for j in mine}
+            while engine.has_unfinished():
+                for finished in engine.step(only_finished=True):
+                    j = owner[finished.request_id]
+                    out[j] = finished.outputs[0]
+                    if done is not None:
+                        done(j, out[j])
+    return out
