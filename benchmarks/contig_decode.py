@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 
 import torch
@@ -29,10 +30,7 @@ SEQS, BLOCK = 64, 16
 
 def virtual_buffer(pages: CudaPages, shape, dtype=torch.bfloat16):
     """A tensor of `shape` over a fresh reserved range with every page mapped, and what to free it with."""
-    n = 1
-    for s in shape:
-        n *= s
-    count = -(-n * torch.empty((), dtype=dtype).element_size() // pages.page_bytes)
+    count = -(-math.prod(shape) * torch.empty((), dtype=dtype).element_size() // pages.page_bytes)
     rng, handles = pages.reserve(count), [pages.create() for _ in range(count)]
     for i, h in enumerate(handles):
         pages.map(rng, i, h)

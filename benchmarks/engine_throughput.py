@@ -82,11 +82,14 @@ def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=50))
         td = sync_time()
     pages = eng.pool.pages
-    before = (pages.map_seconds, pages.counts["mapped"] + pages.counts["unmapped"]) if pages else (0.0, 0)
+
+    def mapping():  # virtual storage's host time in driver calls, and its maps and unmaps
+        return (pages.map_seconds, pages.counts["mapped"] + pages.counts["unmapped"]) if pages else (0.0, 0)
+    before = mapping()
     for _ in range(steps):
         eng.step(only_finished=True)
     t2 = sync_time()
-    after = (pages.map_seconds, pages.counts["mapped"] + pages.counts["unmapped"]) if pages else (0.0, 0)
+    after = mapping()
     running = len(eng.scheduler.running)
     res = dict(fit=fit, running=running, prefill_s=t1 - t0, prefill_tok_s=n * context / (t1 - t0),
                decode_tok_s=running * steps / (t2 - td), step_ms=1000 * (t2 - td) / steps,
