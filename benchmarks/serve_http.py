@@ -187,9 +187,11 @@ def report_engine(url, before, elapsed, name):
 
 def served_random_tok_s(url, prompts, outs) -> float:
     body = {"temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    before = engine_counters(url)
     t0 = time.perf_counter()
     reqs, _ = run_http(url, prompts, body, arrivals=[0.0] * len(prompts), max_tokens=outs)
     elapsed = time.perf_counter() - t0
+    report_engine(url, before, elapsed, "random lengths, stream=True burst=True")
     failed = [r for r in reqs if r.get("error")]
     assert not failed, failed[:3]
     return sum(r["tokens"] for r in reqs) / elapsed
@@ -216,6 +218,25 @@ def long_prompt_runs(url, vocab, args, out):
     return results
 
 
+def stop_server(proc):
+    proc.send_signal(2)
+    proc.wait(60)
+
+
+def burst_rows(model_dir, prompts, args, rep, random_in, random_outs) -> dict:
+    """The saturation bursts (whole, streamed and random lengths) against a fresh server."""
+    proc, url = start_server(model_dir, args)
+    tag = f" (#{rep + 1})"
+    try:
+        rows = {"served, whole responses, burst" + tag: served_tok_s(url, prompts, args, stream=False, burst=True),
+                "served, streamed, burst" + tag: served_tok_s(url, prompts, args, stream=True, burst=True)}
+        if random_outs is not None:
+            rows["served, random lengths, streamed, burst" + tag] = served_random_tok_s(url, random_in, random_outs)
+        return rows
+    finally:
+        stop_server(proc)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -233,6 +254,9 @@ def main():
     ap.add_argument("--random-lengths", action="store_true", help="also 256 requests of prompt and output lengths "
                     "U[100, 1024] (nano-vllm's bench), offline and served, all sent at once")
     ap.add_argument("--profile", action="store_true", help="py-spy the server during the streamed burst")
+    ap.add_argument("--repeats", type=int, default=1, help="the saturation bursts again against a fresh server, "
+                    "this many times in all, and the offline engine again at the end (how far the host drifts)")
+    ap.add_argument("--skip-long", action="store_true", help="no Poisson runs with long prompts")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     with tempfile.TemporaryDirectory() as d:
@@ -248,6 +272,7 @@ def main():
             random_outs = [rng.randint(100, 1024) for _ in random_in]
             rows["offline, random lengths"] = offline_random_tok_s(d, random_in, random_outs, args)
         proc, url = start_server(d, args)
+        long_runs = {}
         try:
             rows["served, whole responses"] = served_tok_s(url, prompts, args, stream=False)
             rows["served, streamed"] = served_tok_s(url, prompts, args, stream=True)
@@ -261,10 +286,17 @@ def main():
             steps = [line for line in httpx.get(url + "/metrics").text.splitlines()
                      if line.startswith("kvbound:engine_step_seconds")]
             print("\n".join(steps))
-            long_runs = long_prompt_runs(url, vocab, args, args.out)
+            if not args.skip_long:
+                long_runs = long_prompt_runs(url, vocab, args, args.out)
         finally:
-            proc.send_signal(2)
-            proc.wait(60)
+            stop_server(proc)
+        for rep in range(1, args.repeats):
+            rows.update(burst_rows(d, prompts, args, rep, random_in, random_outs))
+        if args.repeats > 1:  # the offline engine again, at the end: how far the host drifted
+            rows["offline, again at the end"] = offline_tok_s(d, prompts, args)[0]
+            if random_outs is not None:
+                rows["offline, random lengths, again at the end"] = offline_random_tok_s(d, random_in, random_outs,
+                                                                                        args)
     res = {"config": vars(args), "output_tok_s": rows,
            "long": {k: {m: v[m] for m in ("itl_p50", "itl_p99", "ttft_p50", "ttft_p99", "spikes", "failed",
                                           "output_tokens_per_s")} for k, v in long_runs.items()}}
@@ -272,10 +304,12 @@ def main():
         json.dump(res, f, indent=2)
     print(f"\n{args.num_prompts} requests x ({args.input_len} in, {args.output_len} out), {args.max_num_seqs} at "
           f"a time, {args.shape} shape, random weights, bf16")
-    print(f"{'':<40} {'output tok/s':>12} {'x offline':>10} {'x closed loop':>14}")
+    print(f"{'':<60} {'output tok/s':>12} {'x offline':>10} {'x closed loop':>14}")
     for name, v in rows.items():
         base = rows["offline, random lengths"] if "random" in name else rows["offline"]
-        print(f"{name:<40} {v:>12.0f} {v / base:>10.3f} {v / rows['offline, closed loop']:>14.3f}")
+        print(f"{name:<60} {v:>12.0f} {v / base:>10.3f} {v / rows['offline, closed loop']:>14.3f}")
+    if not long_runs:
+        return
     print(f"\nPoisson {args.rate}/s for {args.duration} s, {args.input_len} in / {args.output_len} out; "
           f"'with long': every {args.long_every}th prompt has {args.long_len} tokens")
     print(f"{'':<12} {'ITL p50':>8} {'ITL p99':>8} {'p99/p50':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'failed':>7}")
