@@ -98,7 +98,7 @@ def test_decodes_run_every_step_while_a_long_prompt_is_chunked(model):
     engine.step()  # the short prompt is prefilled; it decodes from now on
     engine.add_request(prompt(2, 120), SamplingParams(max_tokens=2, ignore_eos=True))
     seen, schedule = [], engine.scheduler.schedule
-    engine.scheduler.schedule = lambda: seen.append(schedule()) or seen[-1]
+    engine.scheduler.schedule = lambda **kw: seen.append(schedule(**kw)) or seen[-1]
     for _ in range(6):
         engine.step()
         feeds = {s.request_id: t for s, t in seen[-1]}
@@ -720,3 +720,58 @@ def test_swapped_bounded_caches_come_back_bit_for_bit(model32, bits, storage, mo
         roomy, _ = run_engine(model32, reqs, num_blocks=256, max_num_batched_tokens=48, kv_bits=bits,
                               kv_group_size=32)
         assert tight == roomy
+
+
+def run_steps(engine, requests, abort_at=None):
+    """Step the engine to the end; {request id: token lists}. abort_at: (step, request id) to abort then."""
+    ids = [engine.add_request(p, params, policy=parse_policy(pol) if pol else None) for p, params, pol in requests]
+    done, steps = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step(only_finished=True):
+            done[out.request_id] = [c.token_ids for c in out.outputs]
+        steps += 1
+        if abort_at is not None and steps == abort_at[0]:
+            engine.abort(abort_at[1])
+    engine.pool.check()
+    assert engine.pool.num_free == engine.pool.num_blocks - engine.pool.reserved, "blocks leaked"
+    return [done.get(i) for i in ids]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_async_scheduling_gives_the_same_outputs(model, monkeypatch, device):
+    """A step's tokens read while the next step runs (fed there from the device): the same tokens as reading
+    them at once, for mixed policies, lengths, EOS stops, greedy forks, preemption and a sampled request with
+    logprobs (which runs synchronously), and the steps did run ahead (on CUDA: through the decode graphs)."""
+    model = model if device == "cpu" else tiny_model(16).cuda()
+    eos = 35  # the second token of request 1, the seventh of request 4
+    reqs = [(ids, SamplingParams(max_tokens=6 + 5 * i, ignore_eos=i % 3 == 0, n=2 if i == 4 else 1), pol)
+            for i, (ids, pol) in enumerate(mixed_requests())]
+    reqs.append((prompt(99, 12), SamplingParams(max_tokens=9, temperature=1.0, seed=4, logprobs=2), None))
+    ahead = []
+    real = LLMEngine._launch
+    monkeypatch.setattr(LLMEngine, "_launch", lambda self, batch, launched=None: (
+        ahead.append(launched is not None), real(self, batch, launched))[1])
+    for blocks in (256, 12):
+        got = {}
+        for mode in (False, True):
+            engine = LLMEngine(model, None, num_blocks=blocks, block_size=8, max_num_batched_tokens=48,
+                               prefill_chunk=16, async_scheduling=mode)
+            engine.eos_ids = {eos}
+            got[mode] = run_steps(engine, reqs)
+            if blocks == 12:
+                assert engine.scheduler.stats["preemptions"] > 0
+        assert got[True] == got[False]
+        assert any(eos in outs[0] or len(outs[0]) < reqs[i][1].max_tokens for i, outs in enumerate(got[True])
+                   if not reqs[i][1].ignore_eos), "no request stopped on EOS"
+    assert sum(ahead) > 20
+
+
+def test_async_scheduling_abort_frees_a_pending_request(model):
+    """Aborted while its token is still on the device: its blocks are freed, the others' outputs unchanged."""
+    reqs = [(ids, SamplingParams(max_tokens=20, ignore_eos=True), pol) for ids, pol in mixed_requests()[:4]]
+    calm = run_steps(LLMEngine(model, None, num_blocks=128, prefill_chunk=16, async_scheduling=True), reqs)
+    engine = LLMEngine(model, None, num_blocks=128, prefill_chunk=16, async_scheduling=True)
+    cut = run_steps(engine, reqs, abort_at=(8, "1"))
+    assert cut[1] is None or len(cut[1][0]) < 20
+    assert [cut[i] for i in (0, 2, 3)] == [calm[i] for i in (0, 2, 3)]

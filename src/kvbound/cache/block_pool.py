@@ -20,6 +20,7 @@ from collections import OrderedDict
 import torch
 
 from ..errors import KvboundError
+from ..staging import to_device
 from .quant import Fp8KV, PackedKV, zeros_on
 from .store import EACH_HEAD, at
 from .virtual import BlockPages, CudaPages, HostPages
@@ -103,7 +104,7 @@ class BlockPool:
     def set_blocks(self, row: int, blocks: list[int]):
         """Row `row` of the block tables: a sequence's blocks."""
         if blocks:
-            self.tables[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            self.tables[row, :len(blocks)] = to_device(blocks, self.tables.device, torch.int32)
 
     def slot_of(self, blocks: list[int], j: int) -> int:
         """`slot_tables` on the host for one slot: local slot j of a sequence owning `blocks`."""

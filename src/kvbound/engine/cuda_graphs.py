@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..staging import to_device
 from .runner import AppendGroup, EvictGroup, GroupKey, append_rows, bounded_tables, pool_rows
 
 
@@ -81,9 +82,10 @@ class DecodeGraphs:
             rows[:size], table[:size] = meta.scratch_row, self.scratch
             self._capture(GroupKey("evict", meta), size)
 
-    def run(self, batch, keys):
+    def run(self, batch, keys, fill=None):
         """Logits [B, vocab] of a decode step that a graph covers, else None. The caller does the caches'
-        bookkeeping (`runner.finish_step`)."""
+        bookkeeping (`runner.finish_step`). fill: (rows, tokens) on the device, the input ids of rows whose
+        token is still on the device (the engine's run-ahead)."""
         key = keys[0] if keys[0] == keys[-1] else None  # one group, since `StepBatch.order` sorted them
         b = len(batch)
         if key is None or key.kind not in ("append", "evict") or b > self.sizes[-1]:
@@ -101,18 +103,19 @@ class DecodeGraphs:
                 self.capture_append(size, width)
         elif (key, size, None) not in self.graphs:
             self.capture_evict(key.meta, [size])
-        ids = [s.token_slice(s.cache.seen, s.cache.seen + 1)[0] for s in seqs]
+        ids = [s.feed(1)[0] for s in seqs]
         if key.kind == "append":
-            host = torch.tensor([ids, [s.cache.seen for s in seqs], new, lens]).to(dev, non_blocking=True)
+            host = to_device([ids, [s.cache.seen for s in seqs], new, lens], dev)
             self.new[:b], self.lens[:b] = host[2], host[3].to(torch.int32)
             self.new[b:size], self.lens[b:size], self.table[b:size, 0] = self.scratch, 1, self.scratch
             self.table[:b, :need * self.pool.block_size] = self.pool.slot_tables(pool_rows(self.pool, seqs), need)
         else:
             rows, table = self.evict_buffers[key.meta]
-            host = torch.tensor([ids, [s.cache.seen for s in seqs], [s.cache.stacked[1] for s in seqs]])
-            host = host.to(dev, non_blocking=True)
+            host = to_device([ids, [s.cache.seen for s in seqs], [s.cache.stacked[1] for s in seqs]], dev)
             rows[:b], rows[b:size], table[b:size] = host[2], key.meta.scratch_row, self.scratch
             table[:b] = bounded_tables(self.pool, seqs, table.shape[1])
         self.ids[:b], self.pos[:b] = host[0], host[1]
+        if fill is not None:
+            self.ids[fill[0]] = fill[1]
         self.graphs[key, size, width].replay()
         return self.logits[key, size, width][:b]

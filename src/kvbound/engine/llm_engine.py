@@ -20,7 +20,8 @@ from ..cache.store import PagedStore
 from ..errors import KvboundError
 from .cuda_graphs import DecodeGraphs
 from .runner import StepBatch, finish_step
-from .sampling import SamplingParams, sample_batch
+from ..staging import to_device
+from .sampling import SamplingParams, next_tokens, with_logprobs
 from .scheduler import FINISHED, RUNNING, Scheduler, Sequence
 
 
@@ -49,6 +50,37 @@ class RequestOutput:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class Launched:
+    """A step run on the device: its rows (`batch`), the sequences that drew a token and those tokens, still on
+    the device until read (`host_tokens`)."""
+
+    def __init__(self, batch, seqs, logits, tokens):
+        self.batch, self.seqs, self.logits, self.tokens = batch, seqs, logits, tokens
+        self.host, self.ready = None, None
+
+    def copy_to_host(self):
+        """Start the tokens' copy to the host, to be read later without stopping the GPU's queue."""
+        if self.tokens.is_cuda:
+            self.host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
+            self.host.copy_(self.tokens, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def host_tokens(self) -> list[int]:
+        if self.ready is None:
+            return self.tokens.tolist()
+        self.ready.synchronize()
+        return self.host.tolist()
+
+
+def _plain(seq) -> bool:
+    """Its next draw needs nothing of its previous tokens on the host: no penalties, seed, min_tokens, teacher
+    tokens or logprobs (which read the tokens or their count), and its siblings, if any, already made."""
+    p = seq.params
+    return not (p.penalized or p.seed is not None or p.min_tokens or p.teacher_tokens or p.logprobs is not None
+                or (p.n > 1 and not seq.forked))
 
 
 class PoolCaches:
@@ -80,7 +112,7 @@ class LLMEngine:
                  kv_cache_tokens: int = 16384, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                  prefill_chunk: int = 512, kv_dtype=None, cuda_graphs: bool = True, graph_max_len: int = 8192,
                  kv_bits: int | None = None, kv_group_size: int = 64, kv_storage: str = "paged",
-                 swap_space: float = 4.0):
+                 swap_space: float = 4.0, async_scheduling: bool | None = None):
         """policy: the default eviction policy of a request (a policy object; FullPolicy when None).
         The pool holds `num_blocks` blocks of `block_size` tokens (default: kv_cache_tokens / block_size).
         On CUDA, whole decode steps replay CUDA graphs for batch sizes up to max_num_seqs: those of unbounded
@@ -95,7 +127,9 @@ class LLMEngine:
         (`cache.virtual.BlockPages`), and go back to the device whenever the engine falls idle.
         swap_space: GiB of host memory for preempted sequences' caches (vLLM's --swap-space): an unbounded
         one's full blocks, a bounded one's whole state, restored when it resumes instead of recomputed.
-        0: recompute."""
+        0: recompute.
+        async_scheduling (default: on CUDA): a step's tokens are read while the GPU runs the next step, so the
+        host's work between steps overlaps the GPU's (see `step`)."""
         if not swap_space >= 0:
             raise KvboundError(f"swap_space must be >= 0 GiB, got {swap_space}")
         cfg = model.config
@@ -116,6 +150,8 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         self._ids = itertools.count()
         self._sampled: list[Sequence] = []  # the sequences that took a token in the last step
+        self._inflight: Launched | None = None  # a step whose tokens are still on the device
+        self.async_scheduling = self.device.type == "cuda" if async_scheduling is None else async_scheduling
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.pool, max_num_seqs, graph_max_len, cfg.max_position_embeddings)
@@ -136,7 +172,7 @@ class LLMEngine:
     def close(self):
         """Free the pool, the stacked metadata and the CUDA graphs now; the engine takes no more requests."""
         pages = self.pool.pages if self.pool is not None else None
-        self.graphs = self.pool = self.caches = self.scheduler = None
+        self.graphs = self.pool = self.caches = self.scheduler = self._inflight = None
         if pages is not None:  # virtual storage: unmap and release now, after everything reading the pool is gone
             pages.close()
         self.requests.clear()
@@ -214,16 +250,40 @@ class LLMEngine:
     # --- one step -------------------------------------------------------------------------------
     def step(self, only_finished: bool = False) -> list[RequestOutput]:
         """Run one batch; returns the requests that got new tokens or finished (finished ones are dropped),
-        or with `only_finished` just the finished ones (cheaper when nobody streams)."""
+        or with `only_finished` just the finished ones (cheaper when nobody streams).
+        With async scheduling a step's tokens stay on the device until the next call: that call first launches
+        the step after it, feeding them there, and reads them while the GPU runs it (vLLM's async scheduling).
+        A sequence that ended on a token read late has run one step more, whose token is dropped."""
         self._open()
-        batch, keys = StepBatch.order(self.scheduler.schedule())
-        self._sampled = []
-        if not batch:
-            return []
+        launched, self._inflight = self._inflight, None
+        self._sampled, touched = [], {}
+        if launched is not None:
+            batch = self.scheduler.schedule(run_ahead=True) if self._may_run_ahead(launched) else None
+            if batch:  # the next step goes first, then the last one's tokens are read
+                ahead = self._launch(batch, launched)
+                self._read(launched, only_finished, touched)
+                self._publish(ahead.batch)
+                self._keep_or_read(ahead, only_finished, touched)
+                return self._outputs(touched, only_finished)
+            self._read(launched, only_finished, touched)
+        batch = self.scheduler.schedule()
+        if batch:
+            step = self._launch(batch)
+            self._publish(step.batch)
+            self._keep_or_read(step, only_finished, touched)
+        return self._outputs(touched, only_finished)
+
+    def _launch(self, batch, launched: Launched | None = None) -> Launched:
+        """Run the model on the batch and draw its tokens, on the device; rows whose token is still pending
+        there take it from `launched`."""
+        batch, keys = StepBatch.order(batch)
         sampling = [i for i, (seq, t) in enumerate(batch) if seq.to_feed() == t]
-        logits = self._forward(batch, keys, sampling)
-        for seq, _ in batch:
-            self.scheduler.publish(seq)
+        fill = None
+        if launched is not None:
+            row_of = {id(s): r for r, s in enumerate(launched.seqs)}
+            rows = [i for i, (seq, _) in enumerate(batch) if seq.pending]
+            fill = (rows, launched.tokens[to_device([row_of[id(batch[i][0])] for i in rows], self.device)])
+        logits = self._forward(batch, keys, sampling, fill)
         rows, seqs = [], []
         for row, i in enumerate(sampling):
             for s in [batch[i][0]] + self._fork(batch[i][0]):  # forks sample from their parent's logits
@@ -231,14 +291,44 @@ class LLMEngine:
                 seqs.append(s)
         if len(rows) != len(sampling):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        picked = sample_batch(logits, [s.params for s in seqs], [s.prompt for s in seqs], [s.output for s in seqs],
-                              [s.seed for s in seqs], self.eos_ids)
+        tokens = next_tokens(logits, [s.params for s in seqs], [s.prompt for s in seqs], [s.output for s in seqs],
+                             [s.seed for s in seqs], self.eos_ids)
+        return Launched(batch, seqs, logits, tokens)
+
+    def _keep_or_read(self, step: Launched, only_finished: bool, touched: dict):
+        """Leave the step's tokens on the device for the next call to read, or read them now."""
+        if self.async_scheduling and all(_plain(s) for s in step.seqs):
+            step.copy_to_host()
+            for s in step.seqs:
+                s.pending += 1
+            self._inflight = step
+        else:
+            self._read(step, only_finished, touched)
+
+    def _may_run_ahead(self, launched: Launched) -> bool:
+        """The next step can be launched before the last one's tokens are read: every running sequence with a
+        token pending there samples plainly (nothing of its own draw depends on the tokens before)."""
+        return all(_plain(s) for s in self.scheduler.running if s.pending)
+
+    def _read(self, step: Launched, only_finished: bool, touched: dict):
+        """Take a launched step's tokens (waiting for them if need be)."""
+        picked = step.host_tokens()
+        picked = with_logprobs(step.logits, step.tokens, [s.params for s in step.seqs], picked)
         now = time.perf_counter()
-        self._sampled = seqs
-        touched = {}
-        for s, (tok, logprob) in zip(seqs, picked):
+        for s, (tok, logprob) in zip(step.seqs, picked):
+            s.pending = max(0, s.pending - 1)
+            if s.status == FINISHED:  # it ended on an earlier token (or was aborted): this one is dropped
+                continue
+            self._sampled.append(s)
             if self._append(s, tok, logprob, now) or not only_finished:
                 touched[s.request_id] = True
+
+    def _publish(self, batch):
+        for seq, _ in batch:
+            if seq.status != FINISHED:
+                self.scheduler.publish(seq)
+
+    def _outputs(self, touched: dict, only_finished: bool) -> list[RequestOutput]:
         outs = [out for out in map(self._output, touched) if out.finished or not only_finished]
         if not self.has_unfinished():
             self.pool.trim()  # idle: virtual storage gives its unmapped pages back to the device
@@ -260,16 +350,22 @@ class LLMEngine:
                     if out.finished:
                         return
 
-    def _forward(self, batch, keys, sampling) -> torch.Tensor:
-        logits = self.graphs.run(batch, keys) if self.graphs is not None else None
+    def _forward(self, batch, keys, sampling, fill=None) -> torch.Tensor:
+        """fill: (rows, tokens on the device) of rows whose one token to feed is pending there."""
+        if fill is not None and fill[0]:
+            fill = (to_device(fill[0], self.device), fill[1])
+        else:
+            fill = None
+        logits = self.graphs.run(batch, keys, fill) if self.graphs is not None else None
         if logits is not None:
             for (seq, _), key in zip(batch, keys):
                 finish_step(seq.cache, key.kind, 1)
             return logits
-        ids = torch.tensor([tok for seq, t in batch for tok in seq.token_slice(seq.cache.seen, seq.cache.seen + t)],
-                           device=self.device)
-        step = StepBatch(self.pool, batch, keys)
+        ids = torch.tensor([tok for seq, t in batch for tok in seq.feed(t)], device=self.device)
         ends = list(itertools.accumulate(t for _, t in batch))
+        if fill is not None:  # a pending row feeds one token: its last
+            ids[torch.tensor(ends, device=self.device)[fill[0]] - 1] = fill[1]
+        step = StepBatch(self.pool, batch, keys)
         logits_at = torch.tensor([ends[i] - 1 for i in sampling], dtype=torch.long, device=self.device)
         logits = self.model(ids, step.positions(), step, logits_at=logits_at)
         step.advance()

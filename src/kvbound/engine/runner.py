@@ -28,6 +28,7 @@ import torch
 from ..cache.stacked import StackedMeta
 from ..cache.steps import chunk_attend, evict_decode, keep_and_rewrite, piece_attention, table_attention
 from ..kernels import varlen_causal_attention
+from ..staging import to_device
 
 
 class GroupKey(NamedTuple):
@@ -60,11 +61,11 @@ def finish_step(cache, kind: str | None, t: int):
 
 def pool_rows(pool, seqs) -> torch.Tensor:
     """The sequences' rows in the pool's block tables, on the pool's device."""
-    return torch.tensor([s.cache.table_row for s in seqs], device=pool.device)
+    return to_device([s.cache.table_row for s in seqs], pool.device)
 
 
 def stacked_rows(seqs, device) -> torch.Tensor:
-    return torch.tensor([s.cache.stacked[1] for s in seqs], device=device)
+    return to_device([s.cache.stacked[1] for s in seqs], device)
 
 
 def append_rows(pool, seqs):

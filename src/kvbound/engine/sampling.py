@@ -166,17 +166,25 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], prompts: li
     reproducible. Returns (token, logprobs) per row: logprobs is None, or {"logprob": the chosen token's, "top":
     [(token, logprob), ...]} of the model's own distribution (log_softmax of the logits, before processing).
     A row with teacher_tokens left takes the next of them instead of a draw (its logprob is that token's)."""
+    tokens = next_tokens(logits, params, prompts, outputs, seeds, eos_ids)
+    return with_logprobs(logits, tokens, params, tokens.tolist())  # the step's one transfer to the host
+
+
+def next_tokens(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
+                outputs: list[list[int]], seeds: list[int | None], eos_ids=()) -> torch.Tensor:
+    """`sample_batch`'s tokens, left on the logits' device (no host sync for greedy and untruncated rows)."""
     bsz, vocab = logits.shape
-    raw = logits.float()
-    x = raw.clone()
+    x = logits.float()
     pen = [i for i, p in enumerate(params) if p.penalized]
+    banned_rows = [(i, p) for i, p in enumerate(params) if len(outputs[i]) < p.min_tokens]
+    if pen or banned_rows:
+        x = x.clone()
     if pen:
         _penalize(x, pen, params, prompts, outputs)
-    for i, p in enumerate(params):
-        if len(outputs[i]) < p.min_tokens:
-            banned = [t for t in (*(() if p.ignore_eos else eos_ids), *p.stop_token_ids) if 0 <= t < vocab]
-            if banned:
-                x[i, banned] = float("-inf")
+    for i, p in banned_rows:
+        banned = [t for t in (*(() if p.ignore_eos else eos_ids), *p.stop_token_ids) if 0 <= t < vocab]
+        if banned:
+            x[i, banned] = float("-inf")
     tokens = x.argmax(-1)
     sampled = [i for i, p in enumerate(params) if p.temperature > 0]
     if sampled:
@@ -187,11 +195,16 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], prompts: li
               if len(outputs[i]) < len(p.teacher_tokens)]
     if forced:
         tokens[[i for i, _ in forced]] = torch.tensor([t for _, t in forced], device=tokens.device)
-    chosen = tokens.tolist()  # the step's one transfer to the host
+    return tokens
+
+
+def with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams],
+                  chosen: list[int]) -> list[tuple[int, dict | None]]:
+    """(token, logprobs) per row, `chosen` being `tokens` on the host."""
     want = [p.logprobs for p in params]
     if all(w is None for w in want):
         return [(t, None) for t in chosen]
-    lp = torch.log_softmax(raw, -1)
+    lp = torch.log_softmax(logits.float(), -1)
     k = max(w or 0 for w in want)
     top_v, top_i = lp.topk(k, -1) if k else (lp[:, :0], lp[:, :0].long())
     mine = lp.gather(1, tokens[:, None])[:, 0].tolist()

@@ -57,6 +57,7 @@ class Sequence:
     decoder: object = None  # its incremental detokenizer (models.tokenizer.StreamDecoder)
     swapped: tuple | None = None  # while preempted: (blocks, their bytes / a bounded cache's snapshot) on the host
     seen_at_preemption: int = 0  # tokens its cache had processed when it was last preempted
+    pending: int = 0  # tokens sampled on the device and not yet read here (the engine's run-ahead)
 
     @property
     def tokens(self) -> list[int]:
@@ -83,8 +84,19 @@ class Sequence:
         self.cache = None
 
     def to_feed(self) -> int:
-        """Tokens not yet in the cache (the last sampled token included)."""
-        return len(self.prompt) + len(self.output) - (self.cache.seen if self.cache else 0)
+        """Tokens not yet in the cache (the last sampled token included, even while it is pending)."""
+        return len(self.prompt) + len(self.output) + self.pending - (self.cache.seen if self.cache else 0)
+
+    def feed(self, t: int) -> list[int]:
+        """The next t tokens to feed; one still pending on the device reads 0 here (the engine fills it in there)."""
+        a = self.cache.seen
+        known = self.token_slice(a, min(a + t, len(self.prompt) + len(self.output)))
+        return known + [0] * (t - len(known))
+
+    @property
+    def finishing(self) -> bool:
+        """Its pending token reaches max_tokens: it ends once that token is read, whatever it is."""
+        return self.pending > 0 and len(self.output) + self.pending >= self.params.max_tokens
 
     def next_piece(self, room: int, chunk: int) -> int:
         """How many tokens to feed now, given `room` left in this step's token budget (0 = wait). An
@@ -139,13 +151,17 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # --- one step -------------------------------------------------------------------------------
-    def schedule(self) -> list[tuple[Sequence, int]]:
-        """Pick this step's (sequence, tokens to feed); reserves blocks for them."""
+    def schedule(self, run_ahead: bool = False) -> list[tuple[Sequence, int]] | None:
+        """Pick this step's (sequence, tokens to feed); reserves blocks for them. run_ahead: some sequences'
+        last tokens are still pending on the device, so nothing may be preempted (a preempted sequence must know
+        its tokens); None when the decodes' blocks would not all fit without preempting."""
+        if run_ahead and not self._decodes_fit():
+            return None
         batch: list[tuple[Sequence, int]] = []
         room = self.max_tokens_per_step
         prefills = []
         for seq in list(self.running):  # decodes first
-            if seq.status != RUNNING:
+            if seq.status != RUNNING or seq.finishing:  # its last token is drawn: no step more
                 continue
             if seq.to_feed() != 1:
                 prefills.append(seq)
@@ -190,25 +206,36 @@ class Scheduler:
             self.running.append(seq)
             batch.append((seq, t))
             room -= t
-        if not batch and self.running:  # running prefills all wait for blocks: free some and try again
+        if not batch and self.running and not run_ahead:  # running prefills all wait for blocks: free some, retry
             self.preempt(self.running[-1])
             return self.schedule()
-        self.stats["steps"] += 1
+        if batch or not run_ahead:
+            self.stats["steps"] += 1
         return batch
 
     def _take(self, seq: Sequence, t: int) -> bool:
         """Reserve the blocks (new and copy-on-write) that feeding t tokens needs, if there are enough."""
-        cache = seq.cache
-        if t == 1 and not seq.bounded:  # the common decode: room left in a private last block
-            n, bs = len(cache), self.pool.block_size
-            if n < cache.store.capacity and self.pool.ref[cache.store.blocks[n // bs]] == 1:
-                return True
-        if t == 1 and seq.bounded and cache.store.private and cache.slots_needed(1) <= cache.store.capacity:
-            return True  # a bounded decode within its blocks, none of them shared
+        if t == 1 and self._decode_fits(seq):
+            return True
         if self._blocks_needed(seq, t) > self.pool.num_free:
             return False
         seq.cache.prepare(t)
         return True
+
+    def _decode_fits(self, seq: Sequence) -> bool:
+        """A decode needs no block: room left in a private last block, or a bounded cache within its own
+        blocks, none of them shared."""
+        cache = seq.cache
+        if not seq.bounded:
+            n, bs = len(cache), self.pool.block_size
+            return n < cache.store.capacity and self.pool.ref[cache.store.blocks[n // bs]] == 1
+        return cache.store.private and cache.slots_needed(1) <= cache.store.capacity
+
+    def _decodes_fit(self) -> bool:
+        """Every running decode can take its blocks at once, without preempting."""
+        need = sum(self._blocks_needed(s, 1) for s in self.running
+                   if s.status == RUNNING and not s.finishing and s.to_feed() == 1 and not self._decode_fits(s))
+        return need <= self.pool.num_free
 
     def _blocks_needed(self, seq: Sequence, t: int) -> int:
         cache = seq.cache
