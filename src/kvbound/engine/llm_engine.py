@@ -76,11 +76,10 @@ class Launched:
 
 
 def _plain(seq) -> bool:
-    """Its next draw needs nothing of its previous tokens on the host: no penalties, seed, min_tokens, teacher
-    tokens or logprobs (which read the tokens or their count), and its siblings, if any, already made."""
-    p = seq.params
-    return not (p.penalized or p.seed is not None or p.min_tokens or p.teacher_tokens or p.logprobs is not None
-                or (p.n > 1 and not seq.forked))
+    """Its token can stay on the device until the next step: it asked for no logprobs (read from the step's
+    logits, which the next step overwrites). Draws see every earlier token: they run after the last step's
+    tokens are read."""
+    return seq.params.logprobs is None
 
 
 class PoolCaches:
@@ -259,23 +258,23 @@ class LLMEngine:
         self._sampled, touched = [], {}
         if launched is not None:
             batch = self.scheduler.schedule(run_ahead=True) if self._may_run_ahead(launched) else None
-            if batch:  # the next step goes first, then the last one's tokens are read
-                ahead = self._launch(batch, launched)
+            if batch:  # the next step's forward goes first, then the last step's tokens are read, then its draw
+                ran = self._forward_step(batch, launched)
                 self._read(launched, only_finished, touched)
-                self._publish(ahead.batch)
-                self._keep_or_read(ahead, only_finished, touched)
+                self._publish(ran[0])
+                self._keep_or_read(self._draw(*ran), only_finished, touched)
                 return self._outputs(touched, only_finished)
             self._read(launched, only_finished, touched)
         batch = self.scheduler.schedule()
         if batch:
-            step = self._launch(batch)
-            self._publish(step.batch)
-            self._keep_or_read(step, only_finished, touched)
+            ran = self._forward_step(batch)
+            self._publish(ran[0])
+            self._keep_or_read(self._draw(*ran), only_finished, touched)
         return self._outputs(touched, only_finished)
 
-    def _launch(self, batch, launched: Launched | None = None) -> Launched:
-        """Run the model on the batch and draw its tokens, on the device; rows whose token is still pending
-        there take it from `launched`."""
+    def _forward_step(self, batch, launched: Launched | None = None) -> tuple:
+        """Run the model on the batch: (its rows in order, the rows that draw a token, their logits). Rows whose
+        token is still pending on the device take it from `launched` there."""
         batch, keys = StepBatch.order(batch)
         sampling = [i for i, (seq, t) in enumerate(batch) if seq.to_feed() == t]
         fill = None
@@ -283,7 +282,11 @@ class LLMEngine:
             row_of = {id(s): r for r, s in enumerate(launched.seqs)}
             rows = [i for i, (seq, _) in enumerate(batch) if seq.pending]
             fill = (rows, launched.tokens[to_device([row_of[id(batch[i][0])] for i in rows], self.device)])
-        logits = self._forward(batch, keys, sampling, fill)
+        return batch, sampling, self._forward(batch, keys, sampling, fill)
+
+    def _draw(self, batch, sampling, logits) -> Launched:
+        """Each sampling row's next token, left on the device (a draw that must check its candidates on the host
+        waits for the forward there: after the last step's tokens were read)."""
         rows, seqs = [], []
         for row, i in enumerate(sampling):
             for s in [batch[i][0]] + self._fork(batch[i][0]):  # forks sample from their parent's logits
