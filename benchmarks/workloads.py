@@ -8,7 +8,7 @@ held. Floors, measured in the same run:
   prefill  the model's linear layers alone (every weight matmul at --max-num-batched-tokens rows), per token.
 
   nano          256 requests, prompt and output lengths U[100, 1024] (nano-vllm's bench), greedy
-  nano-sync     the same without async scheduling (each step's tokens read before the next is built)
+  <case>-sync   any case without async scheduling (each step's tokens read before the next is built)
   nano-sampled  the same, temperature 0.8, top_p 0.95: the sampled / greedy ratio
   long-full     64 prompts of 8k tokens + 256 out, a pool for a quarter of them, full cache
   long-h2o      the same under h2o (budget 1024): prefill share of the time
@@ -196,7 +196,6 @@ def main():
     greedy = SamplingParams(max_tokens=nano_out, ignore_eos=True)
     runs = {
         "nano": (nano_in, greedy, None, big_pool),
-        "nano-sync": (nano_in, greedy, None, dict(big_pool, async_scheduling=False)),
         "nano-sampled": (nano_in, SamplingParams(max_tokens=nano_out, ignore_eos=True, temperature=0.8, top_p=0.95),
                          None, big_pool),
         "long-full": (long_prompts, SamplingParams(max_tokens=n(256), ignore_eos=True), None, quarter),
@@ -208,7 +207,9 @@ def main():
     }
     results = {}
     for name in args.cases.split(","):
-        prompts, params, policy, eng_args = runs[name]
+        prompts, params, policy, eng_args = runs[name.removesuffix("-sync")]
+        if name.endswith("-sync"):
+            eng_args = dict(eng_args, async_scheduling=False)
         run_case(model, prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True), policy, eng_args, bw)  # warm
         with profiled(args.profile, os.path.join(args.out, f"workloads_profile_{name}.txt")):
             results[name] = run_case(model, prompts, params, policy, eng_args, bw)
@@ -231,6 +232,7 @@ def main():
               f"{'' if pf is None else f'{pf:.0%}':>14} {r['non_decode_share']:>11.0%}")
     ratios = {"sampled / greedy (target >= 0.9)": ("nano-sampled", "nano", "output_tok_s"),
               "async / sync scheduling, nano": ("nano", "nano-sync", "output_tok_s"),
+              "async / sync scheduling, nano-sampled": ("nano-sampled", "nano-sampled-sync", "output_tok_s"),
               "bounded / full prefill (target >= 0.6)": ("prefill-h2o", "prefill-full", "prompt_tok_s")}
     for label, (a, b, key) in ratios.items():
         if a in results and b in results:

@@ -742,15 +742,17 @@ def run_steps(engine, requests, abort_at=None):
 def test_async_scheduling_gives_the_same_outputs(model, monkeypatch, device):
     """A step's tokens read while the next step runs (fed there from the device): the same tokens as reading
     them at once, for mixed policies, lengths, EOS stops, greedy forks, preemption, a seeded request with
-    penalties and min_tokens, and a sampled request with logprobs (which runs synchronously), and the steps
-    did run ahead (on CUDA: through the decode graphs)."""
+    penalties and min_tokens whose top-p candidates often fall short (drawn again when settled), and a sampled
+    request with logprobs (which runs synchronously), and the steps did run ahead (on CUDA: through the decode
+    graphs)."""
     model = model if device == "cpu" else tiny_model(16).cuda()
     eos = 35  # the second token of request 1, the seventh of request 4
     reqs = [(ids, SamplingParams(max_tokens=6 + 5 * i, ignore_eos=i % 3 == 0, n=2 if i == 4 else 1), pol)
             for i, (ids, pol) in enumerate(mixed_requests())]
     reqs.append((prompt(99, 12), SamplingParams(max_tokens=9, temperature=1.0, seed=4, logprobs=2), None))
-    reqs.append((prompt(98, 10), SamplingParams(max_tokens=15, temperature=0.9, top_p=0.8, seed=6, min_tokens=4,
+    reqs.append((prompt(98, 10), SamplingParams(max_tokens=15, temperature=4.0, top_p=0.95, seed=6, min_tokens=4,
                                                 presence_penalty=0.5, repetition_penalty=1.3), POLICIES[1]))
+    monkeypatch.setattr("kvbound.engine.sampling.CANDIDATES", 2)  # top_p 0.95 then often draws from the whole vocab
     ahead = []
     real = LLMEngine._forward_step
     monkeypatch.setattr(LLMEngine, "_forward_step", lambda self, batch, launched=None: (

@@ -53,12 +53,16 @@ class RequestOutput:
 
 
 class Launched:
-    """A step run on the device: its rows (`batch`), the sequences that drew a token and those tokens, still on
-    the device until read (`host_tokens`)."""
+    """A step run on the device: its rows (`batch`), the sequences that drew a token and the draw, whose tokens
+    stay on the device until read (`host_tokens`)."""
 
-    def __init__(self, batch, seqs, logits, tokens):
-        self.batch, self.seqs, self.logits, self.tokens = batch, seqs, logits, tokens
+    def __init__(self, batch, seqs, logits, draw):
+        self.batch, self.seqs, self.logits, self.draw = batch, seqs, logits, draw
         self.host, self.ready = None, None
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.draw.tokens
 
     def copy_to_host(self):
         """Start the tokens' copy to the host, to be read later without stopping the GPU's queue."""
@@ -69,7 +73,8 @@ class Launched:
             self.ready.record()
 
     def host_tokens(self) -> list[int]:
-        if self.ready is None:
+        self.draw.settle()
+        if self.draw.redrawn or self.ready is None:  # drawn again after the copy started: read them now
             return self.tokens.tolist()
         self.ready.synchronize()
         return self.host.tolist()
@@ -279,6 +284,7 @@ class LLMEngine:
         sampling = [i for i, (seq, t) in enumerate(batch) if seq.to_feed() == t]
         fill = None
         if launched is not None:
+            launched.draw.settle()  # its tokens are final before this step reads them
             row_of = {id(s): r for r, s in enumerate(launched.seqs)}
             rows = [i for i, (seq, _) in enumerate(batch) if seq.pending]
             fill = (rows, launched.tokens[to_device([row_of[id(batch[i][0])] for i in rows], self.device)])
@@ -294,9 +300,9 @@ class LLMEngine:
                 seqs.append(s)
         if len(rows) != len(sampling):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        tokens = next_tokens(logits, [s.params for s in seqs], [s.prompt for s in seqs], [s.output for s in seqs],
-                             [s.seed for s in seqs], self.eos_ids)
-        return Launched(batch, seqs, logits, tokens)
+        draw = next_tokens(logits, [s.params for s in seqs], [s.prompt for s in seqs], [s.output for s in seqs],
+                           [s.seed for s in seqs], self.eos_ids)
+        return Launched(batch, seqs, logits, draw)
 
     def _keep_or_read(self, step: Launched, only_finished: bool, touched: dict):
         """Leave the step's tokens on the device for the next call to read, or read them now."""

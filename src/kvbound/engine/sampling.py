@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import KvboundError
+from ..staging import to_device
 
 MASK64 = (1 << 64) - 1
 
@@ -127,37 +128,59 @@ def _kept(sorted_p, top_k, top_p, min_p):
     return keep, enough[:, 0]
 
 
-def _draw(x, ps: list[SamplingParams], seeded: list[float | None]) -> torch.Tensor:
-    """One token per row of logits x [B, V] under temperature, top-k, top-p and min-p. Rows without truncation
-    draw from the whole vocabulary in token order (no sort); truncated rows sort only their CANDIDATES most
-    likely tokens, and the whole vocabulary where those hold less than the rules keep (checked on the device,
-    one host sync). A row's uniform is seeded[i], or a fresh one. The rows' parameters reach the device in
-    one transfer (each transfer from pageable memory waits for the GPU)."""
+def _draw(x, ps: list[SamplingParams], seeded: list[float | None]):
+    """One token per row of logits x [B, V] under temperature, top-k, top-p and min-p: (tokens, check). Rows
+    without truncation draw from the whole vocabulary in token order (no sort); truncated rows sort only their
+    CANDIDATES most likely tokens. check(dst, dst_rows) (None when the candidates always suffice) finds on the
+    host whether they held what the rules keep, and redraws the rows where they did not from the whole sorted
+    vocabulary into dst[dst_rows[row]]: the one host sync, left to whoever reads the tokens. A row's uniform is
+    seeded[i], or a fresh one. The rows' parameters reach the device through pinned memory (a copy from
+    pageable memory would wait for the GPU)."""
     dev, vocab = x.device, x.shape[1]
-    rules = torch.tensor([[p.temperature, p.top_k, p.top_p, p.min_p, -1.0 if v is None else v]
-                          for p, v in zip(ps, seeded)], dtype=torch.float64, device=dev)
+    rules = to_device([[p.temperature, p.top_k, p.top_p, p.min_p, -1.0 if v is None else v]
+                       for p, v in zip(ps, seeded)], dev, torch.float64)
     temp, top_k, top_p, min_p, fixed = (c[:, None] for c in rules.T)
     u = torch.where(fixed[:, 0] >= 0, fixed[:, 0], torch.rand(len(ps), device=dev, dtype=torch.float64)).float()
     probs = torch.softmax(x / temp.float(), -1)
     cut = [_truncated(p) for p in ps]
     if not any(cut):
-        return _inverse_cdf(probs, 1.0, u)
+        return _inverse_cdf(probs, 1.0, u), None
     out = torch.empty(len(ps), dtype=torch.long, device=dev)
     if not all(cut):
-        plain = torch.tensor([j for j, c in enumerate(cut) if not c], device=dev)
+        plain = to_device([j for j, c in enumerate(cut) if not c], dev)
         out[plain] = _inverse_cdf(probs[plain], 1.0, u[plain])
-    rows = slice(None) if all(cut) else torch.tensor([j for j, c in enumerate(cut) if c], device=dev)
+    rows = slice(None) if all(cut) else to_device([j for j, c in enumerate(cut) if c], dev)
     rule = [r[rows].float() for r in (top_k, top_p, min_p)]
     sorted_p, idx = probs[rows].topk(min(vocab, CANDIDATES), -1)
     keep, enough = _kept(sorted_p, *rule)
     out[rows] = idx.gather(1, _inverse_cdf(sorted_p, keep, u[rows])[:, None])[:, 0]
-    if sorted_p.shape[1] < vocab and not bool(enough.all()):
+    if sorted_p.shape[1] >= vocab:
+        return out, None
+
+    def check(dst, dst_rows) -> bool:
+        if bool(enough.all()):
+            return False
         short = (~enough).nonzero()[:, 0]
         sorted_p, idx = probs[rows][short].sort(-1, descending=True)
         keep, _ = _kept(sorted_p, *(r[short] for r in rule))
-        out[torch.arange(len(ps), device=dev)[rows][short]] = idx.gather(
+        dst[dst_rows[torch.arange(len(ps), device=dev)[rows][short]]] = idx.gather(
             1, _inverse_cdf(sorted_p, keep, u[rows][short])[:, None])[:, 0]
-    return out
+        return True
+    return out, check
+
+
+class Draw:
+    """A step's tokens, on the device. `settle()` runs the draw's host check, if it has one (see `_draw`): call
+    it before the tokens are read or fed, as late as can be, so the host need not wait for the GPU sooner."""
+
+    def __init__(self, tokens: torch.Tensor, check=None):
+        self.tokens, self.check = tokens, check
+        self.redrawn = False  # settling drew some tokens again
+
+    def settle(self):
+        check, self.check = self.check, None
+        if check is not None and check():
+            self.redrawn = True
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
@@ -166,13 +189,15 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], prompts: li
     reproducible. Returns (token, logprobs) per row: logprobs is None, or {"logprob": the chosen token's, "top":
     [(token, logprob), ...]} of the model's own distribution (log_softmax of the logits, before processing).
     A row with teacher_tokens left takes the next of them instead of a draw (its logprob is that token's)."""
-    tokens = next_tokens(logits, params, prompts, outputs, seeds, eos_ids)
-    return with_logprobs(logits, tokens, params, tokens.tolist())  # the step's one transfer to the host
+    draw = next_tokens(logits, params, prompts, outputs, seeds, eos_ids)
+    draw.settle()
+    return with_logprobs(logits, draw.tokens, params, draw.tokens.tolist())  # the step's one transfer to the host
 
 
 def next_tokens(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
-                outputs: list[list[int]], seeds: list[int | None], eos_ids=()) -> torch.Tensor:
-    """`sample_batch`'s tokens, left on the logits' device (no host sync for greedy and untruncated rows)."""
+                outputs: list[list[int]], seeds: list[int | None], eos_ids=()) -> Draw:
+    """`sample_batch`'s tokens, left on the logits' device: no host sync for any row without penalties or
+    min_tokens until the Draw is settled."""
     bsz, vocab = logits.shape
     x = logits.float()
     pen = [i for i, p in enumerate(params) if p.penalized]
@@ -186,16 +211,21 @@ def next_tokens(logits: torch.Tensor, params: list[SamplingParams], prompts: lis
         if banned:
             x[i, banned] = float("-inf")
     tokens = x.argmax(-1)
-    sampled = [i for i, p in enumerate(params) if p.temperature > 0]
-    if sampled:
-        u = [seeded_uniform(seeds[i], len(outputs[i])) if seeds[i] is not None else None for i in sampled]
-        drawn = _draw(x if len(sampled) == bsz else x[sampled], [params[i] for i in sampled], u)
-        tokens = drawn if len(sampled) == bsz else tokens.index_put_((torch.tensor(sampled, device=x.device),), drawn)
     forced = [(i, p.teacher_tokens[len(outputs[i])]) for i, p in enumerate(params)
               if len(outputs[i]) < len(p.teacher_tokens)]
+    taught = {i for i, _ in forced}
+    sampled = [i for i, p in enumerate(params) if p.temperature > 0 and i not in taught]
+    check = None
+    if sampled:
+        u = [seeded_uniform(seeds[i], len(outputs[i])) if seeds[i] is not None else None for i in sampled]
+        drawn, drawn_check = _draw(x if len(sampled) == bsz else x[sampled], [params[i] for i in sampled], u)
+        at = torch.arange(bsz, device=x.device) if len(sampled) == bsz else to_device(sampled, x.device)
+        tokens = drawn if len(sampled) == bsz else tokens.index_put_((at,), drawn)
+        if drawn_check is not None:
+            check = lambda: drawn_check(tokens, at)  # noqa: E731
     if forced:
-        tokens[[i for i, _ in forced]] = torch.tensor([t for _, t in forced], device=tokens.device)
-    return tokens
+        tokens[to_device([i for i, _ in forced], tokens.device)] = to_device([t for _, t in forced], tokens.device)
+    return Draw(tokens, check)
 
 
 def with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams],
