@@ -84,8 +84,8 @@ class DecodeGraphs:
 
     def run(self, batch, keys, fill=None):
         """Logits [B, vocab] of a decode step that a graph covers, else None. The caller does the caches'
-        bookkeeping (`runner.finish_step`). fill: (rows, tokens) on the device, the input ids of rows whose
-        token is still on the device (the engine's run-ahead)."""
+        bookkeeping (`runner.finish_step`). fill: (rows on the device, () -> tokens there), the input ids of
+        rows whose token is still on the device (the engine's run-ahead), taken last."""
         key = keys[0] if keys[0] == keys[-1] else None  # one group, since `StepBatch.order` sorted them
         b = len(batch)
         if key is None or key.kind not in ("append", "evict") or b > self.sizes[-1]:
@@ -116,6 +116,6 @@ class DecodeGraphs:
             table[:b] = bounded_tables(self.pool, seqs, table.shape[1])
         self.ids[:b], self.pos[:b] = host[0], host[1]
         if fill is not None:
-            self.ids[fill[0]] = fill[1]
+            self.ids[fill[0]] = fill[1]()
         self.graphs[key, size, width].replay()
         return self.logits[key, size, width][:b]

@@ -284,10 +284,15 @@ class LLMEngine:
         sampling = [i for i, (seq, t) in enumerate(batch) if seq.to_feed() == t]
         fill = None
         if launched is not None:
-            launched.draw.settle()  # its tokens are final before this step reads them
             row_of = {id(s): r for r, s in enumerate(launched.seqs)}
             rows = [i for i, (seq, _) in enumerate(batch) if seq.pending]
-            fill = (rows, launched.tokens[to_device([row_of[id(batch[i][0])] for i in rows], self.device)])
+            src = to_device([row_of[id(batch[i][0])] for i in rows], self.device)
+
+            def pending_tokens():
+                """Called as late as the inputs allow: settling may wait for the last step's draw."""
+                launched.draw.settle()
+                return launched.tokens[src]
+            fill = (rows, pending_tokens)
         return batch, sampling, self._forward(batch, keys, sampling, fill)
 
     def _draw(self, batch, sampling, logits) -> Launched:
@@ -360,7 +365,7 @@ class LLMEngine:
                         return
 
     def _forward(self, batch, keys, sampling, fill=None) -> torch.Tensor:
-        """fill: (rows, tokens on the device) of rows whose one token to feed is pending there."""
+        """fill: (rows, () -> their tokens on the device) of rows whose one token to feed is pending there."""
         if fill is not None and fill[0]:
             fill = (to_device(fill[0], self.device), fill[1])
         else:
@@ -373,7 +378,7 @@ class LLMEngine:
         ids = torch.tensor([tok for seq, t in batch for tok in seq.feed(t)], device=self.device)
         ends = list(itertools.accumulate(t for _, t in batch))
         if fill is not None:  # a pending row feeds one token: its last
-            ids[torch.tensor(ends, device=self.device)[fill[0]] - 1] = fill[1]
+            ids[torch.tensor(ends, device=self.device)[fill[0]] - 1] = fill[1]()
         step = StepBatch(self.pool, batch, keys)
         logits_at = torch.tensor([ends[i] - 1 for i in sampling], dtype=torch.long, device=self.device)
         logits = self.model(ids, step.positions(), step, logits_at=logits_at)
