@@ -93,8 +93,10 @@ def run_case(model, prompts, params, policy, engine_args, bytes_per_s) -> dict:
         t0 = sync(dev)
         while eng.has_unfinished():
             running = list(eng.scheduler.running)
-            pure = bool(running) and not eng.scheduler.waiting and all(s.to_feed() == 1 for s in running)
-            held = sum(len(s.cache) for s in running) if pure else 0
+            # (an async engine's last call only reads the tokens of sequences that end on them: no decode step)
+            pure = (bool(running) and not eng.scheduler.waiting and all(s.to_feed() == 1 for s in running)
+                    and not all(s.finishing for s in running))
+            held = sum(len(s.cache) for s in running if not s.finishing) if pure else 0
             s0 = time.perf_counter()
             eng.step(only_finished=True)
             # an async engine's step reads the previous step's tokens while this one runs: no sync here
