@@ -51,7 +51,8 @@ def free_port() -> int:
 
 def engine_flags(args) -> list[str]:
     return ["--max-num-seqs", str(args.max_num_seqs), "--kv-cache-tokens", str(args.kv_cache_tokens),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            *(["--no-async-scheduling"] if args.sync else [])]
 
 
 def start_server(model_dir, args):
@@ -98,7 +99,8 @@ def offline_random_tok_s(model_dir, prompts, outs, args) -> float:
     """All requests at once, each with its own output length (nano-vllm's workload)."""
     model, tok = load(model_dir, device="cuda", dtype=torch.bfloat16)
     with LLMEngine(model, tok, max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens,
-                   max_num_batched_tokens=args.max_num_batched_tokens) as engine:
+                   max_num_batched_tokens=args.max_num_batched_tokens,
+                   async_scheduling=False if args.sync else None) as engine:
         for p, n in list(zip(prompts, outs))[:16]:  # warm-up
             engine.add_request(p, SamplingParams(max_tokens=min(n, 8), ignore_eos=True))
         while engine.has_unfinished():
@@ -119,7 +121,8 @@ def offline_tok_s(model_dir, prompts, args) -> tuple[float, float, float]:
     the engine in this process."""
     model, tok = load(model_dir, device="cuda", dtype=torch.bfloat16)
     with LLMEngine(model, tok, max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens,
-                   max_num_batched_tokens=args.max_num_batched_tokens) as engine:
+                   max_num_batched_tokens=args.max_num_batched_tokens,
+                   async_scheduling=False if args.sync else None) as engine:
         params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
         run_offline(engine, prompts[:16], params)  # warm-up: kernels compiled
         steps = engine.scheduler.stats["steps"]
@@ -257,6 +260,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=1, help="the saturation bursts again against a fresh server, "
                     "this many times in all, and the offline engine again at the end (how far the host drifts)")
     ap.add_argument("--skip-long", action="store_true", help="no Poisson runs with long prompts")
+    ap.add_argument("--sync", action="store_true", help="the engine without async scheduling, offline and served")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     with tempfile.TemporaryDirectory() as d:

@@ -247,7 +247,8 @@ def make_engine(args, model, tok, dtype):
                      kv_cache_tokens=args.kv_cache_tokens, max_num_batched_tokens=args.max_num_batched_tokens,
                      max_num_seqs=args.max_num_seqs, prefill_chunk=args.prefill_chunk,
                      kv_dtype=kv, kv_bits=engine_kv_bits(args), kv_group_size=args.kv_group_size,
-                     kv_storage=args.kv_storage, swap_space=args.swap_space)
+                     kv_storage=args.kv_storage, swap_space=args.swap_space,
+                     async_scheduling=args.async_scheduling)
 
 
 def token_bytes(config, kv_dtype, kv_bits: int | None, group_size: int) -> int:
@@ -279,3 +280,5 @@ def add_engine_args(p):
                    "memory in use after loading and an estimate of the activations")
     g.add_argument("--max-num-seqs", type=positive_int, default=256)
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="read a step's tokens while the GPU runs the next one (default: on CUDA)")
