@@ -173,3 +173,13 @@ def test_default_threads_leave_busy_cores_alone(monkeypatch):
     assert default_threads() == 1
     monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 0.0, 0.0))
     assert default_threads() == 1
+
+
+def test_async_scheduling_flag_reaches_the_engine():
+    import argparse
+    from kvbound.cli.options import add_engine_args
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert p.parse_args([]).async_scheduling is None  # the engine's default: on CUDA
+    assert p.parse_args(["--no-async-scheduling"]).async_scheduling is False
+    assert p.parse_args(["--async-scheduling"]).async_scheduling is True

@@ -8,10 +8,11 @@ import kvbound
 
 ROOT = Path(kvbound.__file__).parent
 # what each subsystem may import from the others
-LEAVES = {"errors", "version"}  # any subsystem may import these
+LEAVES = {"errors", "version", "staging"}  # any subsystem may import these
 ALLOWED = {
     "errors": set(),
     "version": set(),
+    "staging": set(),
     "kernels": LEAVES,
     "models": LEAVES | {"kernels"},
     "cache": LEAVES | {"kernels"},
