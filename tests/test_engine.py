@@ -232,24 +232,27 @@ def test_stream_yields_the_same_tokens_as_generate(model):
     assert streamed == llm.generate(ids, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 
-def test_new_tokens_plus_the_finished_outputs_give_every_token_once(model):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_new_tokens_plus_the_finished_outputs_give_every_token_once(model, async_scheduling):
     """What a server streams: each step's new_tokens of unfinished completions; the rest comes with the
-    finished output, for sampled n=2 completions with logprobs beside an unstreamed request."""
-    engine = LLMEngine(model, num_blocks=64, prefill_chunk=8)
+    finished output, for sampled n=2 completions with logprobs beside a plain request, both streamed. With
+    async scheduling one call can read a plain request's tokens of two steps (the logprobs request's are read
+    at once): both reach the stream."""
+    engine = LLMEngine(model, num_blocks=64, prefill_chunk=8, async_scheduling=async_scheduling)
     params = SamplingParams(n=2, max_tokens=12, temperature=1.0, seed=3, ignore_eos=True, logprobs=1)
     first = engine.add_request(prompt(7, 20), params)
-    engine.add_request(prompt(8, 5), SamplingParams(max_tokens=6, ignore_eos=True))
+    second = engine.add_request(prompt(8, 5), SamplingParams(max_tokens=10, ignore_eos=True))
     streamed, final = {}, {}
     while engine.has_unfinished():
         for out in engine.step(only_finished=True):
             final.update({(out.request_id, c.index): c for c in out.outputs})
-        for rid, index, tok, lp in engine.new_tokens({first}):
-            assert rid == first and lp is not None
-            streamed.setdefault(index, []).append(tok)
-    outs = [final[(first, i)] for i in range(2)]
-    for i, c in enumerate(outs):
-        assert streamed[i] == c.token_ids[:len(streamed[i])] and len(streamed[i]) >= len(c.token_ids) - 1
-    assert engine.new_tokens({first}) == []
+        for rid, index, tok, lp in engine.new_tokens({first, second}):
+            assert (lp is not None) == (rid == first)
+            streamed.setdefault((rid, index), []).append(tok)
+    for key in [(first, 0), (first, 1), (second, 0)]:
+        got, want = streamed[key], final[key].token_ids
+        assert got == want[:len(got)] and len(got) >= len(want) - 2, key
+    assert engine.new_tokens({first, second}) == []
 
 
 @pytest.mark.parametrize("mode", [None, "cumulative", "normalized", "ema"])

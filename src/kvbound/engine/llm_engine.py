@@ -153,7 +153,7 @@ class LLMEngine:
         self.eos_ids = set(tokenizer.eos_ids) if tokenizer is not None else set()
         self.requests: dict[str, list[Sequence]] = {}
         self._ids = itertools.count()
-        self._sampled: list[Sequence] = []  # the sequences that took a token in the last step
+        self._sampled: list[tuple] = []  # (sequence, token, logprob) of each token read in the last step() call
         self._inflight: Launched | None = None  # a step whose tokens are still on the device
         self.async_scheduling = self.device.type == "cuda" if async_scheduling is None else async_scheduling
         self.graphs = None
@@ -227,11 +227,12 @@ class LLMEngine:
         return None if params.seed is None else params.seed + index
 
     def new_tokens(self, request_ids) -> list[tuple[str, int, int, dict | None]]:
-        """(request id, completion index, token, logprob) for each unfinished completion of `request_ids` that
-        took a token in the last step: what a streaming caller sends on, in one flat list, without building
-        RequestOutputs (a finished completion's last tokens come with its output from step())."""
-        return [(s.request_id, s.index, s.output[-1], s.logprobs[-1] if s.params.logprobs is not None else None)
-                for s in self._sampled if s.status != FINISHED and s.request_id in request_ids]
+        """(request id, completion index, token, logprob) for each token that an unfinished completion of
+        `request_ids` took in the last step() call (with async scheduling a call may read two steps' tokens):
+        what a streaming caller sends on, in one flat list, without building RequestOutputs (a finished
+        completion's last tokens come with its output from step())."""
+        return [(s.request_id, s.index, tok, logprob) for s, tok, logprob in self._sampled
+                if s.status != FINISHED and s.request_id in request_ids]
 
     def has_unfinished(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_unfinished()
@@ -333,9 +334,9 @@ class LLMEngine:
             s.pending = max(0, s.pending - 1)
             if s.status == FINISHED:  # it ended on an earlier token (or was aborted): this one is dropped
                 continue
-            self._sampled.append(s)
             if self._append(s, tok, logprob, now) or not only_finished:
                 touched[s.request_id] = True
+            self._sampled.append((s, tok, logprob))
 
     def _publish(self, batch):
         for seq, _ in batch:
