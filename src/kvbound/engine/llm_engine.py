@@ -263,7 +263,7 @@ class LLMEngine:
         launched, self._inflight = self._inflight, None
         self._sampled, touched = [], {}
         if launched is not None:
-            batch = self.scheduler.schedule(run_ahead=True) if self._may_run_ahead(launched) else None
+            batch = self.scheduler.schedule(run_ahead=True)  # pending tokens only come from `_plain` sequences
             if batch:  # the next step's forward goes first, then the last step's tokens are read, then its draw
                 ran = self._forward_step(batch, launched)
                 self._read(launched, only_finished, touched)
@@ -319,11 +319,6 @@ class LLMEngine:
             self._inflight = step
         else:
             self._read(step, only_finished, touched)
-
-    def _may_run_ahead(self, launched: Launched) -> bool:
-        """The next step can be launched before the last one's tokens are read: every running sequence with a
-        token pending there samples plainly (nothing of its own draw depends on the tokens before)."""
-        return all(_plain(s) for s in self.scheduler.running if s.pending)
 
     def _read(self, step: Launched, only_finished: bool, touched: dict):
         """Take a launched step's tokens (waiting for them if need be)."""
