@@ -297,8 +297,8 @@ class LLMEngine:
         return batch, sampling, self._forward(batch, keys, sampling, fill)
 
     def _draw(self, batch, sampling, logits) -> Launched:
-        """Each sampling row's next token, left on the device (a draw that must check its candidates on the host
-        waits for the forward there: after the last step's tokens were read)."""
+        """Each sampling row's next token, left on the device: a `sampling.Draw`, whose host check (top-p
+        candidates) waits until the tokens are fed or read."""
         rows, seqs = [], []
         for row, i in enumerate(sampling):
             for s in [batch[i][0]] + self._fork(batch[i][0]):  # forks sample from their parent's logits
@@ -326,7 +326,7 @@ class LLMEngine:
         picked = with_logprobs(step.logits, step.tokens, [s.params for s in step.seqs], picked)
         now = time.perf_counter()
         for s, (tok, logprob) in zip(step.seqs, picked):
-            s.pending = max(0, s.pending - 1)
+            s.pending = max(0, s.pending - 1)  # a step read at once left nothing pending
             if s.status == FINISHED:  # it ended on an earlier token (or was aborted): this one is dropped
                 continue
             if self._append(s, tok, logprob, now) or not only_finished:
