@@ -18,9 +18,9 @@ from ..cache.quant import Fp8KV
 from ..cache.stacked import StackedMeta, stackable
 from ..cache.store import PagedStore
 from ..errors import KvboundError
+from ..staging import to_device
 from .cuda_graphs import DecodeGraphs
 from .runner import StepBatch, finish_step
-from ..staging import to_device
 from .sampling import SamplingParams, next_tokens, with_logprobs
 from .scheduler import FINISHED, RUNNING, Scheduler, Sequence
 

@@ -154,9 +154,8 @@ class Scheduler:
     def schedule(self, run_ahead: bool = False) -> list[tuple[Sequence, int]] | None:
         """Pick this step's (sequence, tokens to feed); reserves blocks for them. run_ahead: some sequences'
         last tokens are still pending on the device, so nothing may be preempted (a preempted sequence must know
-        its tokens); None when the decodes' blocks would not all fit without preempting."""
-        if run_ahead and not self._decodes_fit():
-            return None
+        its tokens); None when a decode's blocks do not fit without preempting (blocks reserved for the decodes
+        before it stay theirs: reserving again takes none)."""
         batch: list[tuple[Sequence, int]] = []
         room = self.max_tokens_per_step
         prefills = []
@@ -167,6 +166,8 @@ class Scheduler:
                 prefills.append(seq)
                 continue
             while not self._take(seq, 1):
+                if run_ahead:
+                    return None
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
@@ -215,27 +216,17 @@ class Scheduler:
 
     def _take(self, seq: Sequence, t: int) -> bool:
         """Reserve the blocks (new and copy-on-write) that feeding t tokens needs, if there are enough."""
-        if t == 1 and self._decode_fits(seq):
-            return True
+        cache = seq.cache
+        if t == 1 and not seq.bounded:  # the common decode: room left in a private last block
+            n, bs = len(cache), self.pool.block_size
+            if n < cache.store.capacity and self.pool.ref[cache.store.blocks[n // bs]] == 1:
+                return True
+        if t == 1 and seq.bounded and cache.store.private and cache.slots_needed(1) <= cache.store.capacity:
+            return True  # a bounded decode within its blocks, none of them shared
         if self._blocks_needed(seq, t) > self.pool.num_free:
             return False
         seq.cache.prepare(t)
         return True
-
-    def _decode_fits(self, seq: Sequence) -> bool:
-        """A decode needs no block: room left in a private last block, or a bounded cache within its own
-        blocks, none of them shared."""
-        cache = seq.cache
-        if not seq.bounded:
-            n, bs = len(cache), self.pool.block_size
-            return n < cache.store.capacity and self.pool.ref[cache.store.blocks[n // bs]] == 1
-        return cache.store.private and cache.slots_needed(1) <= cache.store.capacity
-
-    def _decodes_fit(self) -> bool:
-        """Every running decode can take its blocks at once, without preempting."""
-        need = sum(self._blocks_needed(s, 1) for s in self.running
-                   if s.status == RUNNING and not s.finishing and s.to_feed() == 1 and not self._decode_fits(s))
-        return need <= self.pool.num_free
 
     def _blocks_needed(self, seq: Sequence, t: int) -> int:
         cache = seq.cache
