@@ -46,15 +46,19 @@ def run(*args, cwd=None):
 def test_ppl_json_format_and_kv_bytes(tiny, tmp_path):
     out = tmp_path / "ppl.json"
     run("ppl", "--model", str(tiny), "--text", str(tiny / "text"), "--samples", "2", "--seq-len", "64",
-        "--prefill", "8", "--budget", "16", "--strategies", "window,h2o-heavy,h2o-heavy+kv8,h2o-heavy+kv4",
+        "--prefill", "8", "--budget", "16", "--strategies",
+        "window,h2o-heavy,h2o-heavy+kv8,h2o-heavy+kv4,snapkv,adakv,pyramidkv",
         "--kv-group-size", "32", "--json", str(out), "--plot", str(tmp_path / "p.png"))
     res = json.loads(out.read_text())
     s = res["strategies"]
-    assert list(s) == ["baseline", "window", "h2o-heavy", "h2o-heavy+kv8", "h2o-heavy+kv4"]
+    assert list(s) == ["baseline", "window", "h2o-heavy", "h2o-heavy+kv8", "h2o-heavy+kv4", "snapkv", "adakv",
+                       "pyramidkv"]
     assert s["baseline"]["delta_pct"] == 0.0
     assert {"ppl", "delta_pct"} <= set(s["window"])
     held = {k: v["kv_held_bytes"] for k, v in s.items()}
     assert held["h2o-heavy+kv4"] < held["h2o-heavy+kv8"] < held["h2o-heavy"] < held["baseline"]
+    for name in ("adakv", "pyramidkv"):  # the same tokens held as a uniform budget (each entry names its head)
+        assert held["snapkv"] < held[name] <= held["snapkv"] * 1.01 and s[name]["ppl"] != s["snapkv"]["ppl"]
     assert res["config"]["seq_len"] == 64 and (tmp_path / "p.png").stat().st_size > 1000
 
 
@@ -172,6 +176,14 @@ def test_generate_past_the_context_only_with_reindexed_positions(tiny):
     assert r.returncode == 2 and "pass the model's context of 512" in r.stderr
 
 
+def test_generate_with_per_head_budgets_runs_on_a_cache_of_its_own(tiny):
+    r = subprocess.run([sys.executable, "-m", "kvbound", "generate", "one two three four five six seven eight",
+                        "--model", str(tiny), "--max-tokens", "4", "--policy", "adakv", "--budget", "8"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "generation:" in r.stderr
+
+
 def test_ruler_samples_hold_their_answers(smollm):
     """Every task's prompt fits its context and holds what a correct reply must say; the question is placed
     as asked; the same seed gives the same prompts."""
@@ -266,3 +278,5 @@ def test_perplexity_through_the_engine_equals_the_harness(tiny):
     assert engine["h2o-heavy+kv4"]["kv_held_bytes"] < engine["h2o-heavy"]["kv_held_bytes"]
     with pytest.raises(KvboundError, match="mixed widths"):
         engine_perplexity(model, samples, parse_strategies(["h2o-heavy+kvmixed"], 16, args), args, 8, progress=False)
+    with pytest.raises(KvboundError, match=r"adakv: .* \(one budget per head\)"):
+        engine_perplexity(model, samples, parse_strategies(["adakv"], 16, args), args, 8, progress=False)

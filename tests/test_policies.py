@@ -2,14 +2,16 @@
 import itertools
 import math
 import zlib
+from dataclasses import replace
 
 import pytest
 import torch
 
-from kvbound.cache import KVCache
+from kvbound.cache import KVCache, sequence_cache
+from kvbound.cache.adaptive_cache import AdaptiveKVCache
 from kvbound.errors import KvboundError
 from kvbound.models import ModelConfig
-from kvbound.cache.policies import (H2OPolicy, KeyDiffPolicy, KeyNormPolicy, SnapKVPolicy, TOVAPolicy,
+from kvbound.cache.policies import (AdaKVPolicy, H2OPolicy, PyramidKVPolicy, pyramid, KeyDiffPolicy, KeyNormPolicy, SnapKVPolicy, TOVAPolicy,
                                     WindowPolicy, parse_policy)
 
 HQ, HKV, D = 4, 2, 8
@@ -24,8 +26,10 @@ class Reference:
     """Per KV head: the kept token ids, every token's score, attention over kept+new, and the eviction
     rule written out with Python lists."""
 
-    def __init__(self, policy):
+    def __init__(self, policy, budgets=None):
+        """budgets: (each head's sure tokens, the layer's budget per head) where heads share a layer's budget."""
         self.p = policy
+        self.budgets = budgets
         self.kept = [[] for _ in range(HKV)]
         self.score = [dict() for _ in range(HKV)]
         self.K, self.V = {}, {}
@@ -89,11 +93,28 @@ class Reference:
                     for j in cand:
                         self.score[h][j] += -float(unit[j] @ anchor)
             cap = p.budget + p.evict_every - 1
-            if len(cand) > cap:
+            if len(cand) > cap and self.budgets is None:
                 cand = self._select(cand, h, new[-1])
             self.kept[h] = cand
+        if self.budgets is not None and sum(map(len, self.kept)) > HKV * (self.budgets[1] + p.evict_every - 1):
+            self._share(new[-1])
         self.seen += t
         return out
+
+    def _share(self, last):
+        """AdaKV's rule over the layer: protected tokens, each head's best up to `sure`, then the best of all."""
+        p, (sure, share) = self.p, self.budgets
+        prot = lambda j: j < p.sink or any(a <= j < b for a, b in p.pinned) or j > last - p.recent  # noqa: E731
+        order = sorted(((h, j) for h in range(HKV) for j in self.kept[h]), reverse=True,
+                       key=lambda e: (math.inf if prot(e[1]) else self.score[e[0]][e[1]], e[1]))
+        place = [0] * HKV
+        kept, rest = [[] for _ in range(HKV)], []
+        for h, j in order:
+            place[h] += 1
+            (kept[h].append(j) if place[h] <= sure else rest.append((h, j)))
+        for h, j in rest[:HKV * share - sum(map(len, kept))]:
+            kept[h].append(j)
+        self.kept = [sorted(x) for x in kept]
 
     def _select(self, cand, h, last):
         p = self.p
@@ -272,3 +293,86 @@ def test_reindexed_positions_need_a_bounded_float32_dense_cache():
                dict(policy=WindowPolicy(budget=8), dtype=torch.bfloat16)):
         with pytest.raises(KvboundError, match="re-indexed positions need"):
             KVCache(cfg, rotate_keys=model.rerotate, **kw)
+
+
+SHARED = [AdaKVPolicy(sink=1, heavy=7, recent=4, window=3, kernel=3, alpha=a, evict_every=e, pinned=pin, score=sc)
+          for a, e, pin, sc in [(0.0, 1, (), "cumulative"), (0.2, 1, ((6, 9),), "cumulative"), (0.5, 4, (), "ema"),
+                                (1.0, 1, (), "cumulative")]]
+SHARED += [PyramidKVPolicy(sink=1, heavy=7, recent=4, window=3, kernel=3, beta=b, evict_every=e)
+           for b, e in [(1.0, 1), (4.0, 1), (7.0, 3)]]
+
+
+@pytest.mark.parametrize("policy", SHARED, ids=lambda p: p.describe() + f",every={p.evict_every},pin={p.pinned}")
+def test_shared_budgets_match_brute_force_reference(policy):
+    """AdaKV and PyramidKV through `AdaptiveKVCache`, three layers: each layer's kept tokens per head and its
+    outputs equal the reference's, and a layer never holds more than heads x its budget per head."""
+    layers = 3
+    cfg = replace(tiny_config(), num_layers=layers)
+    cache = sequence_cache(cfg, policy)
+    assert isinstance(cache, AdaptiveKVCache)
+    refs = [Reference(policy, policy.head_budgets(layer, layers)) for layer in range(layers)]
+    uneven = False
+    steps = [list(_steps(seed=zlib.crc32(repr(policy).encode()) + layer)) for layer in range(layers)]
+    for i in range(len(steps[0])):
+        pos = cache.next_positions(steps[0][i][0].shape[0])
+        for layer, ref in enumerate(refs):
+            q, k, v = steps[layer][i]
+            torch.testing.assert_close(cache.attend(layer, q, k, v, pos).double(), ref.step(q, k, v), atol=1e-4,
+                                       rtol=1e-4)
+            kept = [cache.kept_positions(layer, h) for h in range(HKV)]
+            assert kept == ref.kept, f"layer {layer} at {cache.seen}: {kept} != {ref.kept}"
+            share = policy.head_budgets(layer, layers)[1]
+            assert sum(map(len, kept)) <= HKV * (share + policy.evict_every - 1)
+            uneven |= len(kept[0]) != len(kept[1])
+        cache.advance(q.shape[0])
+    assert uneven == (isinstance(policy, AdaKVPolicy) and policy.alpha < 1), "heads should share unevenly"
+    if isinstance(policy, PyramidKVPolicy):
+        held = [len(cache.kept_positions(layer, 0)) for layer in range(layers)]
+        assert held == [policy.head_budgets(layer, layers)[0] for layer in range(layers)]
+        assert (held[0] > held[-1]) == (policy.beta > 1) and sum(held) == layers * policy.budget
+
+
+def test_pyramid_schedule_keeps_the_total():
+    for heavy, beta, layers in [(124, 20, 30), (7, 4, 3), (100, 1, 5), (3, 20, 24)]:
+        got = pyramid(heavy, beta, layers)
+        assert sum(got) == heavy * layers and got == sorted(got, reverse=True) and min(got) >= 0
+    assert pyramid(124, 1, 4) == [124] * 4
+
+
+def test_shared_budgets_equal_snapkv_when_nothing_is_shared():
+    """alpha = 1 (each head sure of its whole share) and beta = 1 (a flat schedule) are SnapKV: the same logits as
+    SnapKV's uniform cache, through a model."""
+    from kvbound.models.llama import CausalLM
+    cfg = replace(tiny_config(), num_layers=2, vocab_size=64)
+    torch.manual_seed(0)
+    model = CausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(3))
+    base = dict(sink=1, heavy=7, recent=4, window=3, kernel=3)
+
+    @torch.no_grad()
+    def logits(policy):
+        cache, out = sequence_cache(cfg, policy), []
+        for part in (ids[:17], *ids[17:, None]):
+            out.append(model(part, cache.next_positions(len(part)), cache)[-1])
+            cache.advance(len(part))
+        return torch.stack(out)
+
+    want = logits(SnapKVPolicy(**base))
+    for policy in (AdaKVPolicy(alpha=1.0, **base), PyramidKVPolicy(beta=1.0, **base)):
+        torch.testing.assert_close(logits(policy), want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(logits(AdaKVPolicy(alpha=0.0, **base)), want, atol=1e-3)
+
+
+def test_shared_budget_errors():
+    with pytest.raises(KvboundError, match="granularity must be kv-head"):
+        AdaKVPolicy(sink=1, heavy=7, recent=4, granularity="layer")
+    with pytest.raises(KvboundError, match="alpha must be in"):
+        parse_policy("adakv:budget=64,alpha=2")
+    with pytest.raises(KvboundError, match="beta must be >= 1"):
+        parse_policy("pyramidkv:budget=64,beta=0.5")
+    with pytest.raises(KvboundError, match="smallest per-head budget"):  # the last layer keeps 1 + 4 + 0 heavy
+        sequence_cache(replace(tiny_config(), num_layers=4), PyramidKVPolicy(sink=1, heavy=4, recent=4, beta=20,
+                                                                             pinned=((3, 5),)))
+    with pytest.raises(KvboundError, match="unquantized"):
+        sequence_cache(tiny_config(), parse_policy("adakv", 32), kv_bits=8)
+    assert parse_policy("pyramidkv:budget=64,beta=4").head_budgets(0, 2) == (4 + 32 + 49,) * 2  # heavy 28: 49 and 7

@@ -250,6 +250,7 @@ def test_flood_past_max_waiting_gets_200_or_429_and_nothing_mixed(smollm, offlin
     ({"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias"),
     ({"prompt": "x", "kv_policy": "h2o:sink=4,heavy=8,recnt=4"}, 400, "kv_policy"),
     ({"prompt": "x", "kv_budget": 64}, 400, "kv_budget"),
+    ({"prompt": "x", "kv_policy": "adakv:budget=64"}, 400, "kv_policy"),
     ({"prompt": "x", "kv_policy": "window:budget=64", "pin": [[5, 2]]}, 400, "pin"),
     ({"prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"prompt": "x", "n": 10 ** 6}, 400, "n"),

@@ -21,6 +21,7 @@ from copy import copy
 import torch
 
 from ..errors import KvboundError
+from .adaptive_cache import AdaptiveKVCache
 from .policies import FullPolicy
 from .quant import QuantizedStore
 from .stacked import StackedMeta
@@ -36,6 +37,14 @@ def make_store(layers, slots, heads, head_dim, device, dtype, kv_bits=None, grou
         return DenseStore(layers, slots, heads, head_dim, device, dtype)
     return QuantizedStore(layers, slots, heads, head_dim, device, dtype, kv_bits, group_size,
                           quantized_kv_start, policy)
+
+
+def sequence_cache(config, policy=None, **kw):
+    """One sequence's own cache: a `KVCache`, or an `AdaptiveKVCache` for a policy whose heads or layers keep
+    different numbers of tokens. kw: KVCache's."""
+    if policy is not None and policy.adapts:
+        return AdaptiveKVCache(config, policy, **kw)
+    return KVCache(config, policy, **kw)
 
 
 class KVCache:

@@ -5,10 +5,12 @@ keep rule (sinks, pinned spans and a recent window protected, the highest-ranked
 in the score: accumulated attention (h2o), the same divided by the queries that could see each key
 (ObservedAttention), the current step's attention only (TOVA), an observation window's pooled attention in
 prefill (SnapKV), or the key alone (KNorm: its norm; KeyDiff: how unlike the other keys it is; no attention
-needed).
+needed). AdaKV and PyramidKV keep SnapKV's score and change who gets the budget: a layer's heads share it by
+rank (AdaKV), or deeper layers get less of it (PyramidKV), the total unchanged (`head_budgets`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -77,6 +79,22 @@ def lowest(pos: torch.Tensor, rank: torch.Tensor, protected: torch.Tensor) -> to
 def newest(pos: torch.Tensor) -> torch.Tensor:
     """The newest position held, per sequence: a scalar for [M, H], [B, 1, 1] for a batch [B, M, H]."""
     return pos.max() if pos.dim() == 2 else pos.flatten(1).amax(1)[:, None, None]
+
+
+def select_shared(pos: torch.Tensor, rank: torch.Tensor, protected: torch.Tensor, owner: torch.Tensor, heads: int,
+                  guaranteed: int, total: int) -> torch.Tensor:
+    """`select_keep` over a layer's entries [E], each owned by a KV head (`owner`): every protected entry, then
+    each head's highest-ranked up to `guaranteed` entries, then the highest-ranked others up to `total` in all
+    (newer wins ties). Protected entries must fit in each head's `guaranteed`."""
+    key = rank.float().masked_fill(protected, float("inf"))
+    by_age = pos.argsort(descending=True, stable=True)
+    order = by_age[key[by_age].argsort(descending=True, stable=True)]
+    own = owner[order].long()
+    place = F.one_hot(own, heads).cumsum(0).gather(1, own[:, None])[:, 0]  # 1-based rank within its head
+    sure = place <= guaranteed
+    rest = ~sure
+    take = sure | (rest & (rest.cumsum(0) <= total - int(sure.sum())))
+    return torch.zeros_like(protected).scatter_(0, order, take)
 
 
 def select_keep(pos: torch.Tensor, rank: torch.Tensor, protected: torch.Tensor, budget: int) -> torch.Tensor:
@@ -183,6 +201,17 @@ class Policy:
         """Scores after a prefill piece whose probabilities are `step` (both [..., M, H])."""
         from ..kernels import fold_scores
         return fold_scores(old, step, self.fold, self.fold_decay)
+
+    @property
+    def adapts(self) -> bool:
+        """Whether heads or layers keep different numbers of tokens (`head_budgets`), which needs a cache that
+        stores a layer's tokens as entries owned by heads (`AdaptiveKVCache`)."""
+        return False
+
+    def head_budgets(self, layer: int, layers: int) -> tuple[int, int]:
+        """(tokens each KV head of `layer` is sure to keep, the layer's budget per head): the layer keeps
+        heads x the second, its heads sharing what is past the first by rank."""
+        return self.budget, self.budget
 
     def keep_mask(self, pos: torch.Tensor, score: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
@@ -291,6 +320,12 @@ class H2OPolicy(Policy):
     def victim(self, pos, score):
         return lowest(pos, self.rank(pos, score), self._protected(pos))
 
+    def keep_entries(self, pos, score, owner, heads: int, guaranteed: int, total: int) -> torch.Tensor:
+        """The keep rule over a layer's entries [E] owned by heads (`select_shared`)."""
+        col = pos[:, None]  # one column: protection and rank see the whole layer's newest position
+        return select_shared(pos, self.rank(col, score[:, None])[:, 0], self._protected(col)[:, 0], owner, heads,
+                             guaranteed, total)
+
     def describe(self) -> str:
         return (f"{self.name}(sink={self.sink},heavy={self.heavy},recent={self.recent},score={self.score},"
                 f"granularity={self.granularity})")
@@ -358,14 +393,86 @@ class SnapKVPolicy(H2OPolicy):
         return super().describe()[:-1] + f",window={self.window},kernel={self.kernel})"
 
 
+def _per_head_budgets(policy):
+    if policy.granularity != "kv-head":
+        raise KvboundError(f"{policy.name}: budgets differ per head or layer, so granularity must be kv-head")
+
+
+@dataclass(frozen=True)
+class AdaKVPolicy(SnapKVPolicy):
+    """AdaKV over SnapKV's scores: a layer keeps heads x budget tokens, shared among its KV heads by rank (the
+    scores are attention probabilities, comparable across heads), so a head that spreads its attention keeps
+    more than one that looks at few keys. Each head keeps its sinks, pinned spans and recent window plus
+    `alpha` of its equal share of the rest (AdaKV's safeguard)."""
+    alpha: float = 0.2
+    name: str = "adakv"
+
+    def __post_init__(self):
+        super().__post_init__()
+        _per_head_budgets(self)
+        if not 0.0 <= float(self.alpha) <= 1.0:
+            raise KvboundError(f"adakv: alpha must be in [0, 1], got {self.alpha}")
+
+    @property
+    def adapts(self) -> bool:
+        return True
+
+    def head_budgets(self, layer, layers):
+        protected = _pinned_count(self.sink, self.pinned) + self.recent
+        return protected + int(self.alpha * (self.budget - protected)), self.budget
+
+    def describe(self) -> str:
+        return super().describe()[:-1] + f",alpha={self.alpha})"
+
+
+def pyramid(heavy: int, beta: float, layers: int) -> list[int]:
+    """PyramidKV's schedule: heavy hitters per layer falling linearly from 2*heavy - heavy/beta in the first
+    layer to heavy/beta in the last, rounded down, the remainder going to the largest fractions (still
+    non-increasing), so that they sum to layers * heavy."""
+    low = heavy / beta
+    step = 0.0 if layers == 1 else 2 * (heavy - low) / (layers - 1)
+    share = [2 * heavy - low - step * i for i in range(layers)]
+    out = [math.floor(x) for x in share]
+    for i in sorted(range(layers), key=lambda i: out[i] - share[i])[:heavy * layers - sum(out)]:
+        out[i] += 1
+    return out
+
+
+@dataclass(frozen=True)
+class PyramidKVPolicy(SnapKVPolicy):
+    """PyramidKV over SnapKV's scores: deeper layers keep fewer heavy hitters (`pyramid`, steeper for larger
+    `beta`), on the finding that attention narrows with depth; sinks and the recent window stay in every layer,
+    and the total over layers is that of a uniform budget."""
+    beta: float = 20.0
+    name: str = "pyramidkv"
+
+    def __post_init__(self):
+        super().__post_init__()
+        _per_head_budgets(self)
+        if not float(self.beta) >= 1.0:
+            raise KvboundError(f"pyramidkv: beta must be >= 1, got {self.beta}")
+
+    @property
+    def adapts(self) -> bool:
+        return True
+
+    def head_budgets(self, layer, layers):
+        b = self.budget - self.heavy + pyramid(self.heavy, self.beta, layers)[layer]
+        return b, b
+
+    def describe(self) -> str:
+        return super().describe()[:-1] + f",beta={self.beta})"
+
+
 NAMED = ("window", "h2o", "h2o-balanced", "h2o-heavy", "observed", "tova", "snapkv", "knorm",
-         "keydiff")  # "h2o" is h2o-heavy
+         "keydiff", "adakv", "pyramidkv")  # "h2o" is h2o-heavy
 SCORED = {"h2o": H2OPolicy, "tova": TOVAPolicy, "snapkv": SnapKVPolicy, "knorm": KeyNormPolicy,
-          "keydiff": KeyDiffPolicy}
+          "keydiff": KeyDiffPolicy, "adakv": AdaKVPolicy, "pyramidkv": PyramidKVPolicy}
 _H2O_KEYS = ("budget", "sink", "heavy", "recent", "score", "ema_decay", "granularity", "evict_every")
 SPEC_KEYS = {"full": (), "window": ("budget", "sink", "evict_every"), "h2o": _H2O_KEYS,
              "tova": ("budget", "sink", "heavy", "recent", "granularity", "evict_every"),
-             "snapkv": _H2O_KEYS + ("window", "kernel"),
+             "snapkv": _H2O_KEYS + ("window", "kernel"), "adakv": _H2O_KEYS + ("window", "kernel", "alpha"),
+             "pyramidkv": _H2O_KEYS + ("window", "kernel", "beta"),
              "knorm": ("budget", "sink", "heavy", "recent", "granularity", "evict_every"),
              "keydiff": ("budget", "sink", "heavy", "recent", "granularity", "evict_every")}
 
@@ -390,10 +497,10 @@ def named_policy(name: str, budget: int | None, pinned=()):
     pinned_count = _pinned_count(4, _check_spans(pinned))
     if name == "tova":
         return TOVAPolicy(sink=4, heavy=budget - 4, recent=0, pinned=pinned)
-    if name == "snapkv":
+    if name in ("snapkv", "adakv", "pyramidkv"):
         window = max(1, min(32, (budget - 4) // 4))
         recent = max(0, min(window, budget - pinned_count))
-        return SnapKVPolicy(sink=4, heavy=budget - 4 - recent, recent=recent, window=window, pinned=pinned)
+        return SCORED[name](sink=4, heavy=budget - 4 - recent, recent=recent, window=window, pinned=pinned)
     heavy = min(budget - 4, round(budget * (64 if name == "h2o-balanced" else 128) / 256))
     # pinned tokens count against the budget: the recent window gives way to them, heavy hitters fill the rest
     recent = max(0, min(budget - 4 - heavy, budget - pinned_count))
@@ -405,9 +512,9 @@ def named_policy(name: str, budget: int | None, pinned=()):
 
 def parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
     """'full' | 'window[:budget=..,sink=..]' | 'h2o:sink=..,heavy=..,recent=..[,score=..,granularity=..,
-    ema_decay=..,evict_every=..]' (and tova / knorm / keydiff / snapkv[:..,window=..,kernel=..] with the same
-    shape options) | a named strategy ('baseline', 'window', 'h2o-balanced', 'h2o-heavy', 'observed', 'tova',
-    'snapkv', 'knorm', 'keydiff')."""
+    ema_decay=..,evict_every=..]' (and tova / knorm / keydiff / snapkv[:..,window=..,kernel=..] / adakv[:..,alpha=..]
+    / pyramidkv[:..,beta=..] with the same shape options) | a named strategy ('baseline', 'window', 'h2o-balanced',
+    'h2o-heavy', 'observed', 'tova', 'snapkv', 'knorm', 'keydiff', 'adakv', 'pyramidkv')."""
     spec = spec.strip()
     if ":" not in spec:
         pol = named_policy(spec, budget, pinned)
@@ -425,7 +532,7 @@ def parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
             raise KvboundError(f"policy spec {spec!r}: unknown option {key!r} for {kind} (options: "
                                f"{', '.join(SPEC_KEYS[kind]) or 'none'})")
         try:
-            kw[key] = float(val) if key == "ema_decay" else (int(val) if key not in ("score", "granularity") else val)
+            kw[key] = float(val) if key in ("ema_decay", "alpha", "beta") else (int(val) if key not in ("score", "granularity") else val)
             if key in ("score", "granularity") and not val:
                 raise ValueError
         except ValueError:
@@ -441,7 +548,7 @@ def parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
             return WindowPolicy(pinned=pinned, **{k: v for k, v in kw.items() if k in ("budget", "sink", "evict_every")})
         if kind in SCORED:
             kw = {k: v for k, v in kw.items() if k in SPEC_KEYS[kind]}
-            if kind == "snapkv" and "recent" not in kw:  # the observation window stays
+            if issubclass(SCORED[kind], SnapKVPolicy) and "recent" not in kw:  # the observation window stays
                 kw["recent"] = kw.get("window", SnapKVPolicy.window)
             if "budget" in kw:
                 b = kw.pop("budget")

@@ -36,7 +36,7 @@ def cmd_generate(args):
     """Through the engine (LLMEngine) with one request, its pool packed with --kv-bits 8 / 4; mixed widths,
     --quantized-kv-start and re-indexed positions use a single-sequence cache. Speeds and peak KV memory go
     to stderr."""
-    from ..cache import KVCache, parse_kv_bits
+    from ..cache import parse_kv_bits, sequence_cache
     from ..engine import LLMEngine, SamplingParams, generate_ids
     from ..models.tokenizer import StreamDecoder
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -53,16 +53,16 @@ def cmd_generate(args):
     if not args.reindex_positions:
         model.config.check_length(len(ids), args.max_tokens)
     report = {}
-    if not isinstance(bits, dict) and not args.quantized_kv_start and not args.reindex_positions:
+    if not isinstance(bits, dict) and not args.quantized_kv_start and not args.reindex_positions and not policy.adapts:
         need = policy.capacity if policy.bounded else len(ids) + args.max_tokens
         engine = LLMEngine(model, tok, policy=policy, num_blocks=-(-need // 16), block_size=16,
                            prefill_chunk=args.prefill_chunk, max_num_batched_tokens=args.prefill_chunk,
                            kv_dtype=kv_dtype(args, dtype), kv_bits=bits, kv_group_size=args.kv_group_size)
         tokens = engine_tokens(engine, ids, params, report)
     else:
-        cache = KVCache(model.config, policy, device=args.device, dtype=kv_dtype(args, dtype), kv_bits=bits,
-                        kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start,
-                        rotate_keys=model.rerotate if args.reindex_positions else None)
+        cache = sequence_cache(model.config, policy, device=args.device, dtype=kv_dtype(args, dtype), kv_bits=bits,
+                               kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start,
+                               rotate_keys=model.rerotate if args.reindex_positions else None)
         tokens = generate_ids(model, ids, params, cache, tok.eos_ids, args.prefill_chunk)
     stream = StreamDecoder(tok)
     if args.echo:

@@ -6,7 +6,7 @@ import os
 from dataclasses import replace
 from typing import Iterator
 
-from ..cache import KVCache
+from ..cache import sequence_cache
 from .generate import generate_ids
 from .sampling import SamplingParams
 
@@ -34,7 +34,7 @@ class ChatSession:
         self.messages = [{"role": "system", "content": system}] if system else []
         if pin_system_prompt and self.messages:
             policy = with_pinned_system(policy, tokenizer, self.messages + [{"role": "user", "content": ""}])
-        self.cache = KVCache(model.config, policy, **cache_args)
+        self.cache = sequence_cache(model.config, policy, **cache_args)
         self.chunk = prefill_chunk
         self.seen_text = ""  # the rendered conversation the cache holds, the last reply included
 

@@ -111,6 +111,15 @@ class PoolCaches:
                        store=PagedStore(self.pool, hits), stacked=stacked)
 
 
+def check_engine_policy(policy):
+    """The engine's paged pool gives every head of every layer one budget: policies whose heads or layers keep
+    different numbers of tokens (adakv, pyramidkv) run on single-sequence caches."""
+    if policy is not None and policy.adapts:
+        raise KvboundError(f"{policy.name}: its heads and layers keep different numbers of tokens, which the "
+                           "engine's paged pool (one budget per head) does not hold; run it on a single-sequence "
+                           "cache (kvbound generate, kvbound eval without --engine)")
+
+
 class LLMEngine:
     def __init__(self, model, tokenizer=None, policy=None, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_tokens: int = 16384, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
@@ -140,6 +149,7 @@ class LLMEngine:
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         self.kv_dtype = kv_dtype or next(model.parameters()).dtype
+        check_engine_policy(policy)
         self.default_policy = policy or FullPolicy()
         num_blocks = num_blocks or max(1, kv_cache_tokens // block_size)
         if kv_bits is not None and not isinstance(kv_bits, int) and kv_bits != "fp8":
@@ -215,6 +225,7 @@ class LLMEngine:
             raise KvboundError(f"request id {request_id!r} is already in use")
         if params.stop and self.tokenizer is None:
             raise KvboundError("stop strings need a tokenizer")
+        check_engine_policy(policy)
         seq = Sequence(request_id, 0, prompt, params, policy or self.default_policy, arrival=time.perf_counter(),
                        seed=self._seed(params, 0))
         self.scheduler.add(seq)

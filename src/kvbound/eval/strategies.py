@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import KVCache, parse_kv_bits, parse_policy
+from ..cache import parse_kv_bits, parse_policy, sequence_cache
 from ..errors import KvboundError
 
 DEFAULT_STRATEGIES = ["baseline", "window", "h2o-balanced", "h2o-heavy"]
@@ -37,8 +37,8 @@ def parse_strategies(names: list[str], budget: int, options: CacheOptions, pinne
     return out
 
 
-def make_cache(model, policy, bits, options: CacheOptions, device, dtype) -> KVCache:
-    return KVCache(model.config, policy, device=device, dtype=options.kv_dtype or dtype, kv_bits=bits,
+def make_cache(model, policy, bits, options: CacheOptions, device, dtype):
+    return sequence_cache(model.config, policy, device=device, dtype=options.kv_dtype or dtype, kv_bits=bits,
                    kv_group_size=options.kv_group_size, quantized_kv_start=options.quantized_kv_start)
 
 
@@ -52,7 +52,9 @@ def check_engine_strategies(strategies: dict, options: CacheOptions):
     --quantized-kv-start stay on single-sequence caches."""
     if options.quantized_kv_start:
         raise KvboundError("--quantized-kv-start runs on single-sequence caches; drop --engine")
-    for name, (_, bits) in strategies.items():
+    from ..engine.llm_engine import check_engine_policy
+    for name, (policy, bits) in strategies.items():
+        check_engine_policy(policy)
         if isinstance(bits, dict):
             raise KvboundError(f"strategy {name!r}: mixed widths run on single-sequence caches; drop --engine")
 
