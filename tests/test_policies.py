@@ -105,8 +105,9 @@ class Reference:
         """AdaKV's rule over the layer: protected tokens, each head's best up to `sure`, then the best of all."""
         p, (sure, share) = self.p, self.budgets
         prot = lambda j: j < p.sink or any(a <= j < b for a, b in p.pinned) or j > last - p.recent  # noqa: E731
+        age = (lambda j: last - j + 1) if p.score == "observed" else (lambda j: 1)  # noqa: E731
         order = sorted(((h, j) for h in range(HKV) for j in self.kept[h]), reverse=True,
-                       key=lambda e: (math.inf if prot(e[1]) else self.score[e[0]][e[1]], e[1]))
+                       key=lambda e: (math.inf if prot(e[1]) else self.score[e[0]][e[1]] / age(e[1]), e[1]))
         place = [0] * HKV
         kept, rest = [[] for _ in range(HKV)], []
         for h, j in order:
@@ -300,6 +301,11 @@ SHARED = [AdaKVPolicy(sink=1, heavy=7, recent=4, window=3, kernel=3, alpha=a, ev
                                 (1.0, 1, (), "cumulative")]]
 SHARED += [PyramidKVPolicy(sink=1, heavy=7, recent=4, window=3, kernel=3, beta=b, evict_every=e)
            for b, e in [(1.0, 1), (4.0, 1), (7.0, 3)]]
+SHARED += [H2OPolicy(sink=2, heavy=5, recent=5, score="observed", alpha=0.2),
+           H2OPolicy(sink=2, heavy=5, recent=5, score="normalized", alpha=0.4, beta=3.0, evict_every=4),
+           TOVAPolicy(sink=1, heavy=9, recent=2, alpha=0.0, pinned=((6, 9),)),
+           KeyNormPolicy(sink=2, heavy=6, recent=4, alpha=0.3),
+           KeyDiffPolicy(sink=2, heavy=6, recent=3, beta=5.0, evict_every=2)]
 
 
 @pytest.mark.parametrize("policy", SHARED, ids=lambda p: p.describe() + f",every={p.evict_every},pin={p.pinned}")
@@ -325,11 +331,16 @@ def test_shared_budgets_match_brute_force_reference(policy):
             assert sum(map(len, kept)) <= HKV * (share + policy.evict_every - 1)
             uneven |= len(kept[0]) != len(kept[1])
         cache.advance(q.shape[0])
-    assert uneven == (isinstance(policy, AdaKVPolicy) and policy.alpha < 1), "heads should share unevenly"
-    if isinstance(policy, PyramidKVPolicy):
+    assert uneven == (policy.alpha is not None and policy.alpha < 1), "heads should share unevenly"
+    if policy.alpha is None:
         held = [len(cache.kept_positions(layer, 0)) for layer in range(layers)]
-        assert held == [policy.head_budgets(layer, layers)[0] for layer in range(layers)]
-        assert (held[0] > held[-1]) == (policy.beta > 1) and sum(held) == layers * policy.budget
+        budgets = [policy.head_budgets(layer, layers)[0] for layer in range(layers)]
+        assert all(0 <= n - b < policy.evict_every for n, b in zip(held, budgets))
+        assert (budgets[0] > budgets[-1]) == (policy.beta > 1) and sum(budgets) == layers * policy.budget
+    elif policy.beta is None:
+        for layer in range(layers):  # the heads share the layer's uniform total
+            held = sum(len(cache.kept_positions(layer, h)) for h in range(HKV))
+            assert HKV * policy.budget <= held <= HKV * (policy.budget + policy.evict_every - 1)
 
 
 def test_pyramid_schedule_keeps_the_total():
@@ -370,6 +381,10 @@ def test_shared_budget_errors():
         parse_policy("adakv:budget=64,alpha=2")
     with pytest.raises(KvboundError, match="beta must be >= 1"):
         parse_policy("pyramidkv:budget=64,beta=0.5")
+    with pytest.raises(KvboundError, match="unknown option 'alpha' for window"):
+        parse_policy("window:budget=64,alpha=0.2")
+    assert parse_policy("h2o:budget=64,score=observed,alpha=0.2").adapts
+    assert not parse_policy("h2o:budget=64").adapts and not parse_policy("snapkv", 64).adapts
     with pytest.raises(KvboundError, match="smallest per-head budget"):  # the last layer keeps 1 + 4 + 0 heavy
         sequence_cache(replace(tiny_config(), num_layers=4), PyramidKVPolicy(sink=1, heavy=4, recent=4, beta=20,
                                                                              pinned=((3, 5),)))

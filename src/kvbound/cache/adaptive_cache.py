@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from ..errors import KvboundError
 from ..kernels import fold_scores
 from .policies import _pinned_count
+from .steps import fresh_scores, rescored
 
 
 class AdaptiveKVCache:
@@ -63,7 +64,7 @@ class AdaptiveKVCache:
         ks = torch.cat([self.k[layer], k.reshape(t * h, d).to(self.dtype)])
         vs = torch.cat([self.v[layer], v.reshape(t * h, d).to(self.dtype)])
         out, step = self._attention(q, ks, vs, own, pos, positions)
-        score = self._folded(layer, step, own, pos, t)
+        score = self._folded(layer, step, own, pos, ks, fresh_scores(self.policy, k, self.score[layer]).flatten(), t)
         sure, share = self.budgets[layer]
         keep = None
         if len(pos) > h * (share + self.policy.evict_every - 1):
@@ -74,28 +75,40 @@ class AdaptiveKVCache:
 
     def _attention(self, q, ks, vs, own, pos, positions):
         """Each query head over its KV head's entries at positions up to its own: out [t, Hq, D], and each
-        entry's attention summed over the last `policy.score_window` queries of its owner's group [E]."""
+        entry's attention summed over the last `policy.score_window` queries of its owner's group [E] (None
+        for a policy that needs no attention; "normalized" weighs each query by the keys it sees)."""
         t, hq, d = q.shape
         group = torch.arange(hq, device=q.device) // (hq // self.heads)
         mask = (own[None, None, :] == group[None, :, None]) & (pos[None, None, :] <= positions[:, None, None])
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], ks.to(q.dtype)[None, None],
                                              vs.to(q.dtype)[None, None], attn_mask=mask.transpose(0, 1)[None],
                                              enable_gqa=True)[0].transpose(0, 1)
+        if self.policy.fold is None:
+            return out, None
         first = t - min(t, self.policy.score_window or t)
+        seen = mask[first:]
         logits = (q[first:].float() @ ks.float().T[None]) * d ** -0.5  # [tq, Hq, E]
-        probs = logits.masked_fill(~mask[first:], float("-inf")).softmax(-1)
+        probs = logits.masked_fill(~seen, float("-inf")).softmax(-1)
+        if self.policy.fold == "normalized":
+            probs = probs * seen.sum(-1, keepdim=True)
         return out, probs.sum(dim=(0, 1))
 
-    def _folded(self, layer, step, own, pos, t):
-        """The entries' scores after this step: a decode step folds into them; a prefill piece's go through the
-        policy's `piece_scores` one head at a time (SnapKV pools along each head's own stream order)."""
-        old = torch.cat([self.score[layer], step.new_zeros(t * self.heads)])
-        if t == 1:
-            return fold_scores(old, step, self.policy.fold, self.policy.fold_decay)
-        out = torch.empty_like(old)
+    def _folded(self, layer, step, own, pos, ks, fresh, t):
+        """The entries' scores after this step, from the held ones' and the new ones' `fresh`: a decode step's
+        attention folds in; a prefill piece's goes through the policy's `piece_scores` one head at a time
+        (SnapKV pools along each head's stream order); KeyDiff rescores each head's keys."""
+        score = torch.cat([self.score[layer], fresh])
+        if step is not None and t == 1:
+            score = fold_scores(score, step, self.policy.fold, self.policy.fold_decay)
+            step = None
+        if step is None and not self.policy.rescores:
+            return score
+        out = torch.empty_like(score)
         for head in range(self.heads):
             mine = (own == head).nonzero()[:, 0]
-            out[mine] = self.policy.piece_scores(old[mine, None], step[mine, None], pos[mine, None])[:, 0]
+            one = score[mine, None] if step is None else self.policy.piece_scores(score[mine, None], step[mine, None],
+                                                                                  pos[mine, None])
+            out[mine] = rescored(self.policy, one, ks[mine, None], pos[mine, None])[:, 0]
         return out
 
     def positions_held(self, layer: int) -> torch.Tensor:

@@ -275,6 +275,12 @@ class H2OPolicy(Policy):
     """Heavy-hitter oracle: sinks + pinned spans + `recent` newest tokens + the highest-scored others.
 
     Pinned tokens count against the budget: heavy hitters fill what sinks, pins and the window leave.
+    Adaptive budgets, for this and every policy below (`head_budgets`):
+      - `alpha` (AdaKV): a layer keeps heads x budget tokens, its KV heads sharing them by rank (scores are
+        comparable across heads), so a head that spreads its attention keeps more than one that looks at few
+        keys; each head is sure of its protected tokens plus `alpha` of the rest of its equal share;
+      - `beta` (PyramidKV): heavy hitters per layer fall linearly with depth (`pyramid`, steeper for larger
+        beta), on the finding that attention narrows in deeper layers; the total over layers is unchanged.
     """
     sink: int
     heavy: int
@@ -284,6 +290,8 @@ class H2OPolicy(Policy):
     granularity: str = "kv-head"
     evict_every: int = 1
     pinned: tuple = field(default_factory=tuple)
+    alpha: float | None = None
+    beta: float | None = None
     name: str = "h2o"
     score_choices = SCORES
 
@@ -306,6 +314,13 @@ class H2OPolicy(Policy):
         if protected + self.recent > self.budget:
             raise KvboundError(f"{self.name}: {_protected_words(self.sink, self.pinned, protected)} plus recent "
                                f"{self.recent} = {protected + self.recent} exceeds budget ({self.budget})")
+        if self.alpha is not None and not 0.0 <= float(self.alpha) <= 1.0:
+            raise KvboundError(f"{self.name}: alpha must be in [0, 1], got {self.alpha}")
+        if self.beta is not None and not float(self.beta) >= 1.0:
+            raise KvboundError(f"{self.name}: beta must be >= 1, got {self.beta}")
+        if self.adapts and self.granularity != "kv-head":
+            raise KvboundError(f"{self.name}: alpha and beta give heads and layers budgets of their own, so "
+                               "granularity must be kv-head")
 
     @property
     def budget(self) -> int:
@@ -320,6 +335,18 @@ class H2OPolicy(Policy):
     def victim(self, pos, score):
         return lowest(pos, self.rank(pos, score), self._protected(pos))
 
+    @property
+    def adapts(self) -> bool:
+        return self.alpha is not None or self.beta is not None
+
+    def head_budgets(self, layer, layers):
+        share = self.budget if self.beta is None else (self.budget - self.heavy
+                                                       + pyramid(self.heavy, self.beta, layers)[layer])
+        if self.alpha is None:
+            return share, share
+        protected = _pinned_count(self.sink, self.pinned) + self.recent
+        return protected + int(self.alpha * max(0, share - protected)), share
+
     def keep_entries(self, pos, score, owner, heads: int, guaranteed: int, total: int) -> torch.Tensor:
         """The keep rule over a layer's entries [E] owned by heads (`select_shared`)."""
         col = pos[:, None]  # one column: protection and rank see the whole layer's newest position
@@ -327,8 +354,9 @@ class H2OPolicy(Policy):
                              guaranteed, total)
 
     def describe(self) -> str:
+        adaptive = "".join(f",{k}={getattr(self, k)}" for k in ("alpha", "beta") if getattr(self, k) is not None)
         return (f"{self.name}(sink={self.sink},heavy={self.heavy},recent={self.recent},score={self.score},"
-                f"granularity={self.granularity})")
+                f"granularity={self.granularity}{adaptive})")
 
 
 @dataclass(frozen=True)
@@ -393,38 +421,6 @@ class SnapKVPolicy(H2OPolicy):
         return super().describe()[:-1] + f",window={self.window},kernel={self.kernel})"
 
 
-def _per_head_budgets(policy):
-    if policy.granularity != "kv-head":
-        raise KvboundError(f"{policy.name}: budgets differ per head or layer, so granularity must be kv-head")
-
-
-@dataclass(frozen=True)
-class AdaKVPolicy(SnapKVPolicy):
-    """AdaKV over SnapKV's scores: a layer keeps heads x budget tokens, shared among its KV heads by rank (the
-    scores are attention probabilities, comparable across heads), so a head that spreads its attention keeps
-    more than one that looks at few keys. Each head keeps its sinks, pinned spans and recent window plus
-    `alpha` of its equal share of the rest (AdaKV's safeguard)."""
-    alpha: float = 0.2
-    name: str = "adakv"
-
-    def __post_init__(self):
-        super().__post_init__()
-        _per_head_budgets(self)
-        if not 0.0 <= float(self.alpha) <= 1.0:
-            raise KvboundError(f"adakv: alpha must be in [0, 1], got {self.alpha}")
-
-    @property
-    def adapts(self) -> bool:
-        return True
-
-    def head_budgets(self, layer, layers):
-        protected = _pinned_count(self.sink, self.pinned) + self.recent
-        return protected + int(self.alpha * (self.budget - protected)), self.budget
-
-    def describe(self) -> str:
-        return super().describe()[:-1] + f",alpha={self.alpha})"
-
-
 def pyramid(heavy: int, beta: float, layers: int) -> list[int]:
     """PyramidKV's schedule: heavy hitters per layer falling linearly from 2*heavy - heavy/beta in the first
     layer to heavy/beta in the last, rounded down, the remainder going to the largest fractions (still
@@ -439,42 +435,32 @@ def pyramid(heavy: int, beta: float, layers: int) -> list[int]:
 
 
 @dataclass(frozen=True)
+class AdaKVPolicy(SnapKVPolicy):
+    """AdaKV over SnapKV's scores (Ada-SnapKV): the layer's heads share its budget, each sure of `alpha` of
+    its own share (`H2OPolicy.alpha`)."""
+    alpha: float | None = 0.2
+    name: str = "adakv"
+
+
+@dataclass(frozen=True)
 class PyramidKVPolicy(SnapKVPolicy):
-    """PyramidKV over SnapKV's scores: deeper layers keep fewer heavy hitters (`pyramid`, steeper for larger
-    `beta`), on the finding that attention narrows with depth; sinks and the recent window stay in every layer,
-    and the total over layers is that of a uniform budget."""
-    beta: float = 20.0
+    """PyramidKV over SnapKV's scores: deeper layers keep fewer heavy hitters (`H2OPolicy.beta`)."""
+    beta: float | None = 20.0
     name: str = "pyramidkv"
-
-    def __post_init__(self):
-        super().__post_init__()
-        _per_head_budgets(self)
-        if not float(self.beta) >= 1.0:
-            raise KvboundError(f"pyramidkv: beta must be >= 1, got {self.beta}")
-
-    @property
-    def adapts(self) -> bool:
-        return True
-
-    def head_budgets(self, layer, layers):
-        b = self.budget - self.heavy + pyramid(self.heavy, self.beta, layers)[layer]
-        return b, b
-
-    def describe(self) -> str:
-        return super().describe()[:-1] + f",beta={self.beta})"
 
 
 NAMED = ("window", "h2o", "h2o-balanced", "h2o-heavy", "observed", "tova", "snapkv", "knorm",
          "keydiff", "adakv", "pyramidkv")  # "h2o" is h2o-heavy
 SCORED = {"h2o": H2OPolicy, "tova": TOVAPolicy, "snapkv": SnapKVPolicy, "knorm": KeyNormPolicy,
           "keydiff": KeyDiffPolicy, "adakv": AdaKVPolicy, "pyramidkv": PyramidKVPolicy}
-_H2O_KEYS = ("budget", "sink", "heavy", "recent", "score", "ema_decay", "granularity", "evict_every")
+_H2O_KEYS = ("budget", "sink", "heavy", "recent", "score", "ema_decay", "granularity", "evict_every", "alpha",
+             "beta")
 SPEC_KEYS = {"full": (), "window": ("budget", "sink", "evict_every"), "h2o": _H2O_KEYS,
-             "tova": ("budget", "sink", "heavy", "recent", "granularity", "evict_every"),
-             "snapkv": _H2O_KEYS + ("window", "kernel"), "adakv": _H2O_KEYS + ("window", "kernel", "alpha"),
-             "pyramidkv": _H2O_KEYS + ("window", "kernel", "beta"),
-             "knorm": ("budget", "sink", "heavy", "recent", "granularity", "evict_every"),
-             "keydiff": ("budget", "sink", "heavy", "recent", "granularity", "evict_every")}
+             "tova": ("budget", "sink", "heavy", "recent", "granularity", "evict_every", "alpha", "beta"),
+             "snapkv": _H2O_KEYS + ("window", "kernel"), "adakv": _H2O_KEYS + ("window", "kernel"),
+             "pyramidkv": _H2O_KEYS + ("window", "kernel"),
+             "knorm": ("budget", "sink", "heavy", "recent", "granularity", "evict_every", "alpha", "beta"),
+             "keydiff": ("budget", "sink", "heavy", "recent", "granularity", "evict_every", "alpha", "beta")}
 
 
 def named_policy(name: str, budget: int | None, pinned=()):
@@ -512,8 +498,8 @@ def named_policy(name: str, budget: int | None, pinned=()):
 
 def parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
     """'full' | 'window[:budget=..,sink=..]' | 'h2o:sink=..,heavy=..,recent=..[,score=..,granularity=..,
-    ema_decay=..,evict_every=..]' (and tova / knorm / keydiff / snapkv[:..,window=..,kernel=..] / adakv[:..,alpha=..]
-    / pyramidkv[:..,beta=..] with the same shape options) | a named strategy ('baseline', 'window', 'h2o-balanced',
+    ema_decay=..,evict_every=..,alpha=..,beta=..]' (and tova / knorm / keydiff / snapkv[:..,window=..,kernel=..] /
+    adakv / pyramidkv with the same shape options) | a named strategy ('baseline', 'window', 'h2o-balanced',
     'h2o-heavy', 'observed', 'tova', 'snapkv', 'knorm', 'keydiff', 'adakv', 'pyramidkv')."""
     spec = spec.strip()
     if ":" not in spec:

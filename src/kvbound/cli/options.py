@@ -89,6 +89,10 @@ def add_cache_args(p, with_policy=True):
     g.add_argument("--ema-decay", type=float, default=None, help="h2o ema decay in (0, 1) (default 0.95)")
     g.add_argument("--granularity", choices=["kv-head", "layer"], default=None, help="h2o eviction granularity")
     g.add_argument("--evict-every", type=positive_int, default=None, help="evict once every N tokens")
+    g.add_argument("--ada-alpha", type=float, default=None, help="AdaKV budgets for h2o-family policies: a layer's "
+                   "heads share its budget, each sure of this fraction of its own share, in [0, 1] (adakv: 0.2)")
+    g.add_argument("--pyramid-beta", type=float, default=None, help="PyramidKV budgets for h2o-family policies: "
+                   "heavy hitters fall with depth from 2-1/beta to 1/beta of their share, beta >= 1 (pyramidkv: 20)")
     g.add_argument("--pin-prefix", type=nonneg_int, default=0, help="never evict the first N prompt tokens")
     g.add_argument("--prefill-chunk", type=positive_int, default=512, help="prefill chunk length")
     g.add_argument("--kv-bits", default=None, help="8 | 4 | heavy=8,recent=4 (quantized KV)")
@@ -125,7 +129,7 @@ def cache_options(args):
 
 def policy_defaults(args) -> dict:
     return dict(score=args.score, ema_decay=args.ema_decay, granularity=args.granularity,
-                evict_every=args.evict_every)
+                evict_every=args.evict_every, alpha=args.ada_alpha, beta=args.pyramid_beta)
 
 
 def make_policy(args):
@@ -135,7 +139,8 @@ def make_policy(args):
     policy = parse_policy(args.policy, args.budget, pinned=pinned_spans(args), **policy_defaults(args))
     if not policy.bounded:
         given = [f"--{k.replace('_', '-')}" for k in ("budget", "pin_prefix", "score", "ema_decay", "granularity",
-                                                       "evict_every") if getattr(args, k)]
+                                                       "evict_every", "ada_alpha", "pyramid_beta")
+                 if getattr(args, k) not in (None, 0) or k in ("ada_alpha", "pyramid_beta") and getattr(args, k) == 0]
         if given:
             raise KvboundError(f"{', '.join(given)} has no effect with --policy {args.policy} (an unbounded cache): "
                                "choose a bounded policy (window, h2o) or drop it")
