@@ -78,18 +78,18 @@ def run(args):
             attn = "eager" if name == "observed_attention" else "sdpa"  # ObservedAttention needs the weights
             if attn not in models:
                 models[attn] = AutoModelForCausalLM.from_pretrained(
-                    os.path.dirname(args.model), gguf_file=os.path.basename(args.model), dtype=torch.float32,
-                    attn_implementation=attn).eval()
+                    os.path.dirname(args.model), gguf_file=os.path.basename(args.model),
+                    dtype=getattr(torch, args.dtype), attn_implementation=attn).to(args.device).eval()
             model = models[attn]
             for p in data["prompts"]:
                 cache = DynamicCache()
                 at = len(p["context_ids"])  # positions count the tokens processed, not the compressed cache's
                 with torch.no_grad():
                     with make_press(name, 1 - keep)(model):
-                        model(torch.tensor([p["context_ids"]]), past_key_values=cache)
+                        model(torch.tensor([p["context_ids"]], device=args.device), past_key_values=cache)
                     q = len(p["question_ids"])
-                    logits = model(torch.tensor([p["question_ids"]]), past_key_values=cache,
-                                   position_ids=torch.arange(at, at + q)[None]).logits[0, -1]
+                    logits = model(torch.tensor([p["question_ids"]], device=args.device), past_key_values=cache,
+                                   position_ids=torch.arange(at, at + q, device=args.device)[None]).logits[0, -1]
                     at += q
                     reply = []
                     for _ in range(args.max_tokens):
@@ -97,8 +97,8 @@ def run(args):
                         if nxt in p["eos_ids"]:
                             break
                         reply.append(nxt)
-                        logits = model(torch.tensor([[nxt]]), past_key_values=cache,
-                                       position_ids=torch.tensor([[at]])).logits[0, -1]
+                        logits = model(torch.tensor([[nxt]], device=args.device), past_key_values=cache,
+                                       position_ids=torch.tensor([[at]], device=args.device)).logits[0, -1]
                         at += 1
                 out.append({"press": name, "keep": keep, "task": p["task"], "sample": p["sample"],
                             "reply_ids": reply, "answers": p["answers"], "held": cache.get_seq_length()})
@@ -144,6 +144,8 @@ def main():
     r.add_argument("--presses", default=",".join(PRESSES))
     r.add_argument("--keep", default="0.25,0.5")
     r.add_argument("--max-tokens", type=int, default=32)
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     r.add_argument("--out", required=True)
     p = sub.add_parser("report")
     p.add_argument("--model", default=None)

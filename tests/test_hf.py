@@ -192,6 +192,8 @@ def test_unsupported_attention_and_bad_arguments_are_named():
         kh.install_kv_eviction(m)
     with pytest.raises(KvboundError, match="unknown policy"):
         kh.install_kv_eviction(m, "nope", budget=8)
+    with pytest.raises(KvboundError, match="adakv gives heads and layers budgets of their own"):
+        kh.install_kv_eviction(m, "adakv", budget=8)
     assert isinstance(kh.install_kv_eviction(m, budget=8), H2OPolicy)
 
 

@@ -11,8 +11,8 @@ from kvbound.cache import KVCache, sequence_cache
 from kvbound.cache.adaptive_cache import AdaptiveKVCache
 from kvbound.errors import KvboundError
 from kvbound.models import ModelConfig
-from kvbound.cache.policies import (AdaKVPolicy, H2OPolicy, PyramidKVPolicy, pyramid, KeyDiffPolicy, KeyNormPolicy, SnapKVPolicy, TOVAPolicy,
-                                    WindowPolicy, parse_policy)
+from kvbound.cache.policies import (AdaKVPolicy, H2OPolicy, KeyDiffPolicy, KeyNormPolicy, PyramidKVPolicy, SnapKVPolicy,
+                                    TOVAPolicy, WindowPolicy, parse_policy, pyramid)
 
 HQ, HKV, D = 4, 2, 8
 

@@ -518,8 +518,9 @@ def parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
             raise KvboundError(f"policy spec {spec!r}: unknown option {key!r} for {kind} (options: "
                                f"{', '.join(SPEC_KEYS[kind]) or 'none'})")
         try:
-            kw[key] = float(val) if key in ("ema_decay", "alpha", "beta") else (int(val) if key not in ("score", "granularity") else val)
-            if key in ("score", "granularity") and not val:
+            text = key in ("score", "granularity")
+            kw[key] = float(val) if key in ("ema_decay", "alpha", "beta") else (val if text else int(val))
+            if text and not val:
                 raise ValueError
         except ValueError:
             raise KvboundError(f"policy spec {spec!r}: bad value {val!r} for {key}") from None

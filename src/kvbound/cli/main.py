@@ -34,8 +34,8 @@ def engine_tokens(engine, ids, params, report):
 
 def cmd_generate(args):
     """Through the engine (LLMEngine) with one request, its pool packed with --kv-bits 8 / 4; mixed widths,
-    --quantized-kv-start and re-indexed positions use a single-sequence cache. Speeds and peak KV memory go
-    to stderr."""
+    --quantized-kv-start, re-indexed positions and per-head budgets (--ada-alpha, adakv, ...) use a
+    single-sequence cache. Speeds and peak KV memory go to stderr."""
     from ..cache import parse_kv_bits, sequence_cache
     from ..engine import LLMEngine, SamplingParams, generate_ids
     from ..models.tokenizer import StreamDecoder
@@ -53,7 +53,8 @@ def cmd_generate(args):
     if not args.reindex_positions:
         model.config.check_length(len(ids), args.max_tokens)
     report = {}
-    if not isinstance(bits, dict) and not args.quantized_kv_start and not args.reindex_positions and not policy.adapts:
+    own_cache = isinstance(bits, dict) or args.quantized_kv_start or args.reindex_positions or policy.adapts
+    if not own_cache:
         need = policy.capacity if policy.bounded else len(ids) + args.max_tokens
         engine = LLMEngine(model, tok, policy=policy, num_blocks=-(-need // 16), block_size=16,
                            prefill_chunk=args.prefill_chunk, max_num_batched_tokens=args.prefill_chunk,

@@ -311,6 +311,15 @@ def _attention_modules(model) -> list:
 
 
 def _policy(policy, budget, n_sink, n_recent, evict_every, granularity, score) -> Policy:
+    chosen = _named_policy(policy, budget, n_sink, n_recent, evict_every, granularity, score)
+    if chosen.adapts:
+        raise KvboundError(f"{chosen.name} gives heads and layers budgets of their own, which transformers' cache "
+                           "(one length for all heads of a layer) does not hold; run it on kvbound's own cache "
+                           "(kvbound generate, kvbound eval)")
+    return chosen
+
+
+def _named_policy(policy, budget, n_sink, n_recent, evict_every, granularity, score) -> Policy:
     if isinstance(policy, Policy):
         return policy
     if budget is None:
