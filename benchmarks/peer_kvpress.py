@@ -16,7 +16,7 @@ uncompressed; kvbound evicts as it goes (the question included) and its budget c
 python benchmarks/peer_kvpress.py export --out prompts.json
 /path/to/kvpress-venv/bin/python benchmarks/peer_kvpress.py run --prompts prompts.json \\
     --model SmolLM2.gguf --out results/peer_kvpress_replies.json
-python benchmarks/peer_kvpress.py report --replies results/peer_kvpress_replies.json \\
+python benchmarks/peer_kvpress.py report --replies results/peer_kvpress_replies.json [more reply files] \\
     --kvbound results/ruler_smollm2_1k.json results/ruler_smollm2_1k_onepiece.json
 """
 from __future__ import annotations
@@ -103,19 +103,23 @@ def run(args):
                 out.append({"press": name, "keep": keep, "task": p["task"], "sample": p["sample"],
                             "reply_ids": reply, "answers": p["answers"], "held": cache.get_seq_length()})
             print(f"{name} keep {keep}: {len(data['prompts'])} prompts, {time.time() - start:.0f} s", flush=True)
+            _write(args.out, data["context"], out)  # after each press: a run cut short keeps what it finished
+
+
+def _write(path, context, replies):
     import kvpress
-    with open(args.out, "w") as f:
-        json.dump({"kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5",
-                   "context": data["context"], "replies": out}, f)
+    with open(path, "w") as f:
+        json.dump({"kvpress": getattr(kvpress, "__version__", "0.5"), "context": context, "replies": replies}, f)
 
 
 def report(args):
     from kvbound.eval.ruler import ruler_table, score
     from kvbound.models import load
     _, tok = load(args.model)
-    data = json.load(open(args.replies))
+    files = [json.load(open(path)) for path in args.replies]
+    data = files[0]
     results = [{"strategy": f"kvpress {r['press']}", "budget_frac": r["keep"], "task": r["task"],
-                "score": score(tok.decode(r["reply_ids"]), r["answers"])} for r in data["replies"]]
+                "score": score(tok.decode(r["reply_ids"]), r["answers"])} for f in files for r in f["replies"]]
     for path in args.kvbound or []:
         tag = "" if "onepiece" not in path else " (one piece)"
         for r in json.load(open(path))["results"]:
@@ -149,7 +153,7 @@ def main():
     r.add_argument("--out", required=True)
     p = sub.add_parser("report")
     p.add_argument("--model", default=None)
-    p.add_argument("--replies", required=True)
+    p.add_argument("--replies", required=True, nargs="+", help="reply files of `run` (several runs' presses merge)")
     p.add_argument("--kvbound", nargs="*")
     args = ap.parse_args()
     {"export": export, "run": run, "report": report}[args.cmd](args)
