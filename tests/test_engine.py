@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kvbound.cache.block_pool import BlockPool, block_hash
-from kvbound.cache import KVCache
+from kvbound.cache import KVCache, sequence_cache
 from kvbound.errors import KvboundError
 from kvbound.models import ModelConfig
 from kvbound.engine import LLM, LLMEngine
@@ -35,7 +35,7 @@ def prompt(seed, n):
 
 
 def alone(model, ids, policy, params, chunk):
-    cache = KVCache(model.config, policy)
+    cache = sequence_cache(model.config, policy)
     return list(generate_ids(model, ids, params, cache, (), chunk))
 
 
@@ -339,6 +339,37 @@ def test_bounded_prefill_pieces_evict_as_one_batch(model, monkeypatch, spec):
     assert max(seen) > 1  # several sequences in one call
     for ids, out in zip(reqs, outs):
         assert out.outputs[0].token_ids == alone(model, ids, pol, GREEDY, 16)
+
+
+def test_heads_sharing_a_budget_run_in_the_engine(model):
+    """AdaKV (alpha) in the paged pool: each such sequence attends by itself over places owned by heads, in a
+    batch with other policies. Greedy outputs equal the single-sequence cache's, also from a prefix-cache hit on
+    its pinned prefix, for seeded n=2 forks, and when a tight pool preempts; PyramidKV (beta) is refused."""
+    ada = parse_policy("adakv:sink=2,heavy=12,recent=10,window=6,alpha=0.2", pinned=((0, 8),))
+    reqs = [prompt(70 + i, n) for i, n in enumerate([60, 9, 41, 75])]
+    pols = [ada, ada, parse_policy("h2o:sink=2,heavy=10,recent=12"), ada]
+    outs = {}
+    for name, blocks in (("roomy", 128), ("tight", 9)):
+        llm = LLM(model, num_blocks=blocks, block_size=8, prefill_chunk=16, max_num_batched_tokens=64)
+        got = llm.generate(reqs, GREEDY, pols, use_tqdm=False)
+        outs[name] = [o.outputs[0].token_ids for o in got]
+        assert llm.engine.pool.num_free == blocks
+    assert llm.engine.scheduler.stats["preemptions"] > 0  # the tight pool
+    assert outs["tight"] == outs["roomy"]
+    for ids, pol, out in zip(reqs, pols, outs["roomy"]):
+        assert out == alone(model, ids, pol, GREEDY, 16)
+    llm = LLM(model, num_blocks=128, block_size=8, prefill_chunk=16)
+    llm.generate(reqs[0], GREEDY, ada, use_tqdm=False)
+    again = reqs[0][:8] + prompt(79, 30)  # shares the pinned first block
+    assert llm.generate(again, GREEDY, ada, use_tqdm=False)[0].outputs[0].token_ids == alone(model, again, ada,
+                                                                                             GREEDY, 16)
+    assert llm.engine.scheduler.stats["prefix_hit_tokens"] == 8
+    p = SamplingParams(max_tokens=20, n=2, temperature=0.9, seed=4, ignore_eos=True)
+    for i, comp in enumerate(llm.generate(reqs[3], p, ada, use_tqdm=False)[0].outputs):
+        assert comp.token_ids == alone(model, reqs[3], ada, SamplingParams(max_tokens=20, temperature=0.9, seed=4 + i,
+                                                                            ignore_eos=True), 16)
+    with pytest.raises(KvboundError, match="pyramidkv: its layers keep different numbers of tokens"):
+        llm.generate(reqs[0], GREEDY, parse_policy("pyramidkv", 24), use_tqdm=False)
 
 
 def test_preempted_forks_finish_with_the_same_outputs(model):

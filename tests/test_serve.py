@@ -165,14 +165,19 @@ def test_per_request_kv_policy(live, offline):
     text = " ".join(PROMPTS * 6)
     spec = "h2o:sink=4,heavy=24,recent=36"
 
+    ada = "adakv:sink=4,heavy=24,recent=36,alpha=0.2"
+
     async def go():
         async with live.client() as c:
             bounded = await c.completions.create(model=NAME, prompt=text, max_tokens=6, temperature=0,
                                                  extra_body={"kv_policy": spec})
+            shared = await c.completions.create(model=NAME, prompt=text, max_tokens=6, temperature=0,
+                                                extra_body={"kv_policy": ada})
             full = await c.completions.create(model=NAME, prompt=text, max_tokens=6, temperature=0)
             again = await c.completions.create(model=NAME, prompt=text, max_tokens=6, temperature=0)
-            return bounded, full, again
-    bounded, full, again = asyncio.run(go())
+            return bounded, shared, full, again
+    bounded, shared, full, again = asyncio.run(go())
+    assert shared.choices[0].text == offline(text, 6, parse_policy(ada))  # heads sharing a budget, served
     assert bounded.model_extra["kv"]["policy"] == parse_policy(spec).describe()
     assert bounded.model_extra["kv"]["tokens_evicted"] > 0 and full.model_extra["kv"]["tokens_evicted"] == 0
     assert bounded.model_extra["kv"]["peak_kv_bytes"] < full.model_extra["kv"]["peak_kv_bytes"]
@@ -250,7 +255,7 @@ def test_flood_past_max_waiting_gets_200_or_429_and_nothing_mixed(smollm, offlin
     ({"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias"),
     ({"prompt": "x", "kv_policy": "h2o:sink=4,heavy=8,recnt=4"}, 400, "kv_policy"),
     ({"prompt": "x", "kv_budget": 64}, 400, "kv_budget"),
-    ({"prompt": "x", "kv_policy": "adakv:budget=64"}, 400, "kv_policy"),
+    ({"prompt": "x", "kv_policy": "pyramidkv:budget=64"}, 400, "kv_policy"),
     ({"prompt": "x", "kv_policy": "window:budget=64", "pin": [[5, 2]]}, 400, "pin"),
     ({"prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"prompt": "x", "n": 10 ** 6}, 400, "n"),

@@ -1,13 +1,19 @@
 """KV cache of one sequence whose heads and layers keep different numbers of tokens (AdaKV, PyramidKV).
 
-`KVCache` gives each KV head of a layer the same slots, so a head holds exactly its equal share. Here a layer's
-tokens are entries, each owned by one KV head: K and V [E, head_dim] with an owner, a stream position and a
-score per entry. A layer holds at most heads x its budget per head (`policy.head_budgets`) after each eviction,
-however its heads share them, so its memory is that of a uniform cache of that budget. Each query head
-attends to its KV head's entries only (a mask over the layer's entries; the PyTorch route). The engine's
-kernels read one budget per head, so these policies run on single-sequence caches.
+`KVCache` gives each KV head of a layer its own column of slots, all columns the same length, so a head holds
+exactly its equal share. Here every (slot, column) place of a layer is an entry that any KV head may own: the
+layout of `KVCache` ([slots, heads] places, K/V in a `store.KVStore`) plus an owner per place. A layer holds at
+most heads x its budget per head (`policy.head_budgets`) after each eviction, however its heads share them, so
+its memory is that of a uniform cache with the largest layer's budget. Each query head attends to its KV head's
+entries only (a mask over the layer's entries; the PyTorch route, for a batch of one). Evicted entries become
+holes that new tokens fill, lowest first, so nothing moves; the first tokens take slot j, column h for token j
+and head h, as in `KVCache`, which keeps a protected prefix's blocks shareable.
+In the engine (a `PagedStore`) the cache runs its own `attend` per sequence; policies whose layers keep
+different budgets (PyramidKV) stay on single-sequence caches, since a pool block spans every layer.
 """
 from __future__ import annotations
+
+from copy import copy
 
 import torch
 import torch.nn.functional as F
@@ -16,38 +22,43 @@ from ..errors import KvboundError
 from ..kernels import fold_scores
 from .policies import _pinned_count
 from .steps import fresh_scores, rescored
+from .store import DenseStore
 
 
 class AdaptiveKVCache:
-    def __init__(self, config, policy, device="cpu", dtype=torch.float32, kv_bits=None, rotate_keys=None, **_):
-        """dtype: the dtype K/V are stored in. Quantized widths and re-indexed positions live in `KVCache`."""
+    def __init__(self, config, policy, device="cpu", dtype=torch.float32, kv_bits=None, rotate_keys=None,
+                 store=None, **_):
+        """dtype: the dtype K/V are stored in. store: where K/V live (default: a dense store of its own; the
+        engine passes a PagedStore). Quantized widths of its own and re-indexed positions live in `KVCache`."""
         if kv_bits is not None or rotate_keys is not None:
             raise KvboundError(f"{policy.name}: per-head budgets store K/V unquantized at stream positions "
                                "(no --kv-bits, no --reindex-positions)")
-        self.cfg, self.policy, self.device, self.dtype = config, policy, device, dtype
-        self.bounded, self.budget, self.rotate_keys = True, policy.budget, None
+        self.cfg, self.policy, self.device = config, policy, device
+        self.bounded, self.budget, self.rotate_keys, self.stacked = True, policy.budget, None, None
         layers, self.heads = config.num_layers, config.num_kv_heads
         self.budgets = [policy.head_budgets(layer, layers) for layer in range(layers)]
+        sure = min(s for s, _ in self.budgets)
         protected = _pinned_count(policy.sink, policy.pinned) + policy.recent
-        if protected > min(sure for sure, _ in self.budgets):
+        if protected > sure:
             raise KvboundError(f"{policy.name}: sinks, pinned spans and the recent window ({protected} tokens) do "
-                               f"not fit the smallest per-head budget of this {layers}-layer model "
-                               f"({min(sure for sure, _ in self.budgets)})")
-        d = config.head_dim
-        self.k = [torch.zeros(0, d, device=device, dtype=dtype) for _ in range(layers)]
-        self.v = [torch.zeros(0, d, device=device, dtype=dtype) for _ in range(layers)]
-        self.owner = [torch.zeros(0, dtype=torch.uint8, device=device) for _ in range(layers)]
-        self.pos = [torch.zeros(0, dtype=torch.int32, device=device) for _ in range(layers)]
-        self.score = [torch.zeros(0, dtype=torch.float32, device=device) for _ in range(layers)]
+                               f"not fit the smallest per-head budget of this {layers}-layer model ({sure})")
+        self.slots = max(share for _, share in self.budgets) + policy.evict_every
+        self.store = store if store is not None else DenseStore(layers, self.slots, self.heads, config.head_dim,
+                                                                device, dtype)
+        shape = (layers, self.slots, self.heads)
+        self.owner = torch.full(shape, -1, dtype=torch.int16, device=device)  # the KV head of each place, -1 free
+        self.pos = torch.full(shape, -1, dtype=torch.int32, device=device)
+        self.score = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.used = 0  # local slots [0, used) may hold entries
         self.seen = 0
 
     @property
     def capacity(self) -> int:
-        return self.policy.capacity
+        return self.slots
 
     def __len__(self) -> int:
         """Tokens held per head in the first layer, on average."""
-        return len(self.pos[0]) // self.heads
+        return int((self.owner[0] >= 0).sum()) // self.heads
 
     def next_positions(self, t: int) -> torch.Tensor:
         return torch.arange(self.seen, self.seen + t, device=self.device)
@@ -55,23 +66,104 @@ class AdaptiveKVCache:
     def advance(self, t: int):
         self.seen += t
 
+    # --- used by the paged engine ---------------------------------------------------------------
+    def step_kind(self, t: int) -> None:
+        return None  # the engine runs this cache's own `attend`
+
+    @property
+    def table_row(self) -> int:
+        return self.store.row
+
+    def slots_needed(self, t: int, layer: int = 0) -> int:
+        return min(self.slots, self.used + t)
+
+    def writable_from(self) -> int:
+        return self.policy.protected_prefix
+
+    def prepare(self, t: int):
+        """Room for t more tokens' entries, and private copies of the shared blocks they may write."""
+        if self.slots_needed(t) > self.store.capacity:
+            self.store.grow(self.slots_needed(t))
+        self.store.make_private(self.writable_from() // self.store.pool.block_size)
+
+    def release(self):
+        self.store.release()
+
+    def snapshot(self) -> dict:
+        return dict(slots=self.store.capacity, bytes=self.store.pool.read_blocks(self.store.blocks),
+                    meta=[x.cpu() for x in (self.owner, self.pos, self.score)], used=self.used, seen=self.seen)
+
+    def restore(self, state: dict):
+        if self.seen:
+            raise KvboundError("restore: the cache already holds tokens")
+        self.store.grow(state["slots"])
+        self.store.pool.write_blocks(self.store.blocks, state["bytes"])
+        for x, saved in zip((self.owner, self.pos, self.score), state["meta"]):
+            x.copy_(saved)
+        self.used, self.seen = state["used"], state["seen"]
+
+    def adopt_prefix(self, t: int):
+        """Local slots [0, t) already hold tokens [0, t) in every head (a prefix-cache hit)."""
+        if self.seen:
+            raise KvboundError("adopt_prefix: the cache already holds tokens")
+        if t > self.store.capacity:
+            self.store.grow(t)
+        self.owner[:, :t] = torch.arange(self.heads, dtype=self.owner.dtype, device=self.device)
+        self.pos[:, :t] = torch.arange(t, dtype=self.pos.dtype, device=self.device)[:, None]
+        self.used = self.seen = t
+
+    def fork(self) -> "AdaptiveKVCache":
+        child = copy(self)
+        child.store = self.store.fork()
+        child.owner, child.pos, child.score = self.owner.clone(), self.pos.clone(), self.score.clone()
+        return child
+
+    # --- called by each attention layer -------------------------------------------------------
     def attend(self, layer: int, q, k, v, positions):
         """Attend the t new tokens over the layer's entries and themselves, fold this step's attention into the
-        scores, and keep the layer's budget if over it."""
+        scores, keep the layer's budget if over it, and write the kept new tokens into free places."""
         t, h, d = k.shape
-        own = torch.cat([self.owner[layer], torch.arange(h, device=k.device, dtype=torch.uint8).repeat(t)])
-        pos = torch.cat([self.pos[layer], positions.to(torch.int32).repeat_interleave(h)])
-        ks = torch.cat([self.k[layer], k.reshape(t * h, d).to(self.dtype)])
-        vs = torch.cat([self.v[layer], v.reshape(t * h, d).to(self.dtype)])
+        storage = self.store.storage
+        table = self.store.slot_table(self.slots_needed(t)).long()
+        held = (self.owner[layer, :self.used] >= 0).flatten().nonzero()[:, 0]  # places: slot * heads + column
+        meta = [x[layer].view(-1) for x in (self.owner, self.pos, self.score)]
+        if self.used:
+            kc, vc = storage.gather(layer, table[:self.used])
+            kc, vc = kc.flatten(0, 1)[held], vc.flatten(0, 1)[held]
+        else:
+            kc = vc = k.new_zeros(0, d)
+        own = torch.cat([meta[0][held], torch.arange(h, device=k.device, dtype=meta[0].dtype).repeat(t)])
+        pos = torch.cat([meta[1][held], positions.to(torch.int32).repeat_interleave(h)])
+        ks = torch.cat([kc.to(q.dtype), storage.roundtrip(layer, k).reshape(t * h, d).to(q.dtype)])
+        vs = torch.cat([vc.to(q.dtype), storage.roundtrip(layer, v).reshape(t * h, d).to(q.dtype)])
         out, step = self._attention(q, ks, vs, own, pos, positions)
-        score = self._folded(layer, step, own, pos, ks, fresh_scores(self.policy, k, self.score[layer]).flatten(), t)
+        fresh = fresh_scores(self.policy, k, self.score).flatten()
+        score = self._folded(step, own, pos, ks, torch.cat([meta[2][held], fresh]), t)
         sure, share = self.budgets[layer]
-        keep = None
+        keep = torch.ones_like(pos, dtype=torch.bool)
         if len(pos) > h * (share + self.policy.evict_every - 1):
             keep = self.policy.keep_entries(pos, score, own, h, sure, h * share)
-        for name, x in (("k", ks), ("v", vs), ("owner", own), ("pos", pos), ("score", score)):
-            getattr(self, name)[layer] = x if keep is None else x[keep]
+        m = len(held)
+        meta[0][held[~keep[:m]]] = -1
+        meta[1][held[~keep[:m]]] = -1
+        meta[2][held] = score[:m]
+        self._write(layer, table, k, v, keep[m:], (own[m:], pos[m:], score[m:]), meta)
         return out
+
+    def _write(self, layer, table, k, v, keep, new_meta, meta):
+        """The kept new entries (token-major `keep` [t * heads]) into the lowest free places."""
+        new = keep.nonzero()[:, 0]
+        if not len(new):
+            return
+        free = (meta[0][:len(table) * self.heads] < 0).nonzero()[:len(new), 0]
+        assert len(free) == len(new), "no free place for a kept token"
+        slots, cols = free // self.heads, free % self.heads
+        d = k.shape[-1]
+        self.store.storage.write(layer, table[slots][:, None], k.reshape(-1, d)[new][:, None],
+                                 v.reshape(-1, d)[new][:, None], cols[:, None])
+        for x, y in zip(meta, new_meta):
+            x[free] = y[new].to(x.dtype)
+        self.used = max(self.used, int(slots.max()) + 1)
 
     def _attention(self, q, ks, vs, own, pos, positions):
         """Each query head over its KV head's entries at positions up to its own: out [t, Hq, D], and each
@@ -80,9 +172,8 @@ class AdaptiveKVCache:
         t, hq, d = q.shape
         group = torch.arange(hq, device=q.device) // (hq // self.heads)
         mask = (own[None, None, :] == group[None, :, None]) & (pos[None, None, :] <= positions[:, None, None])
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], ks.to(q.dtype)[None, None],
-                                             vs.to(q.dtype)[None, None], attn_mask=mask.transpose(0, 1)[None],
-                                             enable_gqa=True)[0].transpose(0, 1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], ks[None, None], vs[None, None],
+                                             attn_mask=mask.transpose(0, 1)[None], enable_gqa=True)[0].transpose(0, 1)
         if self.policy.fold is None:
             return out, None
         first = t - min(t, self.policy.score_window or t)
@@ -93,11 +184,10 @@ class AdaptiveKVCache:
             probs = probs * seen.sum(-1, keepdim=True)
         return out, probs.sum(dim=(0, 1))
 
-    def _folded(self, layer, step, own, pos, ks, fresh, t):
-        """The entries' scores after this step, from the held ones' and the new ones' `fresh`: a decode step's
-        attention folds in; a prefill piece's goes through the policy's `piece_scores` one head at a time
-        (SnapKV pools along each head's stream order); KeyDiff rescores each head's keys."""
-        score = torch.cat([self.score[layer], fresh])
+    def _folded(self, step, own, pos, ks, score, t):
+        """The candidates' scores after this step, from their scores before it: a decode step's attention folds
+        in; a prefill piece's goes through the policy's `piece_scores` one head at a time (SnapKV pools along
+        each head's stream order); KeyDiff rescores each head's keys."""
         if step is not None and t == 1:
             score = fold_scores(score, step, self.policy.fold, self.policy.fold_decay)
             step = None
@@ -111,21 +201,23 @@ class AdaptiveKVCache:
             out[mine] = rescored(self.policy, one, ks[mine, None], pos[mine, None])[:, 0]
         return out
 
+    # --- introspection ------------------------------------------------------------------------
     def positions_held(self, layer: int) -> torch.Tensor:
         """Stream positions held by each head of a layer, [most held by a head, heads], -1 where a head holds fewer."""
-        per_head = [self.pos[layer][self.owner[layer] == head].sort().values for head in range(self.heads)]
-        width = max(len(p) for p in per_head)
-        return torch.stack([F.pad(p, (0, width - len(p)), value=-1) for p in per_head], 1)
+        per_head = [self.kept_positions(layer, head) for head in range(self.heads)]
+        width = max(map(len, per_head))
+        return torch.tensor([p + [-1] * (width - len(p)) for p in per_head], dtype=torch.int32).T
 
     def kept_positions(self, layer: int, head: int) -> list[int]:
         return sorted(self.pos[layer][self.owner[layer] == head].tolist())
 
     def nbytes(self) -> dict:
         """KV bytes held (K, V, and per entry its position, score and owner), as `KVCache.nbytes` counts them."""
-        entries = sum(len(p) for p in self.pos)
+        live = self.owner >= 0
+        entries = int(live.sum())
         d = self.cfg.head_dim
-        total = entries * (2 * d * self.k[0].element_size() + 4 + 4 + 1)
-        bf16 = 2 * 2 * self.heads * d * self.seen * len(self.pos)
+        total = sum(self.store.bytes_held(layer, live[layer]) for layer in range(len(live))) + entries * (4 + 4 + 2)
+        bf16 = 2 * 2 * self.heads * d * self.seen * len(live)
         return {"held_bytes": total, "tokens_held": len(self), "full_bf16_bytes": bf16,
-                "bytes_per_token_layer": 2 * self.heads * d * self.k[0].element_size(),
+                "bytes_per_token_layer": self.store.bytes_per_token(),
                 "compression": bf16 / total if total else float("inf")}

@@ -208,6 +208,11 @@ class Policy:
         stores a layer's tokens as entries owned by heads (`AdaptiveKVCache`)."""
         return False
 
+    @property
+    def layered(self) -> bool:
+        """Whether layers keep different numbers of tokens (PyramidKV's `beta`)."""
+        return getattr(self, "beta", None) is not None
+
     def head_budgets(self, layer: int, layers: int) -> tuple[int, int]:
         """(tokens each KV head of `layer` is sure to keep, the layer's budget per head): the layer keeps
         heads x the second, its heads sharing what is past the first by rank."""

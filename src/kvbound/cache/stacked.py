@@ -10,8 +10,9 @@ import torch
 
 def stackable(policy) -> bool:
     """Bounded policies whose steady-state decode runs batched on stacked rows: one eviction per step, and
-    scores per KV head (the decode kernel exports those)."""
-    return policy.bounded and policy.evict_every == 1 and (policy.score is None or policy.granularity == "kv-head")
+    scores per KV head (the decode kernel exports those), and every head the same budget."""
+    return (policy.bounded and policy.evict_every == 1 and not policy.adapts
+            and (policy.score is None or policy.granularity == "kv-head"))
 
 
 class StackedMeta:

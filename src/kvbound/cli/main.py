@@ -34,7 +34,7 @@ def engine_tokens(engine, ids, params, report):
 
 def cmd_generate(args):
     """Through the engine (LLMEngine) with one request, its pool packed with --kv-bits 8 / 4; mixed widths,
-    --quantized-kv-start, re-indexed positions and per-head budgets (--ada-alpha, adakv, ...) use a
+    --quantized-kv-start, re-indexed positions and per-layer budgets (--pyramid-beta, pyramidkv) use a
     single-sequence cache. Speeds and peak KV memory go to stderr."""
     from ..cache import parse_kv_bits, sequence_cache
     from ..engine import LLMEngine, SamplingParams, generate_ids
@@ -53,7 +53,7 @@ def cmd_generate(args):
     if not args.reindex_positions:
         model.config.check_length(len(ids), args.max_tokens)
     report = {}
-    own_cache = isinstance(bits, dict) or args.quantized_kv_start or args.reindex_positions or policy.adapts
+    own_cache = isinstance(bits, dict) or args.quantized_kv_start or args.reindex_positions or policy.layered
     if not own_cache:
         need = policy.capacity if policy.bounded else len(ids) + args.max_tokens
         engine = LLMEngine(model, tok, policy=policy, num_blocks=-(-need // 16), block_size=16,

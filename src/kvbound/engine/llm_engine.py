@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from ..cache import BlockPool, FullPolicy, KVCache
+from ..cache import BlockPool, FullPolicy, KVCache, sequence_cache
 from ..cache.quant import Fp8KV
 from ..cache.stacked import StackedMeta, stackable
 from ..cache.store import PagedStore
@@ -107,17 +107,18 @@ class PoolCaches:
         if stackable(policy):
             row = self.stacked_meta(policy).take()
             stacked = None if row is None else (self.stacked[policy], row)
-        return KVCache(self.config, policy, device=self.device, dtype=self.kv_dtype,
-                       store=PagedStore(self.pool, hits), stacked=stacked)
+        return sequence_cache(self.config, policy, device=self.device, dtype=self.kv_dtype,
+                              store=PagedStore(self.pool, hits), stacked=stacked)
 
 
 def check_engine_policy(policy):
-    """The engine's paged pool gives every head of every layer one budget: policies whose heads or layers keep
-    different numbers of tokens (adakv, pyramidkv) run on single-sequence caches."""
-    if policy is not None and policy.adapts:
-        raise KvboundError(f"{policy.name}: its heads and layers keep different numbers of tokens, which the "
-                           "engine's paged pool (one budget per head) does not hold; run it on a single-sequence "
-                           "cache (kvbound generate, kvbound eval without --engine)")
+    """A pool block spans every layer, so the engine gives every layer one budget: policies whose layers keep
+    different numbers of tokens (pyramidkv, beta) run on single-sequence caches. Heads sharing a layer's budget
+    (adakv, alpha) run here."""
+    if policy is not None and policy.layered:
+        raise KvboundError(f"{policy.name}: its layers keep different numbers of tokens, but a block of the "
+                           "engine's pool spans every layer; run it on a single-sequence cache (kvbound generate, "
+                           "kvbound eval without --engine)")
 
 
 class LLMEngine:
