@@ -341,10 +341,19 @@ def test_bounded_prefill_pieces_evict_as_one_batch(model, monkeypatch, spec):
         assert out.outputs[0].token_ids == alone(model, ids, pol, GREEDY, 16)
 
 
-def test_heads_sharing_a_budget_run_in_the_engine(model):
-    """AdaKV (alpha) in the paged pool: each such sequence attends by itself over places owned by heads, in a
-    batch with other policies. Greedy outputs equal the single-sequence cache's, also from a prefix-cache hit on
-    its pinned prefix, for seeded n=2 forks, and when a tight pool preempts; PyramidKV (beta) is refused."""
+def test_heads_sharing_a_budget_run_in_the_engine(model, monkeypatch):
+    """AdaKV (alpha) in the paged pool: places owned by heads; prefill pieces on each cache's own attend, steady
+    decodes as one batch ("shared"), in a batch with other policies. Greedy outputs equal the single-sequence
+    cache's, also from a prefix-cache hit on its pinned prefix, for seeded n=2 forks, and when a tight pool
+    preempts; PyramidKV (beta) is refused."""
+    from kvbound.engine.runner import SharedGroup
+    rows = []
+    orig = SharedGroup.attend
+
+    def counted(self, layer, q, *a):
+        rows.append(self.rows.shape[0])
+        return orig(self, layer, q, *a)
+    monkeypatch.setattr(SharedGroup, "attend", counted)
     ada = parse_policy("adakv:sink=2,heavy=12,recent=10,window=6,alpha=0.2", pinned=((0, 8),))
     reqs = [prompt(70 + i, n) for i, n in enumerate([60, 9, 41, 75])]
     pols = [ada, ada, parse_policy("h2o:sink=2,heavy=10,recent=12"), ada]
@@ -355,7 +364,7 @@ def test_heads_sharing_a_budget_run_in_the_engine(model):
         outs[name] = [o.outputs[0].token_ids for o in got]
         assert llm.engine.pool.num_free == blocks
     assert llm.engine.scheduler.stats["preemptions"] > 0  # the tight pool
-    assert outs["tight"] == outs["roomy"]
+    assert outs["tight"] == outs["roomy"] and max(rows) == 3  # the three adakv rows decode together
     for ids, pol, out in zip(reqs, pols, outs["roomy"]):
         assert out == alone(model, ids, pol, GREEDY, 16)
     llm = LLM(model, num_blocks=128, block_size=8, prefill_chunk=16)

@@ -27,14 +27,16 @@ from .store import DenseStore
 
 class AdaptiveKVCache:
     def __init__(self, config, policy, device="cpu", dtype=torch.float32, kv_bits=None, rotate_keys=None,
-                 store=None, **_):
+                 store=None, stacked=None, **_):
         """dtype: the dtype K/V are stored in. store: where K/V live (default: a dense store of its own; the
-        engine passes a PagedStore). Quantized widths of its own and re-indexed positions live in `KVCache`."""
+        engine passes a PagedStore). stacked: (StackedMeta, row) holding this cache's owners, positions, scores
+        and spare places, so that the engine's steady decodes of such caches run as one batch (`steps.shared_decode`).
+        Quantized widths of its own and re-indexed positions live in `KVCache`."""
         if kv_bits is not None or rotate_keys is not None:
             raise KvboundError(f"{policy.name}: per-head budgets store K/V unquantized at stream positions "
                                "(no --kv-bits, no --reindex-positions)")
         self.cfg, self.policy, self.device = config, policy, device
-        self.bounded, self.budget, self.rotate_keys, self.stacked = True, policy.budget, None, None
+        self.bounded, self.budget, self.rotate_keys = True, policy.budget, None
         layers, self.heads = config.num_layers, config.num_kv_heads
         self.budgets = [policy.head_budgets(layer, layers) for layer in range(layers)]
         sure = min(s for s, _ in self.budgets)
@@ -45,10 +47,20 @@ class AdaptiveKVCache:
         self.slots = max(share for _, share in self.budgets) + policy.evict_every
         self.store = store if store is not None else DenseStore(layers, self.slots, self.heads, config.head_dim,
                                                                 device, dtype)
-        shape = (layers, self.slots, self.heads)
-        self.owner = torch.full(shape, -1, dtype=torch.int16, device=device)  # the KV head of each place, -1 free
-        self.pos = torch.full(shape, -1, dtype=torch.int32, device=device)
-        self.score = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.stacked = stacked
+        if stacked is not None:
+            meta, row = stacked
+            self.owner, self.pos, self.score, self.spare = meta.owner[row], meta.pos[row], meta.score[row], meta.spare[row]
+            self.owner.fill_(-1)
+            self.pos.fill_(-1)
+            self.score.zero_()
+        else:
+            shape = (layers, self.slots, self.heads)
+            self.owner = torch.full(shape, -1, dtype=torch.int16, device=device)  # each place's KV head, -1 free
+            self.pos = torch.full(shape, -1, dtype=torch.int32, device=device)
+            self.score = torch.zeros(shape, dtype=torch.float32, device=device)
+            self.spare = torch.zeros((layers, self.heads), dtype=torch.long, device=device)
+        self.steady = [False] * layers  # a layer that evicted one step's tokens: exactly its spare places are free
         self.used = 0  # local slots [0, used) may hold entries
         self.seen = 0
 
@@ -67,8 +79,10 @@ class AdaptiveKVCache:
         self.seen += t
 
     # --- used by the paged engine ---------------------------------------------------------------
-    def step_kind(self, t: int) -> None:
-        return None  # the engine runs this cache's own `attend`
+    def step_kind(self, t: int) -> str | None:
+        """"shared" (a steady decode on stacked rows, batched: `steps.shared_decode`), or None (this cache's own
+        `attend`)."""
+        return "shared" if t == 1 and self.stacked is not None and all(self.steady) else None
 
     @property
     def table_row(self) -> int:
@@ -88,19 +102,23 @@ class AdaptiveKVCache:
 
     def release(self):
         self.store.release()
+        if self.stacked is not None:
+            self.stacked[0].give(self.stacked[1])
+            self.stacked = None
 
     def snapshot(self) -> dict:
         return dict(slots=self.store.capacity, bytes=self.store.pool.read_blocks(self.store.blocks),
-                    meta=[x.cpu() for x in (self.owner, self.pos, self.score)], used=self.used, seen=self.seen)
+                    meta=[x.cpu() for x in (self.owner, self.pos, self.score, self.spare)], used=self.used,
+                    seen=self.seen, steady=list(self.steady))
 
     def restore(self, state: dict):
         if self.seen:
             raise KvboundError("restore: the cache already holds tokens")
         self.store.grow(state["slots"])
         self.store.pool.write_blocks(self.store.blocks, state["bytes"])
-        for x, saved in zip((self.owner, self.pos, self.score), state["meta"]):
+        for x, saved in zip((self.owner, self.pos, self.score, self.spare), state["meta"]):
             x.copy_(saved)
-        self.used, self.seen = state["used"], state["seen"]
+        self.used, self.seen, self.steady = state["used"], state["seen"], list(state["steady"])
 
     def adopt_prefix(self, t: int):
         """Local slots [0, t) already hold tokens [0, t) in every head (a prefix-cache hit)."""
@@ -115,7 +133,9 @@ class AdaptiveKVCache:
     def fork(self) -> "AdaptiveKVCache":
         child = copy(self)
         child.store = self.store.fork()
-        child.owner, child.pos, child.score = self.owner.clone(), self.pos.clone(), self.score.clone()
+        child.owner, child.pos, child.score, child.spare = (x.clone() for x in (self.owner, self.pos, self.score,
+                                                                                 self.spare))
+        child.stacked, child.steady = None, list(self.steady)
         return child
 
     # --- called by each attention layer -------------------------------------------------------
@@ -148,6 +168,10 @@ class AdaptiveKVCache:
         meta[1][held[~keep[:m]]] = -1
         meta[2][held] = score[:m]
         self._write(layer, table, k, v, keep[m:], (own[m:], pos[m:], score[m:]), meta)
+        evicted = len(pos) > h * (share + self.policy.evict_every - 1)
+        if evicted and self.policy.evict_every == 1 and share == self.slots - 1:
+            self.spare[layer] = (meta[0] < 0).nonzero()[:, 0]  # the one free place per head's worth
+            self.steady[layer], self.used = True, self.slots
         return out
 
     def _write(self, layer, table, k, v, keep, new_meta, meta):

@@ -97,6 +97,22 @@ def select_shared(pos: torch.Tensor, rank: torch.Tensor, protected: torch.Tensor
     return torch.zeros_like(protected).scatter_(0, order, take)
 
 
+def shared_victims(pos: torch.Tensor, rank: torch.Tensor, protected: torch.Tensor, owner: torch.Tensor, heads: int,
+                   guaranteed: int) -> torch.Tensor:
+    """Per row of a batch of layers' places [B, E] holding heads x share + heads tokens: the `heads` places that
+    `select_shared` would drop (the lowest-ranked past each head's `guaranteed`, the oldest among ties) -> [B, heads],
+    with no host sync."""
+    key = rank.float().masked_fill(protected, float("inf"))
+    by_age = pos.argsort(dim=-1, descending=True, stable=True)
+    order = by_age.gather(1, key.gather(1, by_age).argsort(dim=-1, descending=True, stable=True))
+    own = owner.gather(1, order).long()
+    place = F.one_hot(own, heads).cumsum(1).gather(2, own[..., None])[..., 0]
+    rest = place > guaranteed
+    last = rest & (rest.flip(1).cumsum(1).flip(1) <= heads)  # the last `heads` of the rest, in keep order
+    at = torch.where(last, torch.arange(pos.shape[1], device=pos.device), -1).topk(heads, -1).indices
+    return order.gather(1, at)
+
+
 def select_keep(pos: torch.Tensor, rank: torch.Tensor, protected: torch.Tensor, budget: int) -> torch.Tensor:
     """Keep every protected token, then the highest-`rank` others up to `budget` per column (newer wins ties).
     [M, H], or batched [B, M, H]."""
@@ -357,6 +373,12 @@ class H2OPolicy(Policy):
         col = pos[:, None]  # one column: protection and rank see the whole layer's newest position
         return select_shared(pos, self.rank(col, score[:, None])[:, 0], self._protected(col)[:, 0], owner, heads,
                              guaranteed, total)
+
+    def entry_victims(self, pos, score, owner, heads: int, guaranteed: int) -> torch.Tensor:
+        """The same rule for a batch of layers' places [B, E] one step over budget: the `heads` places it drops."""
+        col = pos[..., None]  # [B, E, 1]: each row's newest position
+        return shared_victims(pos, self.rank(col, score[..., None])[..., 0], self._protected(col)[..., 0], owner,
+                              heads, guaranteed)
 
     def describe(self) -> str:
         adaptive = "".join(f",{k}={getattr(self, k)}" for k in ("alpha", "beta") if getattr(self, k) is not None)

@@ -10,8 +10,9 @@ import torch
 
 def stackable(policy) -> bool:
     """Bounded policies whose steady-state decode runs batched on stacked rows: one eviction per step, and
-    scores per KV head (the decode kernel exports those), and every head the same budget."""
-    return (policy.bounded and policy.evict_every == 1 and not policy.adapts
+    scores per KV head (the decode kernel exports those), and every layer the same budget (heads may share
+    one: AdaKV's rows also hold an owner per place)."""
+    return (policy.bounded and policy.evict_every == 1 and not policy.layered
             and (policy.score is None or policy.granularity == "kv-head"))
 
 
@@ -22,6 +23,9 @@ class StackedMeta:
         self.pos = torch.full((rows + 1, layers, cap, heads), -1, dtype=torch.int32, device=device)
         self.score = torch.zeros((rows + 1, layers, cap, heads), device=device) if policy.score else None
         self.spare = torch.zeros((rows + 1, layers, heads), dtype=torch.long, device=device)
+        # heads sharing a layer's places (AdaKV): each place's head, and spare holds places (slot * heads + column)
+        self.owner = (torch.full((rows + 1, layers, cap, heads), -1, dtype=torch.int16, device=device)
+                      if policy.adapts else None)
         self.scratch_row = rows  # the padding rows of a decode graph update this one
         self.free = list(range(rows - 1, -1, -1))
 

@@ -123,6 +123,44 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
     return out
 
 
+def shared_decode(q, k, v, storage, layer, table, rows, positions, owner, pos, spare, score, policy, sure: int):
+    """Steady-state decode of B caches whose heads share a layer's places (AdaKV; `AdaptiveKVCache`): head h's
+    new token goes into the row's spare place spare[b, h] (slot * heads + column, any column), each query head
+    attends to its KV head's places (masked, in PyTorch), this step's attention folds into the scores, and the
+    places the keep rule drops become the next spares (`Policy.entry_victims`; `sure`: each head's guaranteed
+    places in this layer). No host sync."""
+    bsz, h, d = k.shape
+    r, heads = rows[:, None], torch.arange(h, device=k.device)
+    place = spare[rows]
+    slot, col = place // h, place % h
+    storage.write(layer, table.gather(1, slot).reshape(-1, 1).long(), k.reshape(-1, 1, d), v.reshape(-1, 1, d),
+                  col.reshape(-1, 1))
+    owner[r, slot, col] = heads.to(owner.dtype)
+    pos[r, slot, col] = positions[:, None].to(pos.dtype)
+    score[r, slot, col] = fresh_scores(policy, k, score, storage, layer)
+    kc, vc = storage.gather(layer, table.long())
+    ks, vs = kc.flatten(1, 2).to(q.dtype), vc.flatten(1, 2).to(q.dtype)  # [B, E, D]
+    own, held = owner[rows].flatten(1), pos[rows].flatten(1)
+    group = torch.arange(q.shape[1], device=q.device) // (q.shape[1] // h)
+    mask = own[:, None, :] == group[None, :, None]  # [B, Hq, E]
+    out = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], ks[:, None], vs[:, None],
+                                                           attn_mask=mask[:, :, None], enable_gqa=True)[:, :, 0]
+    folded = score[rows].flatten(1)
+    if policy.fold is not None:
+        logits = (q.float() @ ks.float().transpose(1, 2)) * d ** -0.5  # [B, Hq, E]
+        probs = logits.masked_fill(~mask, float("-inf")).softmax(-1)
+        if policy.fold == "normalized":
+            probs = probs * mask.sum(-1, keepdim=True)
+        folded = fold_scores(folded, probs.sum(1), policy.fold, policy.fold_decay)
+    score[rows] = folded.view_as(score[rows])
+    victim = policy.entry_victims(held, folded, own, h, sure)
+    vslot, vcol = victim // h, victim % h
+    owner[r, vslot, vcol] = owner.new_full((), -1)
+    pos[r, vslot, vcol] = pos.new_full((), -1)
+    spare[rows] = victim
+    return out
+
+
 def chunk_attend(q, k, v, storage, layer, table, n, rows, positions, pos, score, policy):
     """Prefill pieces of t tokens of B bounded caches holding n tokens each (slots table[:, :n]): each
     piece attends over its cache plus itself. Returns (out [B*t, Hq, D], and the n + t candidates of each

@@ -170,7 +170,7 @@ class LLMEngine:
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.pool, max_num_seqs, graph_max_len, cfg.max_position_embeddings)
-            if stackable(self.default_policy):  # the default policy's evict graphs, pre-warmed too
+            if stackable(self.default_policy) and not self.default_policy.adapts:  # its evict graphs, pre-warmed
                 self.graphs.capture_evict(self.caches.stacked_meta(self.default_policy))
 
     def describe_pool(self) -> str:

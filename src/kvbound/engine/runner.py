@@ -15,6 +15,9 @@ size, through the same steps a single cache runs (`cache.steps`), over the share
   - "fill": prefill pieces of bounded caches that still have room for them (nothing is evicted), of one
     length after as many held tokens, sharing a policy: K/V and positions into their slots, one batched
     attention with scores.
+  - "shared": decodes in steady state of caches whose heads share a layer's places (AdaKV), one policy: the
+    new tokens into the spare places, owner-masked attention, and the places the keep rule drops become the
+    next spares, for the whole batch (`cache.steps.shared_decode`).
   - everything else (a bounded piece that fills its cache up to eviction, the first decodes of a bounded
     cache, policies without stacked metadata): each cache's own `attend`.
 """
@@ -26,7 +29,8 @@ from typing import NamedTuple
 import torch
 
 from ..cache.stacked import StackedMeta
-from ..cache.steps import chunk_attend, evict_decode, keep_and_rewrite, piece_attention, table_attention
+from ..cache.steps import (chunk_attend, evict_decode, keep_and_rewrite, piece_attention, shared_decode,
+                           table_attention)
 from ..kernels import varlen_causal_attention
 from ..staging import to_device
 
@@ -47,7 +51,7 @@ def group_key(seq, t: int) -> GroupKey | None:
         return None
     if kind == "prefill":  # one group whatever the pieces' lengths
         return GroupKey(kind)
-    meta = seq.cache.stacked[0] if kind in ("evict", "chunk", "fill") else None
+    meta = seq.cache.stacked[0] if kind in ("evict", "chunk", "fill", "shared") else None
     return GroupKey(kind, meta, t, len(seq.cache) if kind == "fill" else 0)
 
 
@@ -103,6 +107,20 @@ class EvictGroup:
         m = self.meta
         return evict_decode(q, k, v, self.pool, layer, self.table, self.lens, self.rows, positions, m.pos[:, layer],
                             m.spare[:, layer], None if m.score is None else m.score[:, layer], m.policy)
+
+
+class SharedGroup:
+    """Steady-state decodes of caches whose heads share a layer's places (AdaKV), rows `rows` of their policy's
+    `StackedMeta` (`cache.steps.shared_decode` for all of them at once)."""
+
+    def __init__(self, pool, meta, rows, table):
+        self.pool, self.meta, self.rows, self.table = pool, meta, rows, table
+        self.sure = [meta.policy.head_budgets(layer, meta.pos.shape[1])[0] for layer in range(meta.pos.shape[1])]
+
+    def attend(self, layer, q, k, v, positions):
+        m = self.meta
+        return shared_decode(q, k, v, self.pool, layer, self.table, self.rows, positions, m.owner[:, layer],
+                             m.pos[:, layer], m.spare[:, layer], m.score[:, layer], m.policy, self.sure[layer])
 
 
 class PrefillGroup:
@@ -196,6 +214,8 @@ def make_group(pool, key: GroupKey, pieces):
         return FillGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.n + key.t).long(), key.n, key.t)
     if key.kind == "chunk":
         return ChunkGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.budget).long())
+    if key.kind == "shared":
+        return SharedGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.capacity))
     return EvictGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.capacity))
 
 
