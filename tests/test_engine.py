@@ -467,7 +467,8 @@ def test_greedy_at_20k_context_alone_equals_batched_and_replays_wide_graphs():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernels and CUDA graphs")
 @pytest.mark.parametrize("spec", ["tova:sink=2,heavy=22", "knorm:sink=2,heavy=10,recent=12",
                                   "h2o:sink=2,heavy=10,recent=12,score=observed", "keydiff:sink=2,heavy=10,recent=12",
-                                  "snapkv:sink=2,heavy=12,recent=10,window=6"])
+                                  "snapkv:sink=2,heavy=12,recent=10,window=6",
+                                  "adakv:sink=2,heavy=12,recent=10,window=6"])
 def test_scored_policies_on_cuda_batched_equal_alone(model, spec):
     """On CUDA the decode steps of tova run the fused evict kernel (an EMA that forgets at once) and those of
     knorm / observed the unfused steps in CUDA graphs: batched outputs still equal each sequence alone."""
@@ -478,7 +479,7 @@ def test_scored_policies_on_cuda_batched_equal_alone(model, spec):
         llm = LLM(gpu, num_blocks=128, block_size=8, prefill_chunk=16)
         outs = llm.generate(reqs, GREEDY, pol, use_tqdm=False)
         for ids, out in zip(reqs, outs):
-            cache = KVCache(gpu.config, pol, device="cuda")
+            cache = sequence_cache(gpu.config, pol, device="cuda")
             assert out.outputs[0].token_ids == list(generate_ids(gpu, ids, GREEDY, cache, (), 16)), spec
     finally:
         model.cpu()
