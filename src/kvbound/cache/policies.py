@@ -105,8 +105,9 @@ def shared_victims(pos: torch.Tensor, rank: torch.Tensor, protected: torch.Tenso
     key = rank.float().masked_fill(protected, float("inf"))
     by_age = pos.argsort(dim=-1, descending=True, stable=True)
     order = by_age.gather(1, key.gather(1, by_age).argsort(dim=-1, descending=True, stable=True))
-    own = owner.gather(1, order).long()
-    place = F.one_hot(own, heads).cumsum(1).gather(2, own[..., None])[..., 0]
+    own = owner.gather(1, order).long().clamp(min=0)  # a graph's padding row holds free places (-1)
+    mine = own[..., None] == torch.arange(heads, device=own.device)  # not one_hot, which syncs to check its input
+    place = mine.cumsum(1).gather(2, own[..., None])[..., 0]
     rest = place > guaranteed
     last = rest & (rest.flip(1).cumsum(1).flip(1) <= heads)  # the last `heads` of the rest, in keep order
     at = torch.where(last, torch.arange(pos.shape[1], device=pos.device), -1).topk(heads, -1).indices

@@ -4,12 +4,12 @@ from __future__ import annotations
 import torch
 
 from ..staging import to_device
-from .runner import AppendGroup, EvictGroup, GroupKey, append_rows, bounded_tables, pool_rows
+from .runner import AppendGroup, EvictGroup, GroupKey, SharedGroup, append_rows, bounded_tables, pool_rows
 
 
 class DecodeGraphs:
     """CUDA graphs of whole decode steps, one per (group, batch size[, table width]): steps whose rows all
-    append (unbounded caches), and steps whose rows all evict under one policy. Batch sizes are 1, 2, 4, ...
+    append (unbounded caches), and steps whose rows all evict under one policy (or share places, AdaKV). Batch sizes are 1, 2, 4, ...
     up to max_seqs; a step is padded to the next size with rows that write and read one scratch slot (and a
     scratch metadata row). Append graphs come in table widths max_len, 2 max_len, 4 max_len, ... up to the
     longest row there can be (the model's context, or the pool's tokens if fewer): the kernel splits each
@@ -46,7 +46,8 @@ class DecodeGraphs:
             return AppendGroup(self.pool, self.new[:size], self.lens[:size],
                                self.table[:size, :width * self.pool.block_size])
         rows, table = self.evict_buffers[key.meta]
-        return EvictGroup(self.pool, key.meta, rows[:size], table[:size])
+        group = SharedGroup if key.kind == "shared" else EvictGroup
+        return group(self.pool, key.meta, rows[:size], table[:size])
 
     def capture_append(self, size, width):
         """An append graph captured while serving: its warm-up runs execute, so every row points at the
@@ -69,9 +70,9 @@ class DecodeGraphs:
             self.logits[key] = self.model(self.ids[:size], self.pos[:size], attn)
         self.graphs[key] = g
 
-    def capture_evict(self, meta, sizes=None):
-        """Capture the evict graphs of one policy's stacked metadata (all batch sizes by default). Their
-        warm-up runs execute, so the buffers point at the scratch row and slot while capturing."""
+    def capture_evict(self, meta, sizes=None, kind="evict"):
+        """Capture the evict graphs (or "shared": AdaKV's) of one policy's stacked metadata (all batch sizes by
+        default). Their warm-up runs execute, so the buffers point at the scratch row and slot while capturing."""
         dev = self.ids.device
         if meta not in self.evict_buffers:
             self.evict_buffers[meta] = (
@@ -80,7 +81,7 @@ class DecodeGraphs:
         rows, table = self.evict_buffers[meta]
         for size in sorted(sizes or self.sizes, reverse=True):
             rows[:size], table[:size] = meta.scratch_row, self.scratch
-            self._capture(GroupKey("evict", meta), size)
+            self._capture(GroupKey(kind, meta), size)
 
     def run(self, batch, keys, fill=None):
         """Logits [B, vocab] of a decode step that a graph covers, else None. The caller does the caches'
@@ -88,7 +89,7 @@ class DecodeGraphs:
         rows whose token is still on the device (the engine's run-ahead), taken last."""
         key = keys[0] if keys[0] == keys[-1] else None  # one group, since `StepBatch.order` sorted them
         b = len(batch)
-        if key is None or key.kind not in ("append", "evict") or b > self.sizes[-1]:
+        if key is None or key.kind not in ("append", "evict", "shared") or b > self.sizes[-1]:
             return None
         seqs = [s for s, _ in batch]
         size = next(x for x in self.sizes if x >= b)
@@ -102,7 +103,7 @@ class DecodeGraphs:
             if (key, size, width) not in self.graphs:
                 self.capture_append(size, width)
         elif (key, size, None) not in self.graphs:
-            self.capture_evict(key.meta, [size])
+            self.capture_evict(key.meta, [size], key.kind)
         ids = [s.feed(1)[0] for s in seqs]
         if key.kind == "append":
             host = to_device([ids, [s.cache.seen for s in seqs], new, lens], dev)
