@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from ..errors import KvboundError
 from ..kernels import fold_scores
-from .policies import _pinned_count
+from .policies import pinned_count
+from .stacked import release
 from .steps import fresh_scores, rescored
 from .store import DenseStore
 
@@ -40,7 +41,7 @@ class AdaptiveKVCache:
         layers, self.heads = config.num_layers, config.num_kv_heads
         self.budgets = [policy.head_budgets(layer, layers) for layer in range(layers)]
         sure = min(s for s, _ in self.budgets)
-        protected = _pinned_count(policy.sink, policy.pinned) + policy.recent
+        protected = pinned_count(policy.sink, policy.pinned) + policy.recent
         if protected > sure:
             raise KvboundError(f"{policy.name}: sinks, pinned spans and the recent window ({protected} tokens) do "
                                f"not fit the smallest per-head budget of this {layers}-layer model ({sure})")
@@ -101,10 +102,7 @@ class AdaptiveKVCache:
         self.store.make_private(self.writable_from() // self.store.pool.block_size)
 
     def release(self):
-        self.store.release()
-        if self.stacked is not None:
-            self.stacked[0].give(self.stacked[1])
-            self.stacked = None
+        release(self)
 
     def snapshot(self) -> dict:
         return dict(slots=self.store.capacity, bytes=self.store.pool.read_blocks(self.store.blocks),

@@ -24,7 +24,7 @@ from ..errors import KvboundError
 from .adaptive_cache import AdaptiveKVCache
 from .policies import FullPolicy
 from .quant import QuantizedStore
-from .stacked import StackedMeta
+from .stacked import StackedMeta, release
 from .steps import (chunk_attend, evict_decode, evict_one, fresh_scores, keep_and_rewrite, piece_attention, rescored,
                     table_attention)
 from .store import DenseStore
@@ -165,10 +165,7 @@ class KVCache:
 
     def release(self):
         """Give the store's blocks (and a stacked-metadata row) back; the cache is unusable afterwards."""
-        self.store.release()
-        if self.stacked is not None:
-            self.stacked[0].give(self.stacked[1])
-            self.stacked = None
+        release(self)
 
     def snapshot(self) -> dict:
         """This paged cache's whole state in host memory: its blocks' bytes and its metadata (a preempted

@@ -60,7 +60,7 @@ def _protected_words(sink: int, pinned, count: int) -> str:
     return f"sink ({sink}) and pinned {spans} protect {count} tokens, which"
 
 
-def _pinned_count(sink: int, pinned) -> int:
+def pinned_count(sink: int, pinned) -> int:
     marked = set(range(sink))
     for a, b in pinned:
         marked.update(range(a, b))
@@ -277,7 +277,7 @@ class WindowPolicy(Policy):
         if self.evict_every < 1:
             raise KvboundError(f"policy: evict_every must be >= 1, got {self.evict_every}")
         object.__setattr__(self, "pinned", _check_spans(self.pinned))
-        protected = _pinned_count(self.sink, self.pinned)
+        protected = pinned_count(self.sink, self.pinned)
         if protected >= self.budget:
             raise KvboundError(f"window: {_protected_words(self.sink, self.pinned, protected)} must be < budget "
                                f"({self.budget})")
@@ -332,7 +332,7 @@ class H2OPolicy(Policy):
         if self.budget < 1:
             raise KvboundError(f"{self.name}: budget (sink + heavy + recent) must be at least 1")
         object.__setattr__(self, "pinned", _check_spans(self.pinned))
-        protected = _pinned_count(self.sink, self.pinned)
+        protected = pinned_count(self.sink, self.pinned)
         if protected + self.recent > self.budget:
             raise KvboundError(f"{self.name}: {_protected_words(self.sink, self.pinned, protected)} plus recent "
                                f"{self.recent} = {protected + self.recent} exceeds budget ({self.budget})")
@@ -366,7 +366,7 @@ class H2OPolicy(Policy):
                                                        + pyramid(self.heavy, self.beta, layers)[layer])
         if self.alpha is None:
             return share, share
-        protected = _pinned_count(self.sink, self.pinned) + self.recent
+        protected = pinned_count(self.sink, self.pinned) + self.recent
         return protected + int(self.alpha * max(0, share - protected)), share
 
     def keep_entries(self, pos, score, owner, heads: int, guaranteed: int, total: int) -> torch.Tensor:
@@ -508,16 +508,16 @@ def named_policy(name: str, budget: int | None, pinned=()):
     if budget <= 4:
         raise KvboundError(f"budget {budget} is too small for {name!r}, which keeps 4 sink tokens: use a budget "
                            "of at least 5, or a spec with fewer sinks")
-    pinned_count = _pinned_count(4, _check_spans(pinned))
+    pins = pinned_count(4, _check_spans(pinned))
     if name == "tova":
         return TOVAPolicy(sink=4, heavy=budget - 4, recent=0, pinned=pinned)
     if name in ("snapkv", "adakv", "pyramidkv"):
         window = max(1, min(32, (budget - 4) // 4))
-        recent = max(0, min(window, budget - pinned_count))
+        recent = max(0, min(window, budget - pins))
         return SCORED[name](sink=4, heavy=budget - 4 - recent, recent=recent, window=window, pinned=pinned)
     heavy = min(budget - 4, round(budget * (64 if name == "h2o-balanced" else 128) / 256))
     # pinned tokens count against the budget: the recent window gives way to them, heavy hitters fill the rest
-    recent = max(0, min(budget - 4 - heavy, budget - pinned_count))
+    recent = max(0, min(budget - 4 - heavy, budget - pins))
     if name in ("knorm", "keydiff"):
         return SCORED[name](sink=4, heavy=budget - 4 - recent, recent=recent, pinned=pinned)
     return H2OPolicy(sink=4, heavy=budget - 4 - recent, recent=recent, pinned=pinned,

@@ -16,6 +16,14 @@ def stackable(policy) -> bool:
             and (policy.score is None or policy.granularity == "kv-head"))
 
 
+def release(cache):
+    """Give a cache's store blocks and its stacked-metadata row back; the cache is unusable afterwards."""
+    cache.store.release()
+    if cache.stacked is not None:
+        cache.stacked[0].give(cache.stacked[1])
+        cache.stacked = None
+
+
 class StackedMeta:
     def __init__(self, policy, layers: int, heads: int, rows: int, device):
         cap = policy.capacity
