@@ -381,6 +381,18 @@ def test_heads_sharing_a_budget_run_in_the_engine(model, monkeypatch):
         llm.generate(reqs[0], GREEDY, parse_policy("pyramidkv", 24), use_tqdm=False)
 
 
+def test_heads_sharing_a_budget_in_a_packed_pool():
+    """In an 8-bit pool (new tokens quantized once, kept ones never again), AdaKV sure of its whole share
+    (alpha=1) keeps what SnapKV keeps: the same greedy outputs."""
+    model = tiny_model(64)
+    reqs = [prompt(70 + i, n) for i, n in enumerate([60, 9, 41, 75])]
+    outs = []
+    for spec in ("adakv:sink=2,heavy=12,recent=10,window=6,alpha=1.0", "snapkv:sink=2,heavy=12,recent=10,window=6"):
+        llm = LLM(model, num_blocks=128, block_size=8, prefill_chunk=16, kv_bits=8, kv_group_size=32)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(reqs, GREEDY, parse_policy(spec), use_tqdm=False)])
+    assert outs[0] == outs[1]
+
+
 def test_preempted_forks_finish_with_the_same_outputs(model):
     """n > 1 completions under a pool too small for all of them: forks are preempted, recomputed from
     prompt + what they generated, and end with what a roomy pool gives."""

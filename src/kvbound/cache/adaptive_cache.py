@@ -31,8 +31,8 @@ class AdaptiveKVCache:
                  store=None, stacked=None, **_):
         """dtype: the dtype K/V are stored in. store: where K/V live (default: a dense store of its own; the
         engine passes a PagedStore). stacked: (StackedMeta, row) holding this cache's owners, positions, scores
-        and spare places, so that the engine's steady decodes of such caches run as one batch (`steps.shared_decode`).
-        Quantized widths of its own and re-indexed positions live in `KVCache`."""
+        and spare places, so that the engine's steady decodes of such caches run as one batch
+        (`steps.shared_decode`). Quantized widths of its own and re-indexed positions live in `KVCache`."""
         if kv_bits is not None or rotate_keys is not None:
             raise KvboundError(f"{policy.name}: per-head budgets store K/V unquantized at stream positions "
                                "(no --kv-bits, no --reindex-positions)")

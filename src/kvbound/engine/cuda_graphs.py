@@ -9,8 +9,8 @@ from .runner import AppendGroup, EvictGroup, GroupKey, SharedGroup, append_rows,
 
 class DecodeGraphs:
     """CUDA graphs of whole decode steps, one per (group, batch size[, table width]): steps whose rows all
-    append (unbounded caches), and steps whose rows all evict under one policy (or share places, AdaKV). Batch sizes are 1, 2, 4, ...
-    up to max_seqs; a step is padded to the next size with rows that write and read one scratch slot (and a
+    append (unbounded caches), and steps whose rows all evict under one policy (or share places, AdaKV).
+    Batch sizes are 1, 2, 4, ... up to max_seqs; a step is padded to the next size with rows that write and read one scratch slot (and a
     scratch metadata row). Append graphs come in table widths max_len, 2 max_len, 4 max_len, ... up to the
     longest row there can be (the model's context, or the pool's tokens if fewer): the kernel splits each
     graph's width over the GPU, so a step runs in the narrowest width that holds its longest row, as an
