@@ -39,6 +39,17 @@ def alone(model, ids, policy, params, chunk):
     return list(generate_ids(model, ids, params, cache, (), chunk))
 
 
+def group_sizes(monkeypatch, group) -> list[int]:
+    """The rows of each call of a batched group's attend (a runner group class), recorded while the test runs."""
+    sizes, orig = [], group.attend
+
+    def counted(self, layer, q, *a):
+        sizes.append(self.rows.shape[0])
+        return orig(self, layer, q, *a)
+    monkeypatch.setattr(group, "attend", counted)
+    return sizes
+
+
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 POLICIES = [None, "h2o:sink=2,heavy=10,recent=12", "window:budget=20,sink=2",
             "h2o:sink=2,heavy=8,recent=14,score=ema,granularity=layer", "h2o:sink=2,heavy=9,recent=9,evict_every=3"]
@@ -325,13 +336,7 @@ def test_bounded_prefill_pieces_evict_as_one_batch(model, monkeypatch, spec):
     """Later prefill pieces of full bounded caches with one policy keep-and-rewrite together ("chunk" group),
     with the same outputs as each sequence alone; a pinned prefix is honoured."""
     from kvbound.engine.runner import ChunkGroup
-    seen = []
-    orig = ChunkGroup.attend
-
-    def counted(self, layer, q, *a):
-        seen.append(self.rows.shape[0])
-        return orig(self, layer, q, *a)
-    monkeypatch.setattr(ChunkGroup, "attend", counted)
+    seen = group_sizes(monkeypatch, ChunkGroup)
     pol = parse_policy(spec, pinned=((0, 5),))
     reqs = [prompt(20 + i, 80 + (i % 2)) for i in range(4)]
     llm = LLM(model, num_blocks=128, block_size=8, prefill_chunk=16, max_num_batched_tokens=64)
@@ -347,13 +352,7 @@ def test_heads_sharing_a_budget_run_in_the_engine(model, monkeypatch):
     cache's, also from a prefix-cache hit on its pinned prefix, for seeded n=2 forks, and when a tight pool
     preempts; PyramidKV (beta) is refused."""
     from kvbound.engine.runner import SharedGroup
-    rows = []
-    orig = SharedGroup.attend
-
-    def counted(self, layer, q, *a):
-        rows.append(self.rows.shape[0])
-        return orig(self, layer, q, *a)
-    monkeypatch.setattr(SharedGroup, "attend", counted)
+    rows = group_sizes(monkeypatch, SharedGroup)
     ada = parse_policy("adakv:sink=2,heavy=12,recent=10,window=6,alpha=0.2", pinned=((0, 8),))
     reqs = [prompt(70 + i, n) for i, n in enumerate([60, 9, 41, 75])]
     pols = [ada, ada, parse_policy("h2o:sink=2,heavy=10,recent=12"), ada]
