@@ -47,12 +47,12 @@ def test_ppl_json_format_and_kv_bytes(tiny, tmp_path):
     out = tmp_path / "ppl.json"
     run("ppl", "--model", str(tiny), "--text", str(tiny / "text"), "--samples", "2", "--seq-len", "64",
         "--prefill", "8", "--budget", "16", "--strategies",
-        "window,h2o-heavy,h2o-heavy+kv8,h2o-heavy+kv4,snapkv,adakv,pyramidkv",
+        "window,h2o-heavy,h2o-heavy+kv8,h2o-heavy+kv4,snapkv,adakv,pyramidkv,h2o:budget=16,score=observed,alpha=0.2",
         "--kv-group-size", "32", "--json", str(out), "--plot", str(tmp_path / "p.png"))
     res = json.loads(out.read_text())
     s = res["strategies"]
     assert list(s) == ["baseline", "window", "h2o-heavy", "h2o-heavy+kv8", "h2o-heavy+kv4", "snapkv", "adakv",
-                       "pyramidkv"]
+                       "pyramidkv", "h2o:budget=16,score=observed,alpha=0.2"]  # a spec keeps its own commas
     assert s["baseline"]["delta_pct"] == 0.0
     assert {"ppl", "delta_pct"} <= set(s["window"])
     held = {k: v["kv_held_bytes"] for k, v in s.items()}

@@ -8,7 +8,7 @@ from ..eval.data import token_samples
 from ..eval.needle import Needle, found_lists, needle_grid, needle_runs, spread_depths
 from ..eval.perplexity import engine_perplexity, perplexity, print_ppl_table
 from ..eval.plots import heatmap, needle_heatmap, ppl_bars, sweep_lines
-from ..eval.strategies import DEFAULT_STRATEGIES, parse_strategies, with_baseline
+from ..eval.strategies import DEFAULT_STRATEGIES, parse_strategies, split_strategies, with_baseline
 from ..errors import KvboundError
 from .options import (add_cache_args, add_model_args, cache_options, float_list, int_list, load_model,
                       pinned_spans, policy_defaults, positive_int)
@@ -133,9 +133,10 @@ def add_eval_parser(sub):
         add_model_args(p)
         add_cache_args(p, with_policy=False)
         p.set_defaults(budget=256)
-        p.add_argument("--strategies", type=lambda s: [x for x in s.split(",") if x], default=DEFAULT_STRATEGIES,
-                       help="comma-separated: baseline, window, h2o-balanced, h2o-heavy, specs, +kv8/+kv4/+kvmixed "
-                            "(default: %(default)s)")
+        p.add_argument("--strategies", type=split_strategies, default=DEFAULT_STRATEGIES,
+                       help="comma-separated: baseline, window, h2o-balanced, h2o-heavy, observed, tova, snapkv, "
+                            "knorm, keydiff, adakv, pyramidkv, specs such as "
+                            "'h2o:budget=256,score=observed,alpha=0.2', +kv8/+kv4/+kvmixed (default: %(default)s)")
         p.add_argument("--json", default=None, help="write the results as JSON to this file")
         p.add_argument("--plot", default=None, help="write a plot to this PNG file")
         p.add_argument("--text", nargs="+", default=None, help="files or directories of .txt (default: the "

@@ -22,6 +22,19 @@ class CacheOptions:
     prefill_chunk: int = 512
 
 
+def split_strategies(text: str) -> list[str]:
+    """The comma-separated strategies of --strategies, where a spec's own options stay with it:
+    "window,h2o:sink=4,heavy=124,recent=128,alpha=0.2,observed" -> window, the h2o spec, observed (a piece with
+    '=' and no ':' continues the spec before it; named strategies have neither)."""
+    out: list[str] = []
+    for piece in filter(None, (x.strip() for x in text.split(","))):
+        if "=" in piece and ":" not in piece and out and ":" in out[-1]:
+            out[-1] += "," + piece
+        else:
+            out.append(piece)
+    return out
+
+
 def parse_strategies(names: list[str], budget: int, options: CacheOptions, pinned=(), **policy_defaults) -> dict:
     """name[+kv8|+kv4|+kvmixed] -> (policy, kv_bits). policy_defaults: score, ema_decay, granularity,
     evict_every for the named policies that take them."""
