@@ -16,13 +16,12 @@ from __future__ import annotations
 from copy import copy
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import KvboundError
 from ..kernels import fold_scores
 from .policies import pinned_count
 from .stacked import release
-from .steps import fresh_scores, rescored
+from .steps import fresh_scores, owner_attention, rescored
 from .store import DenseStore
 
 
@@ -51,7 +50,8 @@ class AdaptiveKVCache:
         self.stacked = stacked
         if stacked is not None:
             meta, row = stacked
-            self.owner, self.pos, self.score, self.spare = meta.owner[row], meta.pos[row], meta.score[row], meta.spare[row]
+            self.owner, self.pos, self.score, self.spare = (x[row] for x in (meta.owner, meta.pos, meta.score,
+                                                                              meta.spare))
             self.owner.fill_(-1)
             self.pos.fill_(-1)
             self.score.zero_()
@@ -159,14 +159,14 @@ class AdaptiveKVCache:
         score = self._folded(step, own, pos, ks, torch.cat([meta[2][held], fresh]), t)
         sure, share = self.budgets[layer]
         keep = torch.ones_like(pos, dtype=torch.bool)
-        if len(pos) > h * (share + self.policy.evict_every - 1):
+        evicted = len(pos) > h * (share + self.policy.evict_every - 1)
+        if evicted:
             keep = self.policy.keep_entries(pos, score, own, h, sure, h * share)
         m = len(held)
         meta[0][held[~keep[:m]]] = -1
         meta[1][held[~keep[:m]]] = -1
         meta[2][held] = score[:m]
         self._write(layer, table, k, v, keep[m:], (own[m:], pos[m:], score[m:]), meta)
-        evicted = len(pos) > h * (share + self.policy.evict_every - 1)
         if evicted and self.policy.evict_every == 1 and share == self.slots - 1:
             self.spare[layer] = (meta[0] < 0).nonzero()[:, 0]  # the one free place per head's worth
             self.steady[layer], self.used = True, self.slots
@@ -188,23 +188,14 @@ class AdaptiveKVCache:
         self.used = max(self.used, int(slots.max()) + 1)
 
     def _attention(self, q, ks, vs, own, pos, positions):
-        """Each query head over its KV head's entries at positions up to its own: out [t, Hq, D], and each
-        entry's attention summed over the last `policy.score_window` queries of its owner's group [E] (None
-        for a policy that needs no attention; "normalized" weighs each query by the keys it sees)."""
-        t, hq, d = q.shape
+        """Each query head over its KV head's entries at positions up to its own (`steps.owner_attention`):
+        out [t, Hq, D], and each entry's attention over the last `policy.score_window` queries [E] or None."""
+        t, hq, _ = q.shape
         group = torch.arange(hq, device=q.device) // (hq // self.heads)
         mask = (own[None, None, :] == group[None, :, None]) & (pos[None, None, :] <= positions[:, None, None])
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], ks[None, None], vs[None, None],
-                                             attn_mask=mask.transpose(0, 1)[None], enable_gqa=True)[0].transpose(0, 1)
-        if self.policy.fold is None:
-            return out, None
-        first = t - min(t, self.policy.score_window or t)
-        seen = mask[first:]
-        logits = (q[first:].float() @ ks.float().T[None]) * d ** -0.5  # [tq, Hq, E]
-        probs = logits.masked_fill(~seen, float("-inf")).softmax(-1)
-        if self.policy.fold == "normalized":
-            probs = probs * seen.sum(-1, keepdim=True)
-        return out, probs.sum(dim=(0, 1))
+        out, step = owner_attention(q[None], ks[None], vs[None], mask[None], self.policy,
+                                    t - min(t, self.policy.score_window or t))
+        return out[0], None if step is None else step[0]
 
     def _folded(self, step, own, pos, ks, score, t):
         """The candidates' scores after this step, from their scores before it: a decode step's attention folds

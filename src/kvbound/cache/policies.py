@@ -81,19 +81,26 @@ def newest(pos: torch.Tensor) -> torch.Tensor:
     return pos.max() if pos.dim() == 2 else pos.flatten(1).amax(1)[:, None, None]
 
 
+def _shared_order(pos, rank, protected, owner, heads: int):
+    """The keep order of places [..., E] owned by KV heads (protected first, then by rank, newer first among
+    ties) as indices, and each place's 1-based rank within its head in that order."""
+    key = rank.float().masked_fill(protected, float("inf"))
+    by_age = pos.argsort(dim=-1, descending=True, stable=True)
+    order = by_age.gather(-1, key.gather(-1, by_age).argsort(dim=-1, descending=True, stable=True))
+    own = owner.gather(-1, order).long().clamp(min=0)  # a graph's padding row holds free places (-1)
+    mine = own[..., None] == torch.arange(heads, device=own.device)  # not one_hot, which syncs to check its input
+    return order, mine.cumsum(-2).gather(-1, own[..., None])[..., 0]
+
+
 def select_shared(pos: torch.Tensor, rank: torch.Tensor, protected: torch.Tensor, owner: torch.Tensor, heads: int,
                   guaranteed: int, total: int) -> torch.Tensor:
     """`select_keep` over a layer's entries [E], each owned by a KV head (`owner`): every protected entry, then
     each head's highest-ranked up to `guaranteed` entries, then the highest-ranked others up to `total` in all
     (newer wins ties). Protected entries must fit in each head's `guaranteed`."""
-    key = rank.float().masked_fill(protected, float("inf"))
-    by_age = pos.argsort(descending=True, stable=True)
-    order = by_age[key[by_age].argsort(descending=True, stable=True)]
-    own = owner[order].long()
-    place = F.one_hot(own, heads).cumsum(0).gather(1, own[:, None])[:, 0]  # 1-based rank within its head
+    order, place = _shared_order(pos, rank, protected, owner, heads)
     sure = place <= guaranteed
     rest = ~sure
-    take = sure | (rest & (rest.cumsum(0) <= total - int(sure.sum())))
+    take = sure | (rest & (rest.cumsum(0) <= total - sure.sum()))
     return torch.zeros_like(protected).scatter_(0, order, take)
 
 
@@ -102,12 +109,7 @@ def shared_victims(pos: torch.Tensor, rank: torch.Tensor, protected: torch.Tenso
     """Per row of a batch of layers' places [B, E] holding heads x share + heads tokens: the `heads` places that
     `select_shared` would drop (the lowest-ranked past each head's `guaranteed`, the oldest among ties) -> [B, heads],
     with no host sync."""
-    key = rank.float().masked_fill(protected, float("inf"))
-    by_age = pos.argsort(dim=-1, descending=True, stable=True)
-    order = by_age.gather(1, key.gather(1, by_age).argsort(dim=-1, descending=True, stable=True))
-    own = owner.gather(1, order).long().clamp(min=0)  # a graph's padding row holds free places (-1)
-    mine = own[..., None] == torch.arange(heads, device=own.device)  # not one_hot, which syncs to check its input
-    place = mine.cumsum(1).gather(2, own[..., None])[..., 0]
+    order, place = _shared_order(pos, rank, protected, owner, heads)
     rest = place > guaranteed
     last = rest & (rest.flip(1).cumsum(1).flip(1) <= heads)  # the last `heads` of the rest, in keep order
     at = torch.where(last, torch.arange(pos.shape[1], device=pos.device), -1).topk(heads, -1).indices
@@ -228,7 +230,7 @@ class Policy:
     @property
     def layered(self) -> bool:
         """Whether layers keep different numbers of tokens (PyramidKV's `beta`)."""
-        return getattr(self, "beta", None) is not None
+        return False
 
     def head_budgets(self, layer: int, layers: int) -> tuple[int, int]:
         """(tokens each KV head of `layer` is sure to keep, the layer's budget per head): the layer keeps
@@ -360,6 +362,10 @@ class H2OPolicy(Policy):
     @property
     def adapts(self) -> bool:
         return self.alpha is not None or self.beta is not None
+
+    @property
+    def layered(self) -> bool:
+        return self.beta is not None
 
     def head_budgets(self, layer, layers):
         share = self.budget if self.beta is None else (self.budget - self.heavy

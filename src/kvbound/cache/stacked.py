@@ -31,9 +31,11 @@ class StackedMeta:
         self.pos = torch.full((rows + 1, layers, cap, heads), -1, dtype=torch.int32, device=device)
         self.score = torch.zeros((rows + 1, layers, cap, heads), device=device) if policy.score else None
         self.spare = torch.zeros((rows + 1, layers, heads), dtype=torch.long, device=device)
-        # heads sharing a layer's places (AdaKV): each place's head, and spare holds places (slot * heads + column)
+        # heads sharing a layer's places (AdaKV): each place's head, and spare holds places (slot * heads + column);
+        # each head's guaranteed places, every layer alike (layered policies are not stackable)
         self.owner = (torch.full((rows + 1, layers, cap, heads), -1, dtype=torch.int16, device=device)
                       if policy.adapts else None)
+        self.sure = policy.head_budgets(0, layers)[0]
         self.scratch_row = rows  # the padding rows of a decode graph update this one
         self.free = list(range(rows - 1, -1, -1))
 

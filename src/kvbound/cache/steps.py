@@ -123,6 +123,23 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
     return out
 
 
+def owner_attention(q, ks, vs, mask, policy, first: int = 0):
+    """Queries q [B, T, Hq, D] over places ks, vs [B, E, D] that KV heads own (AdaKV), each query head seeing
+    the places `mask` [B, T, Hq, E] allows (its KV head's, at positions up to its own): out [B, T, Hq, D], and
+    each place's attention summed over queries [first, T) and heads, [B, E] (None for a policy that needs no
+    attention; "normalized" weighs each query by the places it sees). PyTorch, masked."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), ks[:, None], vs[:, None], attn_mask=mask.transpose(1, 2), enable_gqa=True).transpose(1, 2)
+    if policy.fold is None:
+        return out, None
+    seen = mask[:, first:]
+    logits = (q[:, first:].float() @ ks.float()[:, None].transpose(-1, -2)) * q.shape[-1] ** -0.5  # [B, T', Hq, E]
+    probs = logits.masked_fill(~seen, float("-inf")).softmax(-1)
+    if policy.fold == "normalized":
+        probs = probs * seen.sum(-1, keepdim=True)
+    return out, probs.sum(dim=(1, 2))
+
+
 def shared_decode(q, k, v, storage, layer, table, rows, positions, owner, pos, spare, score, policy, sure: int):
     """Steady-state decode of B caches whose heads share a layer's places (AdaKV; `AdaptiveKVCache`): head h's
     new token goes into the row's spare place spare[b, h] (slot * heads + column, any column), each query head
@@ -142,23 +159,18 @@ def shared_decode(q, k, v, storage, layer, table, rows, positions, owner, pos, s
     ks, vs = kc.flatten(1, 2).to(q.dtype), vc.flatten(1, 2).to(q.dtype)  # [B, E, D]
     own, held = owner[rows].flatten(1), pos[rows].flatten(1)
     group = torch.arange(q.shape[1], device=q.device) // (q.shape[1] // h)
-    mask = own[:, None, :] == group[None, :, None]  # [B, Hq, E]
-    out = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], ks[:, None], vs[:, None],
-                                                           attn_mask=mask[:, :, None], enable_gqa=True)[:, :, 0]
+    mask = own[:, None, None, :] == group[None, None, :, None]  # [B, 1, Hq, E]
+    out, step = owner_attention(q[:, None], ks, vs, mask, policy)
     folded = score[rows].flatten(1)
-    if policy.fold is not None:
-        logits = (q.float() @ ks.float().transpose(1, 2)) * d ** -0.5  # [B, Hq, E]
-        probs = logits.masked_fill(~mask, float("-inf")).softmax(-1)
-        if policy.fold == "normalized":
-            probs = probs * mask.sum(-1, keepdim=True)
-        folded = fold_scores(folded, probs.sum(1), policy.fold, policy.fold_decay)
-    score[rows] = folded.view_as(score[rows])
+    if step is not None:
+        folded = fold_scores(folded, step, policy.fold, policy.fold_decay)
+    score[rows] = folded.view(bsz, -1, h)
     victim = policy.entry_victims(held, folded, own, h, sure)
     vslot, vcol = victim // h, victim % h
     owner[r, vslot, vcol] = owner.new_full((), -1)
     pos[r, vslot, vcol] = pos.new_full((), -1)
     spare[rows] = victim
-    return out
+    return out[:, 0]
 
 
 def chunk_attend(q, k, v, storage, layer, table, n, rows, positions, pos, score, policy):

@@ -140,7 +140,7 @@ def make_policy(args):
     if not policy.bounded:
         given = [f"--{k.replace('_', '-')}" for k in ("budget", "pin_prefix", "score", "ema_decay", "granularity",
                                                        "evict_every", "ada_alpha", "pyramid_beta")
-                 if getattr(args, k) not in (None, 0) or k in ("ada_alpha", "pyramid_beta") and getattr(args, k) == 0]
+                 if getattr(args, k) or k in ("ada_alpha", "pyramid_beta") and getattr(args, k) is not None]
         if given:
             raise KvboundError(f"{', '.join(given)} has no effect with --policy {args.policy} (an unbounded cache): "
                                "choose a bounded policy (window, h2o) or drop it")

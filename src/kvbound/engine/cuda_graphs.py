@@ -10,13 +10,13 @@ from .runner import AppendGroup, EvictGroup, GroupKey, SharedGroup, append_rows,
 class DecodeGraphs:
     """CUDA graphs of whole decode steps, one per (group, batch size[, table width]): steps whose rows all
     append (unbounded caches), and steps whose rows all evict under one policy (or share places, AdaKV).
-    Batch sizes are 1, 2, 4, ... up to max_seqs; a step is padded to the next size with rows that write and read one scratch slot (and a
-    scratch metadata row). Append graphs come in table widths max_len, 2 max_len, 4 max_len, ... up to the
-    longest row there can be (the model's context, or the pool's tokens if fewer): the kernel splits each
-    graph's width over the GPU, so a step runs in the narrowest width that holds its longest row, as an
-    eager step would. Width max_len is captured at start-up, wider ones and evict graphs when first used.
-    Only the slot table grows with the longest row (4 bytes per token per batch row). Other steps run
-    eagerly."""
+    Batch sizes are 1, 2, 4, ... up to max_seqs; a step is padded to the next size with rows that write and
+    read one scratch slot (and a scratch metadata row). Append graphs come in table widths max_len,
+    2 max_len, 4 max_len, ... up to the longest row there can be (the model's context, or the pool's tokens
+    if fewer): the kernel splits each graph's width over the GPU, so a step runs in the narrowest width that
+    holds its longest row, as an eager step would. Width max_len is captured at start-up, wider ones and
+    evict graphs when first used. Only the slot table grows with the longest row (4 bytes per token per batch
+    row). Other steps run eagerly."""
 
     def __init__(self, model, pool, max_seqs: int, max_len: int, context_len: int | None = None):
         self.model, self.pool = model, pool

@@ -115,12 +115,11 @@ class SharedGroup:
 
     def __init__(self, pool, meta, rows, table):
         self.pool, self.meta, self.rows, self.table = pool, meta, rows, table
-        self.sure = [meta.policy.head_budgets(layer, meta.pos.shape[1])[0] for layer in range(meta.pos.shape[1])]
 
     def attend(self, layer, q, k, v, positions):
         m = self.meta
         return shared_decode(q, k, v, self.pool, layer, self.table, self.rows, positions, m.owner[:, layer],
-                             m.pos[:, layer], m.spare[:, layer], m.score[:, layer], m.policy, self.sure[layer])
+                             m.pos[:, layer], m.spare[:, layer], m.score[:, layer], m.policy, m.sure)
 
 
 class PrefillGroup:

@@ -52,7 +52,7 @@ def parse_strategies(names: list[str], budget: int, options: CacheOptions, pinne
 
 def make_cache(model, policy, bits, options: CacheOptions, device, dtype):
     return sequence_cache(model.config, policy, device=device, dtype=options.kv_dtype or dtype, kv_bits=bits,
-                   kv_group_size=options.kv_group_size, quantized_kv_start=options.quantized_kv_start)
+                          kv_group_size=options.kv_group_size, quantized_kv_start=options.quantized_kv_start)
 
 
 def with_baseline(names):
