@@ -176,12 +176,15 @@ def test_generate_past_the_context_only_with_reindexed_positions(tiny):
     assert r.returncode == 2 and "pass the model's context of 512" in r.stderr
 
 
-def test_generate_with_per_head_budgets_runs_on_a_cache_of_its_own(tiny):
+@pytest.mark.parametrize("policy, shown", [("adakv", "alpha=0.2"), ("pyramidkv", "beta=20.0")])
+def test_generate_runs_adaptive_budgets(tiny, policy, shown):
+    """adakv through the engine, pyramidkv (layers of different budgets) on a cache of its own: each generates
+    and reports the policy it ran."""
     r = subprocess.run([sys.executable, "-m", "kvbound", "generate", "one two three four five six seven eight",
-                        "--model", str(tiny), "--max-tokens", "4", "--policy", "adakv", "--budget", "8"],
+                        "--model", str(tiny), "--max-tokens", "4", "--policy", policy, "--budget", "8"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "generation:" in r.stderr
+    assert "generation:" in r.stderr and shown in r.stderr
 
 
 def test_ruler_samples_hold_their_answers(smollm):
