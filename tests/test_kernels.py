@@ -392,6 +392,93 @@ def test_fused_evict_decode_on_packed_pools_matches_torch_path(bits):
     torch.testing.assert_close(score.cpu(), ref_meta.score[:, layer], atol=1e-6, rtol=1e-5)
 
 
+def _shared_state(policy, seed, storage, rows=4, batch=(2, 0, 3), layers=2, heads=3):
+    """AdaKV's stacked metadata in steady state: each row's places are owned by heads in uneven numbers, at
+    distinct positions per head (the sinks and the newest in some), and each head has one spare place. The
+    second row is a uniform cache whose heads hold the same positions at equal scores: every order is by ties."""
+    from kvbound.cache.stacked import StackedMeta
+    gen = torch.Generator().manual_seed(seed)
+    meta = StackedMeta(policy, layers, heads, rows, "cpu")
+    cap = meta.pos.shape[2]
+    places = cap * heads
+    now = [cap * heads + 150 + 7 * i for i in range(len(batch))]
+    for i, r in enumerate(batch):
+        shared = torch.randperm(now[i] - 1, generator=gen)[:cap - 1].to(torch.int32)
+        for layer in range(layers):
+            order = torch.randperm(places, generator=gen)
+            spares, live = order[:heads], order[heads:]
+            owner = torch.full((places,), -1, dtype=torch.int16)
+            owner[live] = torch.randint(heads, (len(live),), generator=gen, dtype=torch.int16)
+            owner[live[:heads]] = torch.arange(heads, dtype=torch.int16)  # no head without a place
+            if i == 1:
+                owner = (torch.arange(places) % heads).to(torch.int16)
+                spares = torch.randint(cap, (heads,), generator=gen) * heads + torch.arange(heads)
+                owner[spares] = -1
+            pos = torch.full((places,), -1, dtype=torch.int32)
+            for h in range(heads):
+                mine = (owner == h).nonzero()[:, 0]
+                past = shared if i == 1 else torch.randperm(now[i] - 1, generator=gen)[:len(mine)].to(torch.int32)
+                if h != 1 and len(mine) > 3:
+                    past[:3] = torch.tensor([0, 1, now[i] - 1])
+                pos[mine] = past
+            meta.owner[r, layer] = owner.view(cap, heads)
+            meta.pos[r, layer] = pos.view(cap, heads)
+            meta.spare[r, layer] = spares
+    meta.score.copy_(torch.rand(meta.score.shape, generator=gen).round(decimals=1))  # ties happen
+    meta.score[batch[1]] = 0.5
+    d = storage.head_dim
+    table = torch.randperm(storage.num_blocks, generator=gen)[:len(batch) * cap].view(len(batch), cap).to(torch.int32)
+    step = dict(q=torch.randn(len(batch), 2 * heads, d, generator=gen),
+                k=torch.randn(len(batch), heads, d, generator=gen), v=torch.randn(len(batch), heads, d, generator=gen),
+                positions=torch.tensor(now))
+    step["q"][1] = 0  # uniform attention: the sure places and the victims are decided by ties
+    return meta, table, torch.tensor(batch), step
+
+
+@pytest.mark.parametrize("spec, bits", [("adakv:budget=12,window=4", None), ("h2o:sink=2,heavy=5,recent=3,alpha=0.3", None),
+                                        ("h2o:sink=2,heavy=5,recent=3,alpha=1", None),
+                                        ("h2o:sink=1,heavy=6,recent=2,score=normalized,alpha=0", None),
+                                        ("snapkv:budget=10,window=3,score=ema,alpha=0.5", None),
+                                        ("h2o:sink=0,heavy=100,recent=0,alpha=0.2", None),
+                                        ("adakv:budget=12,window=4", 8), ("adakv:budget=12,window=4", 4)])
+def test_shared_decode_kernels_match_torch_path(spec, bits):
+    """AdaKV's fused decode (owner-masked attention with the score fold, then the keep rule's victims by one
+    sort per sequence) against the PyTorch route of cache.steps.shared_decode on the same state, dense and
+    packed: output, positions, owners, scores and the next spare places. The last dense case spans several
+    key blocks and a sort of 512 places."""
+    import copy
+    from kvbound.cache.block_pool import BlockPool
+    from kvbound.cache.policies import parse_policy
+    from kvbound.cache.steps import shared_store
+    from kvbound.engine.runner import SharedGroup
+    from kvbound.kernels.triton_shared import shared_decode
+    pol = parse_policy(spec)
+    layers, heads, d = 2, 3, 32
+    pool = BlockPool(layers, heads, d, 3 * pol.capacity + 20, 1, kv_bits=bits, group_size=32)
+    gen = torch.Generator().manual_seed(len(spec))
+    for layer in range(layers):
+        pool.write(layer, torch.arange(pool.num_blocks), *(torch.randn(pool.num_blocks, heads, d, generator=gen)
+                                                           for _ in range(2)))
+    meta, table, rows, step = _shared_state(pol, len(spec) + (bits or 0), pool)
+    layer = 1
+    ref_meta, ref_pool = copy.deepcopy(meta), copy.deepcopy(pool)
+    want = SharedGroup(ref_pool, ref_meta, rows, table).attend(layer, step["q"], step["k"], step["v"],
+                                                               step["positions"])
+    m = meta
+    shared_store(step["k"], step["v"], pool, layer, table, rows, step["positions"], m.owner[:, layer],
+                 m.pos[:, layer], m.spare[:, layer], m.score[:, layer], pol)
+    dev = lambda t: t.to(DEV)  # noqa: E731
+    k_pool, v_pool, quant = pool.kernel_args(layer)
+    quant = None if quant is None else {key: dev(x) if torch.is_tensor(x) else x for key, x in quant.items()}
+    owner, pos, spare, score = (dev(t[:, layer]) for t in (m.owner, m.pos, m.spare, m.score))
+    got = shared_decode(dev(step["q"]), dev(k_pool), dev(v_pool), dev(table), dev(rows), owner, pos, spare, score,
+                        pol.fold, pol.fold_decay, *pol.fused_protection(), m.sure, quant=quant)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(owner.cpu(), ref_meta.owner[:, layer]) and torch.equal(pos.cpu(), ref_meta.pos[:, layer])
+    assert torch.equal(spare.cpu(), ref_meta.spare[:, layer])
+    torch.testing.assert_close(score.cpu(), ref_meta.score[:, layer], atol=1e-6, rtol=1e-5)
+
+
 def test_fused_victim_refuses_pinned_spans_past_the_prefix():
     from kvbound.cache.policies import parse_policy
     assert parse_policy("h2o:sink=4,heavy=8,recent=4", pinned=((2, 9),)).fused_protection() == (9, 4)

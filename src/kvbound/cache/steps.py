@@ -140,12 +140,9 @@ def owner_attention(q, ks, vs, mask, policy, first: int = 0):
     return out, probs.sum(dim=(1, 2))
 
 
-def shared_decode(q, k, v, storage, layer, table, rows, positions, owner, pos, spare, score, policy, sure: int):
-    """Steady-state decode of B caches whose heads share a layer's places (AdaKV; `AdaptiveKVCache`): head h's
-    new token goes into the row's spare place spare[b, h] (slot * heads + column, any column), each query head
-    attends to its KV head's places (masked, in PyTorch), this step's attention folds into the scores, and the
-    places the keep rule drops become the next spares (`Policy.entry_victims`; `sure`: each head's guaranteed
-    places in this layer). No host sync."""
+def shared_store(k, v, storage, layer, table, rows, positions, owner, pos, spare, score, policy):
+    """Head h's new token k, v [B, H, D] into its spare place spare[b, h] (slot * heads + column, any column), which
+    it then owns, with its position and starting score."""
     bsz, h, d = k.shape
     r, heads = rows[:, None], torch.arange(h, device=k.device)
     place = spare[rows]
@@ -155,6 +152,24 @@ def shared_decode(q, k, v, storage, layer, table, rows, positions, owner, pos, s
     owner[r, slot, col] = heads.to(owner.dtype)
     pos[r, slot, col] = positions[:, None].to(pos.dtype)
     score[r, slot, col] = fresh_scores(policy, k, score, storage, layer)
+
+
+def shared_decode(q, k, v, storage, layer, table, rows, positions, owner, pos, spare, score, policy, sure: int):
+    """Steady-state decode of B caches whose heads share a layer's places (AdaKV; `AdaptiveKVCache`): head h's
+    new token goes into the row's spare place spare[b, h] (slot * heads + column, any column), each query head
+    attends to its KV head's places, this step's attention folds into the scores, and the places the keep rule
+    drops become the next spares (`Policy.entry_victims`; `sure`: each head's guaranteed places in this layer).
+    No host sync. On CUDA, a protection the kernels know runs as two Triton kernels after the store
+    (`kernels.triton_shared`); otherwise masked SDPA and sorts in PyTorch, the same steps."""
+    bsz, h, _ = k.shape
+    shared_store(k, v, storage, layer, table, rows, positions, owner, pos, spare, score, policy)
+    fused = policy.fused_protection()
+    args = kernel_reads(storage, layer, q, policy)
+    if q.is_cuda and fused is not None and args is not None and (args[2] or {}).get("bits") != "fp8":
+        from ..kernels import triton_shared
+        if triton_shared.fits(table.shape[1] * h):
+            return triton_shared.shared_decode(q, args[0], args[1], table, rows, owner, pos, spare, score, policy.fold,
+                                               policy.fold_decay, *fused, sure, quant=args[2])
     kc, vc = storage.gather(layer, table.long())
     ks, vs = kc.flatten(1, 2).to(q.dtype), vc.flatten(1, 2).to(q.dtype)  # [B, E, D]
     own, held = owner[rows].flatten(1), pos[rows].flatten(1)
@@ -166,7 +181,7 @@ def shared_decode(q, k, v, storage, layer, table, rows, positions, owner, pos, s
         folded = fold_scores(folded, step, policy.fold, policy.fold_decay)
     score[rows] = folded.view(bsz, -1, h)
     victim = policy.entry_victims(held, folded, own, h, sure)
-    vslot, vcol = victim // h, victim % h
+    r, vslot, vcol = rows[:, None], victim // h, victim % h
     owner[r, vslot, vcol] = owner.new_full((), -1)
     pos[r, vslot, vcol] = pos.new_full((), -1)
     spare[rows] = victim
