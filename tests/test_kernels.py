@@ -442,14 +442,13 @@ def _shared_state(policy, seed, storage, rows=4, batch=(2, 0, 3), layers=2, head
                                         ("h2o:sink=0,heavy=100,recent=0,alpha=0.2", None),
                                         ("adakv:budget=12,window=4", 8), ("adakv:budget=12,window=4", 4)])
 def test_shared_decode_kernels_match_torch_path(spec, bits):
-    """AdaKV's fused decode (owner-masked attention with the score fold, then the keep rule's victims by one
-    sort per sequence) against the PyTorch route of cache.steps.shared_decode on the same state, dense and
-    packed: output, positions, owners, scores and the next spare places. The last dense case spans several
+    """AdaKV's fused decode (the new tokens stored, owner-masked attention over split places with the score fold,
+    then the keep rule's victims by one sort per sequence) against the PyTorch route of cache.steps.shared_decode
+    on the same state, dense and packed: output, pool bytes, positions, owners, scores and the next spare places. The last dense case spans several
     key blocks and a sort of 512 places."""
     import copy
     from kvbound.cache.block_pool import BlockPool
     from kvbound.cache.policies import parse_policy
-    from kvbound.cache.steps import shared_store
     from kvbound.engine.runner import SharedGroup
     from kvbound.kernels.triton_shared import shared_decode
     pol = parse_policy(spec)
@@ -465,15 +464,19 @@ def test_shared_decode_kernels_match_torch_path(spec, bits):
     want = SharedGroup(ref_pool, ref_meta, rows, table).attend(layer, step["q"], step["k"], step["v"],
                                                                step["positions"])
     m = meta
-    shared_store(step["k"], step["v"], pool, layer, table, rows, step["positions"], m.owner[:, layer],
-                 m.pos[:, layer], m.spare[:, layer], m.score[:, layer], pol)
     dev = lambda t: t.to(DEV)  # noqa: E731
-    k_pool, v_pool, quant = pool.kernel_args(layer)
-    quant = None if quant is None else {key: dev(x) if torch.is_tensor(x) else x for key, x in quant.items()}
+    raw = [dev(t[layer]) for t in pool.raw]  # K and V, or K's codes, scales, biases, then V's
+    quant = pool.kernel_args(layer)[2]
+    if quant is not None:
+        quant = dict(quant, k_scale=raw[1], k_bias=raw[2], v_scale=raw[4], v_bias=raw[5])
+    k_pool, v_pool = (raw[0], raw[1]) if quant is None else (raw[0], raw[3])
     owner, pos, spare, score = (dev(t[:, layer]) for t in (m.owner, m.pos, m.spare, m.score))
-    got = shared_decode(dev(step["q"]), dev(k_pool), dev(v_pool), dev(table), dev(rows), owner, pos, spare, score,
-                        pol.fold, pol.fold_decay, *pol.fused_protection(), m.sure, quant=quant)
+    got = shared_decode(*(dev(step[x]) for x in "qkv"), k_pool, v_pool, dev(table), dev(rows), dev(step["positions"]),
+                        owner, pos, spare, score, pol.fold, pol.fold_decay, *pol.fused_protection(), m.sure,
+                        quant=quant, splits=3)
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+    for got_t, want_t in zip(raw, ref_pool.raw):  # the new tokens stored as the pool's packer writes them
+        assert torch.equal(got_t.cpu(), want_t[layer])
     assert torch.equal(owner.cpu(), ref_meta.owner[:, layer]) and torch.equal(pos.cpu(), ref_meta.pos[:, layer])
     assert torch.equal(spare.cpu(), ref_meta.spare[:, layer])
     torch.testing.assert_close(score.cpu(), ref_meta.score[:, layer], atol=1e-6, rtol=1e-5)

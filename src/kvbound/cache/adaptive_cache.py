@@ -70,7 +70,8 @@ class AdaptiveKVCache:
         return self.slots
 
     def __len__(self) -> int:
-        """Tokens held per head in the first layer, on average."""
+        """Tokens held per head in the first layer, on average (read from the device: a cache's truth value is
+        not its length, so test `cache is None`, never `not cache`)."""
         return int((self.owner[0] >= 0).sum()) // self.heads
 
     def next_positions(self, t: int) -> torch.Tensor:

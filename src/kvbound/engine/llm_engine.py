@@ -170,8 +170,9 @@ class LLMEngine:
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.pool, max_num_seqs, graph_max_len, cfg.max_position_embeddings)
-            if stackable(self.default_policy) and not self.default_policy.adapts:  # its evict graphs, pre-warmed
-                self.graphs.capture_evict(self.caches.stacked_meta(self.default_policy))
+            if stackable(self.default_policy):  # its evict graphs (AdaKV's "shared" ones), pre-warmed
+                self.graphs.capture_evict(self.caches.stacked_meta(self.default_policy),
+                                          kind="shared" if self.default_policy.adapts else "evict")
 
     def describe_pool(self) -> str:
         """The KV pool in one line: tokens it holds, at which width, in how many bytes."""

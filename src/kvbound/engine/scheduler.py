@@ -85,7 +85,7 @@ class Sequence:
 
     def to_feed(self) -> int:
         """Tokens not yet in the cache (the last sampled token included, even while it is pending)."""
-        return len(self.prompt) + len(self.output) + self.pending - (self.cache.seen if self.cache else 0)
+        return len(self.prompt) + len(self.output) + self.pending - (self.cache.seen if self.cache is not None else 0)
 
     def feed(self, t: int) -> list[int]:
         """The next t tokens to feed; one still pending on the device reads 0 here (the engine fills it in there)."""
@@ -102,7 +102,7 @@ class Sequence:
         """How many tokens to feed now, given `room` left in this step's token budget (0 = wait). An
         unbounded sequence feeds up to `chunk` tokens, fewer where the room ends (pieces of any lengths
         attend as one batch); a bounded one whole chunks, whose ends its evictions follow."""
-        seen, left = (self.cache.seen if self.cache else 0), self.to_feed()
+        seen, left = (self.cache.seen if self.cache is not None else 0), self.to_feed()
         if not self.bounded:
             piece = min(left, chunk)
             return min(piece, room)

@@ -1,17 +1,19 @@
 """Triton kernels for a decode step of caches whose KV heads share a layer's places (AdaKV).
 
 A layer holds places [cap, H] per sequence, place e = slot * H + column, each owned by one KV head (or
-free, -1), so a head may hold more places than another (`cache.adaptive_cache`). Two kernels replace the
-PyTorch route of `cache.steps.shared_decode` (a gather of every place, masked SDPA, the probabilities again
-in fp32, two stable argsorts over the places):
-  - `_owner_kernel`, one program per (sequence, KV head): its query heads attend to the places their head
-    owns (keys read through the slot table, any column; packed pools dequantized in registers), then a
-    second pass over the same keys turns each place's logits into its exact probability, summed over the
-    group, and folds it into the place's score (sum, normalized or EMA);
-  - `_victim_kernel`, one program per sequence: the keep rule's order (protected first, then by score,
-    newer first among ties) as one sort of 64-bit keys (head, score, position), each head's `sure`-th place
-    as its threshold, then the `heads` places the rule drops (the lowest of the rest, oldest among ties, the
-    higher place among exact ties), freed and made the next spares.
+free, -1), so a head may hold more places than another (`cache.adaptive_cache`). Four kernels replace the
+PyTorch route of `cache.steps.shared_decode` (index writes, a gather of every place, masked SDPA, the
+probabilities again in fp32, two stable argsorts over the places):
+  - `_store_kernel`, one program per (sequence, KV head): the new token into the head's spare place;
+  - `_split_kernel`, one program per (sequence, KV head, split of the places): its query heads attend to the
+    places their head owns (keys read through the slot table, any column; packed pools dequantized in
+    registers), a partial softmax per split (flash decoding);
+  - `_fold_kernel`, on the same grid: the splits merged into the output, then a second pass over the split's
+    keys turns each owned place's logits into its exact probability, summed over the group, and folds it
+    into the place's score (sum, normalized or EMA);
+  - `_victim_kernel`, one program per sequence: the `heads` places the keep rule drops (the lowest of each
+    head's places past its `sure` ones, oldest among ties, the higher place among exact ties), picked one
+    at a time, freed and made the next spares.
 Same result as the PyTorch route (`tests/test_kernels.py`), for policies whose protected tokens are a prefix of
 positions plus the `recent` newest and which rank by the folded attention (`Policy.fused_protection`).
 """
@@ -21,10 +23,42 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_decode import MODE_IDS, _dequant, _dot, _quant_args
+from .triton_decode import MODE_IDS, _dequant, _dot, _put, _quant_args
 
-MAX_PLACES = 8192  # one program sorts a sequence's places in registers; larger layers take the PyTorch route
-POS_BITS = 27  # positions below 2**27 - 1 fit the sort key beside head and score
+MAX_PLACES = 8192  # one program holds a sequence's places in registers; larger layers take the PyTorch route
+
+
+@triton.jit
+def _store_kernel(KN, VN, KP, VP, KS, KB, VS, VB, Table, Rows, Spare, Owner, Pos, Score, Positions, heads,
+                  stride_nt, stride_nh, stride_ps, stride_ph, stride_ss, stride_sh, stride_tb, stride_spr, stride_sph,
+                  stride_r, stride_j, stride_c, D: tl.constexpr, DP: tl.constexpr, BITS: tl.constexpr,
+                  GS: tl.constexpr):
+    """Sequence b, KV head h: the new token goes into the head's spare place (K and V in its slot's column,
+    quantized for a packed pool as `store_kv` writes it), which h then owns, at its position with score 0."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.load(Rows + b).to(tl.int64)
+    place = tl.load(Spare + row * stride_spr + h * stride_sph)
+    j = place // heads
+    c = place % heads
+    slot = tl.load(Table + b * stride_tb + j).to(tl.int64)
+    if BITS == 16:  # any head size: a masked row
+        offs = tl.arange(0, DP)
+        dm = offs < D
+        k = tl.load(KN + b * stride_nt + h * stride_nh + offs, mask=dm)
+        v = tl.load(VN + b * stride_nt + h * stride_nh + offs, mask=dm)
+        tl.store(KP + slot * stride_ps + c * stride_ph + offs, k.to(KP.dtype.element_ty), mask=dm)
+        tl.store(VP + slot * stride_ps + c * stride_ph + offs, v.to(VP.dtype.element_ty), mask=dm)
+    else:
+        offs = tl.arange(0, D)
+        k = tl.load(KN + b * stride_nt + h * stride_nh + offs)
+        v = tl.load(VN + b * stride_nt + h * stride_nh + offs)
+        _put(k, KP, KS, KB, slot, c, stride_ps, stride_ph, stride_ss, stride_sh, D, BITS, GS, False)
+        _put(v, VP, VS, VB, slot, c, stride_ps, stride_ph, stride_ss, stride_sh, D, BITS, GS, False)
+    at = row * stride_r + j * stride_j + c * stride_c
+    tl.store(Owner + at, h.to(tl.int16))
+    tl.store(Pos + at, tl.load(Positions + b).to(tl.int32))
+    tl.store(Score + at, 0.0)
 
 
 @triton.jit
@@ -48,26 +82,33 @@ def _keys(Q, K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride
 
 
 @triton.jit
-def _owner_kernel(Q, K, V, KS, KB, VS, VB, Table, Rows, Owner, Score, Out, places, heads,
+def _group_q(Q, b, g, stride_qb, stride_qh, scale, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr):
+    """The query heads of KV head g, [G_PAD, D] (padding rows read head 0), times the softmax scale."""
+    offs_g = tl.arange(0, G_PAD)
+    gmask = offs_g < G
+    q_ptr = Q + b * stride_qb + tl.where(gmask, g * G + offs_g, 0)[:, None] * stride_qh + tl.arange(0, D)[None, :]
+    return tl.load(q_ptr).to(tl.float32) * scale, g * G + offs_g, gmask
+
+
+@triton.jit
+def _split_kernel(Q, K, V, KS, KB, VS, VB, Table, Rows, Owner, PartO, PartM, PartL, PartN, places, heads, chunk,
                   stride_qb, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb,
-                  stride_or, stride_oj, stride_oc, stride_sr, stride_sj, stride_sc, stride_outb, stride_outh,
-                  scale, decay, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BITS: tl.constexpr, GS: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr):
+                  stride_or, stride_oj, stride_oc, stride_pb, stride_ph, stride_ps, stride_mb, stride_mh, stride_nb,
+                  scale, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BITS: tl.constexpr, GS: tl.constexpr, IEEE: tl.constexpr):
+    """Program (b, g, s): the query heads of KV head g over the places of split s that g owns, as a partial
+    softmax (running max, sum, weighted values) and a count of those places."""
     b = tl.program_id(0)
     g = tl.program_id(1)
-    row = tl.load(Rows + b).to(tl.int64)
-    own_row = row * stride_or
-    offs_g = tl.arange(0, G_PAD)
+    s = tl.program_id(2)
+    own_row = tl.load(Rows + b).to(tl.int64) * stride_or
+    q, qh, gmask = _group_q(Q, b, g, stride_qb, stride_qh, scale, G, G_PAD, D)
     offs_d = tl.arange(0, D)
-    gmask = offs_g < G
-    qh = g * G + offs_g
-    q_ptr = Q + b * stride_qb + tl.where(gmask, qh, 0)[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptr).to(tl.float32) * scale
     m = tl.full([G_PAD], -1e30, tl.float32)  # finite: a block of other heads' places changes nothing
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
     owned = 0
-    for e0 in range(0, places, BLOCK_E):
+    for e0 in range(s * chunk, tl.minimum(s * chunk + chunk, places), BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
         valid, slot, c, j, qk = _keys(Q, K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks,
                                       stride_kh, stride_ss, stride_sh, stride_tb, stride_oj, stride_oc, D, BITS, GS,
@@ -85,15 +126,53 @@ def _owner_kernel(Q, K, V, KS, KB, VS, VB, Table, Rows, Owner, Score, Out, place
         acc = acc * alpha[:, None] + _dot(p, v, IEEE)
         owned += tl.sum(valid.to(tl.int32), 0)
         m = m_new
+    tl.store(PartO + b * stride_pb + qh[:, None] * stride_ph + s * stride_ps + offs_d[None, :], acc, mask=gmask[:, None])
+    tl.store(PartM + b * stride_mb + qh * stride_mh + s, m, mask=gmask)
+    tl.store(PartL + b * stride_mb + qh * stride_mh + s, l, mask=gmask)
+    tl.store(PartN + b * stride_nb + g * tl.num_programs(2) + s, owned)
+
+
+@triton.jit
+def _fold_kernel(Q, K, KS, KB, Table, Rows, Owner, Score, PartO, PartM, PartL, PartN, Out, places, heads, chunk,
+                 splits, stride_qb, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb,
+                 stride_or, stride_oj, stride_oc, stride_sr, stride_sj, stride_sc, stride_pb, stride_ph, stride_ps,
+                 stride_mb, stride_mh, stride_nb, stride_outb, stride_outh, scale, decay, G: tl.constexpr,
+                 G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr, S_PAD: tl.constexpr,
+                 BITS: tl.constexpr, GS: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr):
+    """Program (b, g, s): the splits' softmax merged (split 0 writes the output), then each place of split s
+    that g owns gets its exact probability, summed over the group, folded into its score."""
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    s = tl.program_id(2)
+    row = tl.load(Rows + b).to(tl.int64)
+    q, qh, gmask = _group_q(Q, b, g, stride_qb, stride_qh, scale, G, G_PAD, D)
+    offs_s = tl.arange(0, S_PAD)
+    part = b * stride_mb + qh[:, None] * stride_mh + offs_s[None, :]
+    smask = gmask[:, None] & (offs_s[None, :] < splits)
+    pm = tl.load(PartM + part, mask=smask, other=-1e30)
+    m = tl.max(pm, 1)
+    w = tl.exp(pm - m[:, None])
+    l = tl.sum(tl.load(PartL + part, mask=smask, other=0.0) * w, 1)
     l = tl.where(l > 0, l, 1.0)  # a padding row owns nothing
-    tl.store(Out + b * stride_outb + qh[:, None] * stride_outh + offs_d[None, :], acc / l[:, None], mask=gmask[:, None])
-    if MODE != 0:  # each owned place's probability, summed over the group, folds into its score
-        for e0 in range(0, places, BLOCK_E):
+    if s == 0:
+        offs_d = tl.arange(0, D)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        for i in range(0, splits):
+            wi = tl.sum(tl.where(offs_s[None, :] == i, w, 0.0), 1)
+            po = tl.load(PartO + b * stride_pb + qh[:, None] * stride_ph + i * stride_ps + offs_d[None, :],
+                         mask=gmask[:, None], other=0.0)
+            acc += po * wi[:, None]
+        tl.store(Out + b * stride_outb + qh[:, None] * stride_outh + offs_d[None, :], acc / l[:, None],
+                 mask=gmask[:, None])
+    if MODE != 0:
+        owned = tl.sum(tl.load(PartN + b * stride_nb + g * splits + offs_s, mask=offs_s < splits, other=0), 0)
+        own_row = row * stride_or
+        for e0 in range(s * chunk, tl.minimum(s * chunk + chunk, places), BLOCK_E):
             e = e0 + tl.arange(0, BLOCK_E)
             valid, slot, c, j, qk = _keys(Q, K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks,
                                           stride_kh, stride_ss, stride_sh, stride_tb, stride_oj, stride_oc, D, BITS,
                                           GS, IEEE)
-            p = tl.where(gmask[:, None], tl.exp(qk - m[:, None]) / l[:, None], 0.0)
+            p = tl.exp(tl.where(gmask[:, None], qk - m[:, None], float("-inf"))) / l[:, None]
             step = tl.sum(p, 0)
             if MODE == 2:  # normalized: each query weighs by the places it sees
                 step = step * owned
@@ -107,16 +186,13 @@ def _owner_kernel(Q, K, V, KS, KB, VS, VB, Table, Rows, Owner, Score, Out, place
 
 
 @triton.jit
-def _sortable(x):
-    """float32 -> int64 in [0, 2**32) whose order is the floats' order."""
-    bits = x.to(tl.int32, bitcast=True).to(tl.int64)
-    return tl.where(bits < 0, -1 - bits, bits + 0x80000000)
-
-
-@triton.jit
 def _victim_kernel(Pos, Score, Owner, Rows, Spare, places, heads, prefix, recent, sure,
-                   stride_r, stride_j, stride_c, stride_spr, stride_sph, HEADS: tl.constexpr, BLOCK: tl.constexpr,
-                   POS_BITS: tl.constexpr):
+                   stride_r, stride_j, stride_c, stride_spr, stride_sph, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """Sequence b: the keep rule's order is protected places first, then by score, newer first among ties, then
+    lower place first; each head keeps its first `sure` places in that order, and of the rest (each head's last
+    count - sure) the last `heads` go. They are picked one at a time from the end of the order (lowest score,
+    oldest, higher place), each from a head whose share of the rest is not used up yet: no sort."""
     b = tl.program_id(0)
     row = tl.load(Rows + b).to(tl.int64)
     e = tl.arange(0, BLOCK)
@@ -127,26 +203,21 @@ def _victim_kernel(Pos, Score, Owner, Rows, Spare, places, heads, prefix, recent
     own = tl.maximum(tl.load(Owner + ptr, mask=inb, other=-1).to(tl.int32), 0)  # a padding row's free places
     newest = tl.max(pos, 0)
     key = tl.where((pos < prefix) | (pos > newest - recent), float("inf"), score)
-    top = (1 << POS_BITS) - 1
-    # keep order within a head is ascending in this: head, then score descending, then position descending
-    order = ((own.to(tl.int64) << (32 + POS_BITS)) | ((0xFFFFFFFF - _sortable(key)) << POS_BITS)
-             | (top - 1 - pos.to(tl.int64)))
-    order = tl.where(inb, order, 0x7FFFFFFFFFFFFFFF)
-    ranked = tl.sort(order)
-    cut = tl.full([BLOCK], 0x7FFFFFFFFFFFFFFF, tl.int64)  # each place's head's `sure`-th place in keep order
-    for h in tl.static_range(HEADS):
-        first = tl.sum((inb & (own < h)).to(tl.int32), 0)
-        count = tl.sum((inb & (own == h)).to(tl.int32), 0)
-        nth = tl.sum(tl.where(e == first + sure - 1, ranked, 0), 0)
-        cut = tl.where(own == h, tl.where(count > sure, nth, 0x7FFFFFFFFFFFFFFF), cut)
-    rest = inb & (order > cut)
-    for i in tl.static_range(HEADS):  # the last of the rest in keep order: lowest score, oldest, higher place
-        low = tl.min(tl.where(rest, key, float("inf")), 0)
-        pick = rest & (key == low)
+    hs = tl.arange(0, HEADS_PAD)
+    mine = (own[:, None] == hs[None, :]) & inb[:, None]  # [BLOCK, HEADS_PAD]
+    left = tl.maximum(tl.sum(mine.to(tl.int32), 0) - sure, 0)  # each head's places past its sure ones
+    open_ = inb
+    for i in tl.static_range(HEADS):
+        room = tl.sum(tl.where(mine, left[None, :], 0), 1) > 0
+        pick = open_ & room
+        low = tl.min(tl.where(pick, key, float("inf")), 0)
+        pick = pick & (key == low)
         oldest = tl.min(tl.where(pick, pos, 0x7FFFFFFF), 0)
         pick = pick & (pos == oldest)
         victim = tl.maximum(tl.max(tl.where(pick, e, -1), 0), 0)
-        rest = rest & (e != victim)
+        taken = e == victim
+        open_ = open_ & ~taken
+        left = left - tl.sum(tl.where(mine & taken[:, None], 1, 0), 0)
         at = row * stride_r + (victim // heads) * stride_j + (victim % heads) * stride_c
         tl.store(Owner + at, -1)
         tl.store(Pos + at, -1)
@@ -154,16 +225,18 @@ def _victim_kernel(Pos, Score, Owner, Rows, Spare, places, heads, prefix, recent
 
 
 def fits(places: int) -> bool:
-    """Whether the kernels take a layer of this many places (a sequence's places sort in one program)."""
+    """Whether the kernels take a layer of this many places (the victim pass holds a sequence's in one program)."""
     return places <= MAX_PLACES
 
 
-def shared_decode(q, k_pool, v_pool, table, rows, owner, pos, spare, score, score_mode: str, ema_decay: float,
-                  prefix: int, recent: int, sure: int, quant=None):
-    """After the new tokens are in their places: attention of q [B, Hq, D] over each KV head's places, this
-    step's probabilities folded into `score`, and the places the keep rule drops freed (owner and pos -1) and
-    made the next `spare`. owner/pos/score: the layer's [R, cap, H] metadata, spare [R, H], read at rows[b];
-    table [B, cap] the sequences' slot tables. quant: a packed pool's codes' scales and biases (8/4-bit)."""
+def shared_decode(q, k, v, k_pool, v_pool, table, rows, positions, owner, pos, spare, score, score_mode: str,
+                  ema_decay: float, prefix: int, recent: int, sure: int, quant=None, splits: int | None = None):
+    """One layer of AdaKV's steady decode, fused: head h's new token k, v [B, H, D] into its spare place, attention
+    of q [B, Hq, D] over each KV head's places, this step's probabilities folded into `score`, and the places the
+    keep rule drops freed (owner and pos -1) and made the next `spare`. owner/pos/score: the layer's [R, cap, H]
+    metadata, spare [R, H], read at rows[b]; table [B, cap] the sequences' slot tables; positions [B] the new
+    tokens'. quant: a packed pool's codes' scales and biases (8/4-bit). splits: how many programs share a
+    sequence's places per KV head (default: enough to fill the GPU)."""
     bsz, hq, d = q.shape
     heads = k_pool.shape[1]
     g = hq // heads
@@ -173,17 +246,38 @@ def shared_decode(q, k_pool, v_pool, table, rows, owner, pos, spare, score, scor
         raise ValueError(f"the shared decode kernels take 8/4/16-bit pools of at most {MAX_PLACES} places per layer")
     if not (owner.stride() == pos.stride() == score.stride()):
         raise ValueError("owner, pos and score must share one layout")
-    out = torch.empty_like(q)
     ss = (0, 0) if quant is None else (scales[0].stride(0), scales[0].stride(1))
+    _store_kernel[(bsz, heads)](
+        k, v, k_pool, v_pool, *scales, table, rows, spare, owner, pos, score, positions, heads, k.stride(0),
+        k.stride(1), k_pool.stride(0), k_pool.stride(1), ss[0], ss[1], table.stride(0), *spare.stride(),
+        *owner.stride(), D=d, DP=triton.next_power_of_2(d), BITS=bits, GS=gs)
+    out = torch.empty_like(q)
     ieee = q.dtype == torch.float32 or not q.is_cuda
-    _owner_kernel[(bsz, heads)](
-        q, k_pool, v_pool, *scales, table, rows, owner, score, out, places, heads,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), ss[0], ss[1], table.stride(0),
-        *owner.stride(), *score.stride(), out.stride(0), out.stride(1), d ** -0.5, float(ema_decay),
-        G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, BLOCK_E=64, BITS=bits, GS=gs,
-        MODE=MODE_IDS[score_mode], IEEE=ieee)
+    block_e = 64
+    blocks = triton.cdiv(places, block_e)
+    if splits is None:  # enough programs to fill the GPU: the loop over a split's places is latency-bound
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        splits = max(1, min(blocks, triton.cdiv(2 * sms, bsz * heads)))
+    chunk = triton.cdiv(blocks, splits) * block_e
+    splits = triton.cdiv(places, chunk)
+    part_o = torch.empty(bsz, hq, splits, d, device=q.device, dtype=torch.float32)
+    part_m = torch.empty(bsz, hq, splits, device=q.device, dtype=torch.float32)
+    part_l = torch.empty_like(part_m)
+    part_n = torch.empty(bsz, heads, splits, device=q.device, dtype=torch.int32)
+    tiles = dict(G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, BLOCK_E=block_e, BITS=bits, GS=gs, IEEE=ieee)
+    strides = (q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), ss[0], ss[1], table.stride(0),
+               *owner.stride())
+    parts = (part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
+             part_n.stride(0))
+    _split_kernel[(bsz, heads, splits)](
+        q, k_pool, v_pool, *scales, table, rows, owner, part_o, part_m, part_l, part_n, places, heads, chunk,
+        *strides, *parts, d ** -0.5, **tiles)
+    _fold_kernel[(bsz, heads, splits)](
+        q, k_pool, *scales[:2], table, rows, owner, score, part_o, part_m, part_l, part_n, out, places, heads, chunk,
+        splits, *strides, *score.stride(), *parts, out.stride(0), out.stride(1), d ** -0.5, float(ema_decay),
+        S_PAD=max(2, triton.next_power_of_2(splits)), MODE=MODE_IDS[score_mode], **tiles)
     _victim_kernel[(bsz,)](
         pos, score, owner, rows, spare, places, heads, prefix, recent, sure, *pos.stride(), *spare.stride(),
-        HEADS=heads, BLOCK=max(16, triton.next_power_of_2(places)), POS_BITS=POS_BITS,
+        HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), BLOCK=max(16, triton.next_power_of_2(places)),
         num_warps=4 if places <= 2048 else 8)
     return out
