@@ -512,19 +512,8 @@ def _evict_store_kernel(KN, VN, KP, VP, KS, KB, VS, VB, Table, Rows, Spare, Pos,
     row = tl.load(Rows + b)
     j = tl.load(Spare + row * stride_spr + h)
     slot = tl.load(Table + b * stride_tb + j).to(tl.int64)
-    if BITS == 16 and not FP8:  # any head size: a masked row
-        offs = tl.arange(0, DP)
-        dm = offs < D
-        k = tl.load(KN + b * stride_nt + h * stride_nh + offs, mask=dm)
-        v = tl.load(VN + b * stride_nt + h * stride_nh + offs, mask=dm)
-        tl.store(KP + slot * stride_ps + h * stride_ph + offs, k.to(KP.dtype.element_ty), mask=dm)
-        tl.store(VP + slot * stride_ps + h * stride_ph + offs, v.to(VP.dtype.element_ty), mask=dm)
-    else:
-        offs = tl.arange(0, D)
-        k = tl.load(KN + b * stride_nt + h * stride_nh + offs)
-        v = tl.load(VN + b * stride_nt + h * stride_nh + offs)
-        _put(k, KP, KS, KB, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D, BITS, GS, FP8)
-        _put(v, VP, VS, VB, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D, BITS, GS, FP8)
+    _store_token(KN, VN, KP, VP, KS, KB, VS, VB, b, h, slot, h, stride_nt, stride_nh, stride_ps, stride_ph, stride_ss,
+                 stride_sh, D, DP, BITS, GS, FP8)
     tl.store(Pos + row * stride_pr + j * stride_pj + h, tl.load(Positions + b).to(tl.int32))
     if HAS_SCORE:
         tl.store(Score + row * stride_sr + j * stride_sj + h, 0.0)
@@ -561,6 +550,27 @@ def _store_kernel(X, Slots, P, PS, PB, stride_xt, stride_xh, stride_st, stride_s
         return
     x = tl.load(X + t * stride_xt + h * stride_xh + tl.arange(0, D))
     _put(x, P, PS, PB, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D, BITS, GS, FP8)
+
+
+@triton.jit
+def _store_token(KN, VN, KP, VP, KS, KB, VS, VB, b, h, slot, col, stride_nt, stride_nh, stride_ps, stride_ph,
+                 stride_ss, stride_sh, D: tl.constexpr, DP: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
+                 FP8: tl.constexpr):
+    """New token b's K and V of head h into pool slot `slot`, column `col`: as they are (any head size, a masked
+    row), or quantized by `_put`."""
+    if BITS == 16 and not FP8:
+        offs = tl.arange(0, DP)
+        dm = offs < D
+        k = tl.load(KN + b * stride_nt + h * stride_nh + offs, mask=dm)
+        v = tl.load(VN + b * stride_nt + h * stride_nh + offs, mask=dm)
+        tl.store(KP + slot * stride_ps + col * stride_ph + offs, k.to(KP.dtype.element_ty), mask=dm)
+        tl.store(VP + slot * stride_ps + col * stride_ph + offs, v.to(VP.dtype.element_ty), mask=dm)
+    else:
+        offs = tl.arange(0, D)
+        k = tl.load(KN + b * stride_nt + h * stride_nh + offs)
+        v = tl.load(VN + b * stride_nt + h * stride_nh + offs)
+        _put(k, KP, KS, KB, slot, col, stride_ps, stride_ph, stride_ss, stride_sh, D, BITS, GS, FP8)
+        _put(v, VP, VS, VB, slot, col, stride_ps, stride_ph, stride_ss, stride_sh, D, BITS, GS, FP8)
 
 
 @triton.jit

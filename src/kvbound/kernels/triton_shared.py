@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_decode import MODE_IDS, _dequant, _dot, _put, _quant_args
+from .triton_decode import MODE_IDS, _dequant, _dot, _quant_args, _store_token
 
 MAX_PLACES = 8192  # one program holds a sequence's places in registers; larger layers take the PyTorch route
 
@@ -42,19 +42,8 @@ def _store_kernel(KN, VN, KP, VP, KS, KB, VS, VB, Table, Rows, Spare, Owner, Pos
     j = place // heads
     c = place % heads
     slot = tl.load(Table + b * stride_tb + j).to(tl.int64)
-    if BITS == 16:  # any head size: a masked row
-        offs = tl.arange(0, DP)
-        dm = offs < D
-        k = tl.load(KN + b * stride_nt + h * stride_nh + offs, mask=dm)
-        v = tl.load(VN + b * stride_nt + h * stride_nh + offs, mask=dm)
-        tl.store(KP + slot * stride_ps + c * stride_ph + offs, k.to(KP.dtype.element_ty), mask=dm)
-        tl.store(VP + slot * stride_ps + c * stride_ph + offs, v.to(VP.dtype.element_ty), mask=dm)
-    else:
-        offs = tl.arange(0, D)
-        k = tl.load(KN + b * stride_nt + h * stride_nh + offs)
-        v = tl.load(VN + b * stride_nt + h * stride_nh + offs)
-        _put(k, KP, KS, KB, slot, c, stride_ps, stride_ph, stride_ss, stride_sh, D, BITS, GS, False)
-        _put(v, VP, VS, VB, slot, c, stride_ps, stride_ph, stride_ss, stride_sh, D, BITS, GS, False)
+    _store_token(KN, VN, KP, VP, KS, KB, VS, VB, b, h, slot, c, stride_nt, stride_nh, stride_ps, stride_ph, stride_ss,
+                 stride_sh, D, DP, BITS, GS, False)
     at = row * stride_r + j * stride_j + c * stride_c
     tl.store(Owner + at, h.to(tl.int16))
     tl.store(Pos + at, tl.load(Positions + b).to(tl.int32))
@@ -126,7 +115,8 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, Table, Rows, Owner, PartO, PartM, Par
         acc = acc * alpha[:, None] + _dot(p, v, IEEE)
         owned += tl.sum(valid.to(tl.int32), 0)
         m = m_new
-    tl.store(PartO + b * stride_pb + qh[:, None] * stride_ph + s * stride_ps + offs_d[None, :], acc, mask=gmask[:, None])
+    part_o = PartO + b * stride_pb + qh[:, None] * stride_ph + s * stride_ps + offs_d[None, :]
+    tl.store(part_o, acc, mask=gmask[:, None])
     tl.store(PartM + b * stride_mb + qh * stride_mh + s, m, mask=gmask)
     tl.store(PartL + b * stride_mb + qh * stride_mh + s, l, mask=gmask)
     tl.store(PartN + b * stride_nb + g * tl.num_programs(2) + s, owned)
