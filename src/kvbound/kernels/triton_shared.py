@@ -51,7 +51,7 @@ def _store_kernel(KN, VN, KP, VP, KS, KB, VS, VB, Table, Rows, Spare, Owner, Pos
 
 
 @triton.jit
-def _keys(Q, K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks, stride_kh, stride_ss,
+def _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks, stride_kh, stride_ss,
           stride_sh, stride_tb, stride_oj, stride_oc, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
           IEEE: tl.constexpr):
     """Places e [N] of sequence b: which head `g` owns, their slots and columns, and q . k over them."""
@@ -99,7 +99,7 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, Table, Rows, Owner, PartO, PartM, Par
     owned = 0
     for e0 in range(s * chunk, tl.minimum(s * chunk + chunk, places), BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
-        valid, slot, c, j, qk = _keys(Q, K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks,
+        valid, slot, c, j, qk = _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks,
                                       stride_kh, stride_ss, stride_sh, stride_tb, stride_oj, stride_oc, D, BITS, GS,
                                       IEEE)
         m_new = tl.maximum(m, tl.max(qk, 1))
@@ -125,12 +125,13 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, Table, Rows, Owner, PartO, PartM, Par
 @triton.jit
 def _fold_kernel(Q, K, KS, KB, Table, Rows, Owner, Score, PartO, PartM, PartL, PartN, Out, places, heads, chunk,
                  splits, stride_qb, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb,
-                 stride_or, stride_oj, stride_oc, stride_sr, stride_sj, stride_sc, stride_pb, stride_ph, stride_ps,
+                 stride_or, stride_oj, stride_oc, stride_pb, stride_ph, stride_ps,
                  stride_mb, stride_mh, stride_nb, stride_outb, stride_outh, scale, decay, G: tl.constexpr,
                  G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr, S_PAD: tl.constexpr,
                  BITS: tl.constexpr, GS: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr):
     """Program (b, g, s): the splits' softmax merged (split 0 writes the output), then each place of split s
-    that g owns gets its exact probability, summed over the group, folded into its score."""
+    that g owns gets its exact probability, summed over the group, folded into its score (Score shares Owner's
+    layout)."""
     b = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
@@ -159,14 +160,14 @@ def _fold_kernel(Q, K, KS, KB, Table, Rows, Owner, Score, PartO, PartM, PartL, P
         own_row = row * stride_or
         for e0 in range(s * chunk, tl.minimum(s * chunk + chunk, places), BLOCK_E):
             e = e0 + tl.arange(0, BLOCK_E)
-            valid, slot, c, j, qk = _keys(Q, K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks,
+            valid, slot, c, j, qk = _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks,
                                           stride_kh, stride_ss, stride_sh, stride_tb, stride_oj, stride_oc, D, BITS,
                                           GS, IEEE)
             p = tl.exp(tl.where(gmask[:, None], qk - m[:, None], float("-inf"))) / l[:, None]
             step = tl.sum(p, 0)
             if MODE == 2:  # normalized: each query weighs by the places it sees
                 step = step * owned
-            ptr = Score + row * stride_sr + j * stride_sj + c * stride_sc
+            ptr = Score + own_row + j * stride_oj + c * stride_oc
             old = tl.load(ptr, mask=valid, other=0.0)
             if MODE == 3:
                 new = old * decay + step * (1 - decay)
@@ -264,7 +265,7 @@ def shared_decode(q, k, v, k_pool, v_pool, table, rows, positions, owner, pos, s
         *strides, *parts, d ** -0.5, **tiles)
     _fold_kernel[(bsz, heads, splits)](
         q, k_pool, *scales[:2], table, rows, owner, score, part_o, part_m, part_l, part_n, out, places, heads, chunk,
-        splits, *strides, *score.stride(), *parts, out.stride(0), out.stride(1), d ** -0.5, float(ema_decay),
+        splits, *strides, *parts, out.stride(0), out.stride(1), d ** -0.5, float(ema_decay),
         S_PAD=max(2, triton.next_power_of_2(splits)), MODE=MODE_IDS[score_mode], **tiles)
     _victim_kernel[(bsz,)](
         pos, score, owner, rows, spare, places, heads, prefix, recent, sure, *pos.stride(), *spare.stride(),
