@@ -28,6 +28,7 @@ from kvbound.engine import LLMEngine
 from kvbound.engine import SamplingParams
 from kvbound.models import build_model
 from kvbound.cache.policies import H2OPolicy, parse_policy
+from kvbound.cache import block_pool
 
 SHAPES = {
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -104,7 +105,7 @@ def write_ms(pool, rows, layers, reps=20):
     """A decode step's KV writes alone: `rows` new tokens into every layer of the pool (quantized on the way in
     for packed pools: the quantize-on-write cost)."""
     k = torch.randn(rows, pool.kv_heads, pool.head_dim, device="cuda", dtype=torch.bfloat16)
-    slots = pool.block_slots([b for b in range(pool.num_blocks) if pool.ref[b] > 0])  # held: their pages are mapped
+    slots = pool.block_slots([b for b in range(len(pool.ref)) if pool.ref[b] > 0])  # held: their pages are mapped
     slots = slots[torch.randperm(len(slots), device="cuda")[:rows]]
     graph = torch.cuda.CUDAGraph()  # replayed, as the decode step's writes are: no launch overhead counted
     with torch.cuda.graph(graph):
@@ -269,6 +270,8 @@ def main():
                     "(issue #17: --kv-formats bf16,8,4,fp8)")
     ap.add_argument("--kv-storage", default="paged", help="pool storage of the bounded comparison: paged, "
                     "virtual, or both (issue #20: paged,virtual)")
+    ap.add_argument("--page-mib", default="2", help="virtual storage's page sizes, MiB (whole 2 MiB granules): "
+                    "each is a run")
     ap.add_argument("--skip-hf-batch", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--check", action="store_true", help="first compare batched engine outputs with single runs")
@@ -324,11 +327,15 @@ def main():
                 bf16 = res["bounded"].get(f"{name}, bf16")
                 if fmt != "bf16" and bf16 and bf16["running"] < caps[0]:
                     caps.append(bf16["running"])  # also at bf16's count: the per-sequence speed
-                for cap, storage in [(c, "paged") for c in caps[1:]] + [(caps[0], st) for st in
-                                                                         args.kv_storage.split(",")]:
+                runs = [(c, "paged", 0) for c in caps[1:]]
+                for st in args.kv_storage.split(","):
+                    runs += [(caps[0], st, 0)] if st == "paged" else [(caps[0], st, int(m)) for m in
+                                                                      args.page_mib.split(",")]
+                for cap, storage, mib in runs:
+                    block_pool.POOL_PAGE_BYTES = mib << 20
                     r = steady_decode(ours, pol, blocks, args.context, cap, vocab, kv_bits=bits, kv_storage=storage)
                     key = label if cap == caps[0] else f"{label}, as many as bf16"
-                    key += ", virtual" if storage == "virtual" else ""
+                    key += f", virtual {mib} MiB pages" if storage == "virtual" else ""
                     res["bounded"][key] = dict(r, blocks=blocks)
                     rows.append((f"{args.context}-token prompts, {key}", r["running"], float("nan"),
                                  r["decode_tok_s"], r["fit"], r["step_ms"], r["write_ms"], r["map_ms"]))

@@ -67,7 +67,7 @@ def run_engine(model, requests, chunk=16, **kw):
     outs = llm.generate([ids for ids, _ in requests], GREEDY, pols, use_tqdm=False)
     llm.engine.pool.check()
     pool = llm.engine.pool  # on CUDA the decode graphs keep a scratch block for good
-    assert pool.num_free == pool.num_blocks - pool.reserved, "blocks leaked after all requests finished"
+    assert pool.num_free == pool.num_blocks - (0 if pool.striped else pool.reserved), "blocks leaked"
     return [o.outputs[0].token_ids for o in outs], llm.engine
 
 
@@ -637,7 +637,7 @@ def test_packed_pools_on_cuda_batched_equal_alone(model32, bits, monkeypatch):
 def held_pages(pool):
     """(range, page) pairs under the blocks that hold data: taken, or cached for a prefix hit."""
     pages = pool.pages
-    return {key for b in range(pool.num_blocks) if pool.ref[b] > 0 or b in pool.free_cached
+    return {key for b in range(len(pool.ref)) if pool.ref[b] > 0 or b in pool.free_cached
             for key in pages._pages(b)}
 
 
@@ -695,16 +695,57 @@ def test_virtual_pages_stay_mapped_when_idle_until_wanted_elsewhere():
     assert set(pages.mapped) == {(0, 0), (0, 1)}
 
 
-def test_virtual_storage_hands_out_the_lowest_free_block_first(model32, monkeypatch):
-    engine = LLMEngine(model32, num_blocks=16, block_size=8, kv_storage="virtual")
-    pool = engine.pool
-    taken = [pool.allocate() for _ in range(5)]  # block 0 is held for good: unused table entries point there
-    assert taken == [1, 2, 3, 4, 5]
-    pool.decref(taken[1])
-    pool.decref(taken[3])
-    assert pool.allocate() == 2 and pool.allocate() == 4 and pool.allocate() == 6
-    with pytest.raises(KvboundError, match="kv_storage must be"):
-        LLMEngine(model32, num_blocks=4, kv_storage="vmm")
+def test_virtual_storage_gives_each_sequence_one_contiguous_stripe(model, monkeypatch):
+    """Striped virtual storage: after every step each sequence's block i is its row's stripe block i, and its
+    decodes read it without a table (`contiguous`); a prefix hit from another row is copied into the stripe
+    (one in its own stripe stays), forks copy their parent's blocks, a tight bound preempts: outputs equal
+    the paged pool's (and a cold run's) throughout, and no block leaks."""
+    from kvbound.cache import block_pool
+    from kvbound.cache.virtual import HostPages
+    from kvbound.engine import runner
+    monkeypatch.setattr(block_pool, "HostPages", lambda _: HostPages(page_bytes=4096))
+    flags, attention = [], runner.table_attention
+    monkeypatch.setattr(runner, "table_attention", lambda *a, **kw: flags.append(kw.get("contiguous")) or attention(*a, **kw))
+
+    def run(engine, adds):
+        """adds: {step: [(prompt, params, policy)]}; every sequence's blocks checked after each step."""
+        ids, done, step = [], {}, 0
+        while step <= max(adds) or engine.has_unfinished():
+            ids += [engine.add_request(p, params, pol) for p, params, pol in adds.get(step, [])]
+            for out in engine.step(only_finished=True):
+                done[out.request_id] = [c.token_ids for c in out.outputs]
+            pool = engine.pool
+            for seq in engine.scheduler.running if pool.striped else ():
+                row = seq.cache.table_row
+                assert seq.cache.store.blocks == [pool.stripe_block(row, i) for i in range(len(seq.cache.store.blocks))]
+            pool.check()
+            step += 1
+        assert engine.pool.num_free == engine.pool.num_blocks and engine.pool.held == 0, "blocks leaked"
+        assert not engine.pool.striped or not engine.pool.tables.any()  # given back: rows point at block 0
+        return [done[i] for i in ids]
+
+    system = prompt(7, 40)
+    a, b, c = system + prompt(8, 9), system + prompt(9, 5), system + prompt(10, 7)
+    engine = LLMEngine(model, num_blocks=64, block_size=8, kv_storage="virtual")
+    run(engine, {0: [(a, GREEDY, None)]})
+    got = run(engine, {0: [(b, GREEDY, None)], 2: [(c, GREEDY, None)]})
+    assert got == [[alone(model, x, None, GREEDY, 512)] for x in (b, c)]
+    # b took a's row again and found its 5 blocks in place; c, on another row, copied them
+    assert engine.scheduler.stats["prefix_hit_tokens"] == 80 and engine.pool.copies == 5
+    assert flags and all(flags)
+
+    seeded = SamplingParams(max_tokens=10, n=3, temperature=0.9, seed=21, ignore_eos=True)
+    bounded = parse_policy("h2o:sink=2,heavy=10,recent=12")
+    reqs = {0: [(prompt(5, 13), seeded, None), (prompt(12, 45), seeded, bounded)],
+            3: [(p, SamplingParams(max_tokens=30, n=2, temperature=0.8, seed=9, ignore_eos=True), None)
+                for p in (prompt(30 + i, 20) for i in range(3))]}
+    paged = run(LLMEngine(model, num_blocks=128, block_size=8, max_num_batched_tokens=32, prefill_chunk=16), reqs)
+    tight = LLMEngine(model, num_blocks=16, block_size=8, max_num_batched_tokens=32, prefill_chunk=16,
+                      kv_storage="virtual", max_num_seqs=6)
+    assert run(tight, reqs) == paged
+    assert tight.scheduler.stats["preemptions"] > 0 and tight.pool.copies > 0
+    with pytest.raises(KvboundError, match="max_num_seqs"):
+        tight.add_request(prompt(1, 4), SamplingParams(n=7))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA driver's virtual memory")

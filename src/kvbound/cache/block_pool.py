@@ -11,10 +11,16 @@ published under the hash of its token ids chained with the previous block's hash
 every leading block whose hash matches *and whose stored token ids match* (a hash collision never serves
 the wrong KV). A freed published block keeps its contents and its hash until its memory is needed: free
 blocks are handed out never-published first, then least recently freed.
+
+Virtual storage (`kv_storage="virtual"`) gives each block-table row a stripe of its own: the row's block i is
+`stripe_block(row, i)`, so every sequence's slots are one contiguous run of the pool and the decode kernel
+reads it without a table (`contiguous`). The tensors are reserved address ranges, with physical pages only
+under blocks that hold data; `num_blocks` is then the physical bound (blocks holding data at once), not the
+reserved size. A prefix-cache hit or a fork copies its blocks into the new row's stripe (the compute is saved,
+not the memory), so a block is only ever held by its own row.
 """
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 
 import torch
@@ -26,10 +32,10 @@ from .store import EACH_HEAD, at
 from .virtual import BlockPages, CudaPages, HostPages
 
 
-# virtual storage's page: blocks of many sequences share pages, so only the pool's frontier page is partly used
-# and bigger pages cost little memory, while a decode step that grows caches maps a quarter as often as with
-# 2 MiB pages (each page costs about 0.1-0.3 ms of driver calls while the GPU is busy)
-POOL_PAGE_BYTES = 8 << 20
+# virtual storage's page: each sequence's stripe has its own frontier page, partly used, so pages are as small
+# as the driver allows (its granularity, 2 MiB on current GPUs)
+POOL_PAGE_BYTES = 2 << 20
+COMMON_BLOCKS = 2  # virtual storage: blocks before the stripes, taken for good (block 0, a decode graph's scratch)
 
 
 def block_hash(prev: int | None, tokens) -> int:
@@ -39,26 +45,29 @@ def block_hash(prev: int | None, tokens) -> int:
 class BlockPool:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, num_blocks: int, block_size: int = 16,
                  device="cpu", dtype=torch.float32, kv_bits: int | None = None, group_size: int = 64,
-                 kv_storage: str = "paged"):
+                 kv_storage: str = "paged", max_seqs: int = 16, max_seq_blocks: int | None = None):
         """kv_bits 8 or 4: blocks hold packed codes with an fp16 scale and bias per group of `group_size`
         (`kernels.packing`), written quantized once and moved as packed bytes; "fp8": float8 e4m3 codes with
-        a scale per token and head; None: `dtype` K/V. kv_storage "virtual": the tensors are reserved virtual
-        ranges with physical pages only under blocks that hold data (`virtual.BlockPages`), and free blocks
-        are handed out lowest first so the pages in use stay few; "paged": ordinary tensors, all committed."""
+        a scale per token and head; None: `dtype` K/V. kv_storage "virtual": a stripe of `max_seq_blocks`
+        blocks (default num_blocks) for each of `max_seqs` rows in reserved ranges, physical pages only under
+        blocks holding data (`virtual.BlockPages`); "paged": ordinary tensors of num_blocks blocks, all committed."""
         if block_size < 1 or num_blocks < 1:
             raise KvboundError(f"block pool: block_size ({block_size}) and num_blocks ({num_blocks}) must be >= 1")
         if kv_storage not in ("paged", "virtual"):
             raise KvboundError(f"kv_storage must be 'paged' or 'virtual', got {kv_storage!r}")
         self.pages = None
+        self.striped = kv_storage == "virtual"
         zeros = zeros_on(device)
-        if kv_storage == "virtual":
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.stripe = min(num_blocks, max_seq_blocks or num_blocks) if self.striped else 0
+        total = COMMON_BLOCKS + max_seqs * self.stripe if self.striped else num_blocks  # block ids there are
+        if self.striped:
             cuda = torch.device(device).type == "cuda"
             backend = CudaPages(device, POOL_PAGE_BYTES) if cuda else HostPages(POOL_PAGE_BYTES)
             self.pages = BlockPages(backend, device, block_size)
             zeros = self.pages.zeros
-        self.block_size, self.num_blocks = block_size, num_blocks
         self.device, self.dtype, self.kv_heads, self.head_dim = torch.device(device), dtype, kv_heads, head_dim
-        slots = num_blocks * block_size
+        slots = total * block_size
         self.packed = (None if kv_bits is None else Fp8KV(layers, slots, kv_heads, head_dim, zeros)
                        if kv_bits == "fp8" else PackedKV(layers, slots, kv_heads, head_dim, kv_bits, group_size, zeros))
         self.exact = self.packed is None  # reads back exactly what was written
@@ -66,38 +75,59 @@ class BlockPool:
         if self.packed is None:
             self.k = zeros((layers, slots, kv_heads, head_dim), dtype)
             self.v = zeros((layers, slots, kv_heads, head_dim), dtype)
-        self.ref = [0] * num_blocks
-        self.free_plain = list(range(num_blocks - 1, -1, -1))  # popped from the end: block 0 first
-        if self.pages is not None:
-            heapq.heapify(self.free_plain)  # a min-heap: the lowest free block first
+        self.ref = [0] * total
+        self.free_plain = [] if self.striped else list(range(num_blocks - 1, -1, -1))  # popped from the end: 0 first
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # published blocks with refcount 0, LRU first
         self.by_hash: dict[int, int] = {}  # hash -> block
         self.block_info: dict[int, tuple[int, tuple]] = {}  # block -> (hash, token ids) while published
-        self.copies = 0  # copy-on-write copies made (for tests and stats)
+        self.copies = 0  # blocks copied: copy-on-write, or into a stripe (for tests and stats)
         self.reserved = 0  # blocks taken for good (a decode graph's scratch block)
+        self.held = 0  # striped: blocks with a reference (the common ones aside), against the num_blocks bound
+        self.promised = 0  # striped: blocks this step's forks will copy into (`Scheduler._take` reserves them)
         # every live sequence's block table, one row each, on the pool's device: the batched decode reads
         # its slot tables from here with one gather per step
-        self.tables = torch.zeros(16, num_blocks, dtype=torch.int32, device=device)
-        self.free_rows = list(range(15, -1, -1))
-        if self.pages is not None:
+        rows = max_seqs if self.striped else 16
+        self.tables = torch.zeros(rows, self.stripe or num_blocks, dtype=torch.int32, device=device)
+        self.free_rows = list(range(rows - 1, -1, -1))
+        if self.striped:
             # block 0, held for good: the tables' unused entries point at it, since a batch's gather reads a
             # whole table width and an entry left from a freed block could point at an unmapped page
             self.reserve()
 
     def reserve(self) -> int:
-        """A block that is never given back."""
+        """A block that is never given back (striped: one of the common blocks, outside the num_blocks bound)."""
         self.reserved += 1
-        return self.allocate()
+        if not self.striped:
+            return self.allocate()
+        if self.reserved > COMMON_BLOCKS:
+            raise KvboundError(f"virtual storage keeps {COMMON_BLOCKS} blocks for good, and all are taken")
+        b = self.reserved - 1
+        self.pages.hold(b)
+        self.ref[b] = 1
+        return b
+
+    @property
+    def usable_blocks(self) -> int:
+        """The most blocks one sequence may hold: the pool less its reserved blocks, or (striped) its stripe."""
+        return self.stripe if self.striped else self.num_blocks - self.reserved
+
+    def stripe_block(self, row: int, i: int) -> int:
+        """Striped: the block that holds local block i of table row `row`."""
+        if i >= self.stripe:
+            raise KvboundError(f"a sequence needs block {i + 1}, but virtual storage gives each {self.stripe}")
+        return COMMON_BLOCKS + row * self.stripe + i
 
     def take_row(self) -> int:
         if not self.free_rows:
+            if self.striped:
+                raise KvboundError(f"virtual storage has stripes for {self.tables.shape[0]} sequences, all in use")
             old = self.tables.shape[0]
             self.tables = torch.cat([self.tables, torch.zeros_like(self.tables)])
             self.free_rows = list(range(2 * old - 1, old - 1, -1))
         return self.free_rows.pop()
 
     def give_row(self, row: int):
-        if self.pages is not None:
+        if self.striped:
             self.tables[row].zero_()  # its blocks may be unmapped once freed: point the row at block 0 again
         self.free_rows.append(row)
 
@@ -170,27 +200,50 @@ class BlockPool:
     # --- accounting -----------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
+        if self.striped:  # cached blocks count: their pages are taken back when wanted
+            return self.num_blocks - self.held - self.promised
         return len(self.free_plain) + len(self.free_cached)
 
-    def allocate(self) -> int:
+    def allocate(self, at: int | None = None) -> int:
+        """A free block (striped: block `at`, which must be free), with a reference."""
+        if self.striped:
+            return self._allocate_at(at)
         if self.free_plain:
-            if self.pages is None:
-                b = self.free_plain.pop()
-            else:
-                b = heapq.heappop(self.free_plain)
-                self.pages.hold(b)
+            b = self.free_plain.pop()
         elif self.free_cached:
             b, _ = self.free_cached.popitem(last=False)  # drop the least recently freed cached block
-            h, _ = self.block_info.pop(b)
-            del self.by_hash[h]
+            self._unpublish(b)
         else:
             raise KvboundError("block pool exhausted: no free block (the scheduler should have preempted)")
         self.ref[b] = 1
         return b
 
+    def _allocate_at(self, b: int) -> int:
+        if self.ref[b]:
+            raise KvboundError(f"block {b} is in use: a stripe's blocks belong to its row alone")
+        if self.held >= self.num_blocks:
+            raise KvboundError("block pool exhausted: no free block (the scheduler should have preempted)")
+        if b in self.free_cached:  # its cached contents give way (its pages stay)
+            del self.free_cached[b]
+            self._unpublish(b)
+        else:
+            if self.held + len(self.free_cached) >= self.num_blocks:  # the bound counts cached blocks' pages
+                old, _ = self.free_cached.popitem(last=False)
+                self._unpublish(old)
+                self.pages.drop(old)
+            self.pages.hold(b)
+        self.ref[b] = 1
+        self.held += 1
+        return b
+
+    def _unpublish(self, b: int):
+        h, _ = self.block_info.pop(b)
+        del self.by_hash[h]
+
     def incref(self, b: int):
         if self.ref[b] == 0:  # a cached free block comes back into use
             self.free_cached.pop(b)
+            self.held += self.striped
         self.ref[b] += 1
 
     def decref(self, b: int):
@@ -198,13 +251,13 @@ class BlockPool:
             raise KvboundError(f"block {b} freed more times than it was taken")
         self.ref[b] -= 1
         if self.ref[b] == 0:
+            self.held -= self.striped
             if b in self.block_info:
                 self.free_cached[b] = None  # keeps its contents (and pages) for a prefix hit
-            elif self.pages is None:
-                self.free_plain.append(b)
-            else:
-                heapq.heappush(self.free_plain, b)
+            elif self.striped:
                 self.pages.drop(b)
+            else:
+                self.free_plain.append(b)
 
     def free_all(self, blocks: list[int]):
         for b in reversed(blocks):  # the tail first, so a prompt's head stays cached longest
@@ -213,11 +266,37 @@ class BlockPool:
     def copy_block(self, src: int) -> int:
         """A private copy of a shared block (copy-on-write); the caller drops its reference to `src`."""
         dst = self.allocate()
-        bs = self.block_size
-        for t in self.raw:
-            t[:, dst * bs:(dst + 1) * bs] = t[:, src * bs:(src + 1) * bs]
+        self.copy_blocks([src], [dst])
         self.copies += 1
         return dst
+
+    def copy_blocks(self, src: list[int], dst: list[int]):
+        """The bytes of blocks `src` into blocks `dst` (every layer), one copy per tensor."""
+        if src:
+            dst_slots, src_slots = self.block_slots(dst), self.block_slots(src)
+            for t in self.raw:
+                t[:, dst_slots] = t[:, src_slots]
+
+    def adopt(self, row: int, blocks: list[int]) -> list[int]:
+        """Striped: a new row's leading blocks (prefix-cache hits, or a fork's, each with a reference) copied
+        into its stripe while there is room (a hit already there stays); the rest are let go. Returns the
+        row's blocks."""
+        kept, src, dst = [], [], []
+        for i, b in enumerate(blocks):
+            at = self.stripe_block(row, i)
+            if b != at and self.num_free <= 0:
+                for rest in blocks[i:]:
+                    self.decref(rest)
+                break
+            if b != at:
+                src.append(b)
+                dst.append(self.allocate(at))
+            kept.append(at)
+        self.copy_blocks(src, dst)
+        self.copies += len(src)
+        for b in src:
+            self.decref(b)
+        return kept
 
     def trim(self) -> int:
         """Virtual storage: give unmapped physical pages back to the device (bytes returned)."""
@@ -277,6 +356,10 @@ class BlockPool:
 
     def check(self):
         """Invariants (used by tests): refcounts >= 0, and a block is free exactly when its refcount is 0."""
+        if self.striped:
+            assert self.held == sum(r > 0 for r in self.ref) - self.reserved <= self.num_blocks
+            assert all(self.ref[b] == 0 and b in self.block_info for b in self.free_cached)
+            return
         free = set(self.free_plain) | set(self.free_cached)
         assert len(free) == len(self.free_plain) + len(self.free_cached), "a block is on a free list twice"
         for b, r in enumerate(self.ref):

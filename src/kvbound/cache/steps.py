@@ -69,16 +69,19 @@ def kernel_reads(storage, layer, q, policy) -> tuple | None:
     return storage.kernel_args(layer)
 
 
-def table_attention(q, storage, layer, table, lens, policy=None, score=None):
+def table_attention(q, storage, layer, table, lens, policy=None, score=None, contiguous=False):
     """One new query per sequence, q [B, Hq, D], over its keys at table[b, :lens[b]]. `score` [B, M, H]
-    (a policy's, with the policy) folds in this step's probabilities of the valid keys."""
+    (a policy's, with the policy) folds in this step's probabilities of the valid keys. contiguous: key j is
+    at slot table[b, 0] + j, and only column 0 is read (virtual storage's stripes)."""
     mode = None if score is None else policy.fold
     score = None if mode is None else score
     args = kernel_reads(storage, layer, q, policy)
     if args is not None:
         k_pool, v_pool, quant = args
         return decode_attention(q, k_pool, v_pool, table, lens, score=score, quant=quant, score_mode=mode,
-                                ema_decay=policy.fold_decay if policy is not None else 0.95)
+                                ema_decay=policy.fold_decay if policy is not None else 0.95, contiguous=contiguous)
+    if contiguous:
+        table = table[:, :1] + torch.arange(table.shape[1], device=table.device, dtype=table.dtype)
     k, v = storage.gather(layer, table.long())
     out, step = decode_with_scores(q, k, v, lens, mode)
     if step is not None:

@@ -14,6 +14,8 @@ from typing import Protocol
 
 import torch
 
+from ..errors import KvboundError
+
 
 EACH_HEAD = "each head"  # `heads` of a write whose slots [T, H] name one slot per token and head
 
@@ -134,10 +136,12 @@ class PagedStore:
     exact = True
 
     def __init__(self, pool, blocks=()):
+        """blocks: leading blocks to start from, a reference taken on each (a striped pool copies them into
+        this row's stripe while it has room, and keeps only those: see `len(blocks)`)."""
         self.pool = self.storage = pool
-        self.blocks = list(blocks)
         self.private = False  # set once `make_private` found nothing shared past its first block
         self.row = pool.take_row()  # this sequence's row in the pool's block tables
+        self.blocks = pool.adopt(self.row, list(blocks)) if pool.striped else list(blocks)
         self._changed()
 
     def _changed(self):
@@ -175,7 +179,9 @@ class PagedStore:
         """Take blocks from the pool until `slots` local slots exist (exactly, rounded up to a block)."""
         need = self.blocks_for(slots)
         if need:
-            self.blocks += [self.pool.allocate() for _ in range(need)]
+            n = len(self.blocks)
+            self.blocks += [self.pool.allocate(self.pool.stripe_block(self.row, i) if self.pool.striped else None)
+                            for i in range(n, n + need)]
             self._changed()
         return self.capacity
 
@@ -193,11 +199,15 @@ class PagedStore:
         self.private = True
 
     def fork(self) -> "PagedStore":
-        """A second view of the same blocks (each gets a reference); both copy a block before writing it."""
+        """A second view of the same blocks (each gets a reference); both copy a block before writing it. A
+        striped pool copies them at once instead, into the fork's stripe (the scheduler kept room for it)."""
         for b in self.blocks:
             self.pool.incref(b)
-        self.private = False
-        return PagedStore(self.pool, self.blocks)
+        self.private = self.private and self.pool.striped
+        kid = PagedStore(self.pool, self.blocks)
+        if len(kid.blocks) < len(self.blocks):
+            raise KvboundError("a fork found no room for its copies in virtual storage (the scheduler keeps room)")
+        return kid
 
     def after_insert(self, layer, n, pos, newest):
         pass

@@ -299,7 +299,7 @@ class BlockPages:
         self.mapped: dict[tuple[int, int], int] = {}  # (range index, page index) -> physical page
         self.spare: list[int] = []  # physical pages unmapped, ready for reuse
         self.idle: dict[tuple[int, int], None] = {}  # mapped keys no block holds, oldest first
-        self.flat: list[torch.Tensor] = []  # each range as bytes (CUDA)
+        self.flat: list[torch.Tensor] = []  # each range as bytes, to zero fresh pages through
         self.home: dict[int, int] = {}  # physical page -> the range index it last held data of
         self.reserved_bytes = 0
         self.counts = dict(mapped=0, unmapped=0)
@@ -319,7 +319,14 @@ class BlockPages:
         if isinstance(self.backend, CudaPages):
             self.flat.append(self.backend.tensor(rng, 0, (pages * self.page_bytes,)))  # for zeroing pages
             return self.backend.tensor(rng, 0, token_major, dtype).transpose(0, 1)
-        return torch.zeros(token_major, dtype=dtype, device=self.device).transpose(0, 1)
+        try:  # the host's own virtual memory: untouched pages of a large allocation take no memory
+            dense = torch.empty(token_major, dtype=dtype, device=self.device)
+        except RuntimeError:
+            raise KvboundError(f"virtual storage on the CPU is one dense tensor of {slots * row / 2**30:.1f} GiB, "
+                               "more than this machine can reserve: lower --max-num-seqs or use --kv-storage "
+                               "paged") from None
+        self.flat.append(dense.view(-1).view(torch.uint8))
+        return dense.transpose(0, 1)
 
     def _pages(self, block: int):
         bs = self.block_size
@@ -342,15 +349,16 @@ class BlockPages:
                 self.mapped[key] = page
                 self.counts["mapped"] += 1
                 # fresh bytes, or another tensor's (fp16 scales as e4m3 codes), could read as NaN under masked
-                # attention; stale values of the same tensor are finite, as in a paged pool's reused blocks
-                if self.flat and self.home.get(page) != key[0]:
+                # attention; stale values of the same tensor are finite, as in a paged pool's reused blocks (on the
+                # host a dense tensor stands in, whose bytes do not move with the page: zeroed at every map)
+                if self.home.get(page) != key[0] or not isinstance(self.backend, CudaPages):
                     self.flat[key[0]][key[1] * self.page_bytes:(key[1] + 1) * self.page_bytes].zero_()
                 self.home[page] = key[0]
         self.map_seconds += time.perf_counter() - t0
 
     def drop(self, block: int):
         """`block` holds nothing any more. Pages no block holds stay mapped (idle) until a page is needed
-        elsewhere or `trim`: unmapping waits for the GPU, and the lowest-first blocks come back to them."""
+        elsewhere or `trim`: unmapping waits for the GPU, and a stripe's next owner comes back to them."""
         for key in self._pages(block):
             self.users[key] -= 1
             if self.users[key] == 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..staging import to_device
-from .runner import AppendGroup, EvictGroup, GroupKey, SharedGroup, append_rows, bounded_tables, pool_rows
+from .runner import AppendGroup, EvictGroup, GroupKey, SharedGroup, append_rows, append_tables, bounded_tables
 
 
 class DecodeGraphs:
@@ -109,7 +109,10 @@ class DecodeGraphs:
             host = to_device([ids, [s.cache.seen for s in seqs], new, lens], dev)
             self.new[:b], self.lens[:b] = host[2], host[3].to(torch.int32)
             self.new[b:size], self.lens[b:size], self.table[b:size, 0] = self.scratch, 1, self.scratch
-            self.table[:b, :need * self.pool.block_size] = self.pool.slot_tables(pool_rows(self.pool, seqs), need)
+            if self.pool.striped:  # the kernel reads column 0 alone
+                self.table[:b, 0] = append_tables(self.pool, seqs, 1)[:, 0]
+            else:
+                self.table[:b, :need * self.pool.block_size] = append_tables(self.pool, seqs, need)
         else:
             rows, table = self.evict_buffers[key.meta]
             host = to_device([ids, [s.cache.seen for s in seqs], [s.cache.stacked[1] for s in seqs]], dev)

@@ -137,8 +137,10 @@ class LLMEngine:
         kv_group_size), quantized once as they are written; the same tokens then take a half or a quarter of
         the bf16 bytes, so kv_cache_tokens can grow in proportion for the same memory. kv_bits "fp8": float8
         e4m3 codes with a scale per token and head (vLLM's --kv-cache-dtype fp8).
-        kv_storage "virtual": the pool is reserved, not committed: physical pages back only the blocks in use
-        (`cache.virtual.BlockPages`), and go back to the device whenever the engine falls idle.
+        kv_storage "virtual": each sequence's cache is one contiguous range of reserved address space (a stripe
+        of the pool), read by the decode kernel without a block table; physical pages back only the blocks in use
+        (`cache.virtual.BlockPages`), and go back to the device whenever the engine falls idle. num_blocks then
+        bounds the blocks in use at once. Prefix-cache hits and forks copy their blocks into the new stripe.
         swap_space: GiB of host memory for preempted sequences' caches (vLLM's --swap-space): an unbounded
         one's full blocks, a bounded one's whole state, restored when it resumes instead of recomputed.
         0: recompute.
@@ -157,7 +159,8 @@ class LLMEngine:
             raise KvboundError(f"kv_bits {kv_bits!r}: the paged pool packs one width, 8, 4 or 'fp8' (mixed widths "
                                "run on a single-sequence cache)")
         self.pool = BlockPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size,
-                              self.device, self.kv_dtype, kv_bits, kv_group_size, kv_storage)
+                              self.device, self.kv_dtype, kv_bits, kv_group_size, kv_storage, max_seqs=max_num_seqs + 1,
+                              max_seq_blocks=-(-cfg.max_position_embeddings // block_size))
         self.caches = PoolCaches(cfg, self.pool, self.device, self.kv_dtype, max_num_seqs + 1)
         self.scheduler = Scheduler(self.pool, self.caches, max_num_batched_tokens, max_num_seqs, prefill_chunk,
                                    int(swap_space * 2**30))
@@ -399,6 +402,8 @@ class LLMEngine:
         if seq.forked or seq.params.n == 1:
             return []
         seq.forked = True
+        # a striped pool copies the parent's blocks into each fork's stripe, in the room `Scheduler._take` kept
+        self.pool.promised = max(0, self.pool.promised - (seq.params.n - 1) * len(seq.cache.store.blocks))
         kids = []
         for i in range(1, seq.params.n):
             kid = Sequence(seq.request_id, i, seq.prompt, seq.params, seq.policy, arrival=seq.arrival,

@@ -83,16 +83,26 @@ def bounded_tables(pool, seqs, cap) -> torch.Tensor:
     return pool.slot_tables(pool_rows(pool, seqs), -(-cap // pool.block_size))[:, :cap].contiguous()
 
 
+def append_tables(pool, seqs, width: int) -> torch.Tensor:
+    """Slot tables [B, width * bs] of append decodes; striped (virtual storage): each sequence's first slot,
+    expanded, since the kernel reads its stripe without a table."""
+    if not pool.striped:
+        return pool.slot_tables(pool_rows(pool, seqs), width)
+    first = [pool.stripe_block(s.cache.table_row, 0) * pool.block_size for s in seqs]
+    return to_device(first, pool.device, torch.int32)[:, None].expand(-1, width * pool.block_size)
+
+
 class AppendGroup:
     """Decode rows whose caches only append: each new token's K/V go to pool slot `new[b]`, then one paged
-    attention over `table[b, :lens[b]]`. Also the cache object of a captured decode graph."""
+    attention over `table[b, :lens[b]]` (striped: over each sequence's contiguous slots from `table[b, 0]`).
+    Also the cache object of a captured decode graph."""
 
     def __init__(self, pool, new, lens, table):
         self.pool, self.new, self.lens, self.table = pool, new, lens, table
 
     def attend(self, layer, q, k, v, positions=None):
         self.pool.write(layer, self.new, k, v)
-        return table_attention(q, self.pool, layer, self.table, self.lens)
+        return table_attention(q, self.pool, layer, self.table, self.lens, contiguous=self.pool.striped)
 
 
 class EvictGroup:
@@ -205,7 +215,7 @@ def make_group(pool, key: GroupKey, pieces):
     if key.kind == "append":
         new, lens, width = append_rows(pool, seqs)
         return AppendGroup(pool, torch.tensor(new, device=dev), torch.tensor(lens, device=dev, dtype=torch.int32),
-                           pool.slot_tables(pool_rows(pool, seqs), width))
+                           append_tables(pool, seqs, width))
     if key.kind == "prefill":
         return PrefillGroup(pool, [len(s.cache) for s in seqs], [t for _, t in pieces], pool_rows(pool, seqs))
     rows = stacked_rows(seqs, dev)

@@ -138,8 +138,11 @@ class Scheduler:
         return -(-(len(seq.prompt) + seq.params.max_tokens) // bs)
 
     def add(self, seq: Sequence):
+        if seq.params.n > self.max_num_seqs:
+            raise KvboundError(f"request {seq.request_id}: n={seq.params.n} completions, but at most "
+                               f"{self.max_num_seqs} sequences run at once (max_num_seqs)")
         need = self.blocks_to_finish(seq)
-        usable = self.pool.num_blocks - self.pool.reserved
+        usable = self.pool.usable_blocks
         if need > usable:
             what = (f"its cache bound ({seq.policy.budget} tokens)" if seq.bounded else
                     f"prompt ({len(seq.prompt)}) + max_tokens ({seq.params.max_tokens})")
@@ -158,6 +161,7 @@ class Scheduler:
         before it stay theirs: reserving again takes none)."""
         batch: list[tuple[Sequence, int]] = []
         room = self.max_tokens_per_step
+        self.pool.promised = 0  # room for the last step's forks was taken by them
         prefills = []
         for seq in list(self.running):  # decodes first
             if seq.status != RUNNING or seq.finishing:  # its last token is drawn: no step more
@@ -183,7 +187,7 @@ class Scheduler:
                 if t and self._take(seq, t):
                     batch.append((seq, t))
                     room -= t
-        while self.waiting and room > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and room > 0 and len(self.running) + self._members(self.waiting[0]) <= self.max_num_seqs:
             seq = self.waiting[0]
             if seq.cache is None:
                 self._attach_cache(seq)
@@ -214,6 +218,18 @@ class Scheduler:
             self.stats["steps"] += 1
         return batch
 
+    @staticmethod
+    def _members(seq: Sequence) -> int:
+        """Sequences it counts for against max_num_seqs: its n completions until they are forked."""
+        return 1 if seq.forked else seq.params.n
+
+    def fork_blocks(self, seq: Sequence, t: int) -> int:
+        """Blocks the forks of a sequence drawing its first token after t more take in a striped pool, where
+        each copies its parent's blocks (a paged pool shares them)."""
+        if not self.pool.striped or seq.forked or seq.params.n == 1 or seq.to_feed() != t:
+            return 0
+        return (seq.params.n - 1) * -(-max(seq.cache.store.capacity, seq.cache.slots_needed(t)) // self.pool.block_size)
+
     def _take(self, seq: Sequence, t: int) -> bool:
         """Reserve the blocks (new and copy-on-write) that feeding t tokens needs, if there are enough."""
         cache = seq.cache
@@ -223,9 +239,11 @@ class Scheduler:
                 return True
         if t == 1 and seq.bounded and cache.store.private and cache.slots_needed(1) <= cache.store.capacity:
             return True  # a bounded decode within its blocks, none of them shared
-        if self._blocks_needed(seq, t) > self.pool.num_free:
+        forks = self.fork_blocks(seq, t)
+        if self._blocks_needed(seq, t) + forks > self.pool.num_free:
             return False
         seq.cache.prepare(t)
+        self.pool.promised += forks
         return True
 
     def _blocks_needed(self, seq: Sequence, t: int) -> int:
@@ -242,44 +260,47 @@ class Scheduler:
         if seq.swapped is not None and seq.bounded:
             if not self._restore(seq):
                 return
-            hits = []
+            held = 0
         else:
             tokens = seq.prompt if seq.swapped is None else seq.tokens
             limit = (len(tokens) - 1) // bs
             if seq.bounded:
                 limit = min(limit, seq.policy.protected_prefix // bs)
             hits = self.pool.match_prefix(tokens, limit)
-            if seq.swapped is not None:
-                restored = self._swap_in(seq, tokens, hits, limit)
-                if restored is None:
-                    self.pool.free_all(hits)
-                    return
-                hits += restored
+            chain = [self.pool.block_info[b][0] for b in hits]
             seq.cache = self.make_cache(seq.policy, hits)
-            if hits:
-                seq.cache.adopt_prefix(len(hits) * bs)
+            kept = len(seq.cache.store.blocks)  # a striped pool keeps the hits it had room to copy
+            if seq.swapped is not None and not self._swap_in(seq, tokens, kept, limit, chain[kept - 1] if kept else None):
+                seq.cache.release()
+                seq.cache = None
+                return
+            held = len(seq.cache.store.blocks)
+            if held:
+                seq.cache.adopt_prefix(held * bs)
         seq.published, seq.last_hash = 0, None
-        seq.hit_tokens = len(hits) * bs
+        seq.hit_tokens = held * bs
 
-    def _swap_in(self, seq: Sequence, tokens: list[int], hits: list[int], limit: int) -> list[int] | None:
-        """A swapped-out sequence's blocks after the prefix-cache `hits`, up to its full blocks, written back into
-        fresh blocks and published under their hashes; None while the pool has no room for all of them."""
+    def _swap_in(self, seq: Sequence, tokens: list[int], first: int, limit: int, chain: int | None) -> bool:
+        """A swapped-out sequence's full blocks after its `first` prefix-cache hits (whose chain ends at hash
+        `chain`), up to `limit`, written back into its cache's next blocks and published under their hashes;
+        False while the pool has no room for all of them."""
         full, host = seq.swapped
-        first, bs = len(hits), self.pool.block_size
+        bs, store = self.pool.block_size, seq.cache.store
         n = min(full, limit) - first
         if n <= 0:
-            return []
+            return True
         if n > self.pool.num_free:
-            return None
-        blocks = [self.pool.allocate() for _ in range(n)]
+            return False
+        store.grow((first + n) * bs)
+        blocks = store.blocks[first:first + n]
         self.pool.write_blocks(blocks, [x[:, first * bs:(first + n) * bs] for x in host])
-        h = self.pool.block_info[hits[-1]][0] if hits else None  # the chain goes on from the last hit's hash
+        h = chain  # the chain goes on from the last hit's hash
         for i, b in enumerate(blocks, first):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = block_hash(h, chunk)
             self.pool.publish(b, h, chunk)
         self.stats["swapped_in_blocks"] += n
-        return blocks
+        return True
 
     def _restore(self, seq: Sequence) -> bool:
         """A swapped-out bounded sequence's cache back as it was, once the pool has room for its blocks."""
