@@ -680,16 +680,17 @@ def test_virtual_pages_stay_mapped_when_idle_until_wanted_elsewhere():
     from kvbound.cache.virtual import BlockPages, HostPages
     pages = BlockPages(HostPages(page_bytes=1024), "cpu", block_size=4)
     pages.zeros((2, 64, 4, 8), torch.float32)  # 2 layers x 4 heads x 8 x 4 bytes = 256-byte rows: a page per block
-    for b in (0, 1, 2):
-        pages.hold(b)
+    pages.hold([0, 1, 2])
+    assert pages.backend.access_calls == 1  # three pages side by side: access granted in one call
     pages.drop(1)
     pages.drop(2)
     assert pages.counts == dict(mapped=3, unmapped=0) and list(pages.idle) == [(0, 1), (0, 2)]
-    pages.hold(1)
+    pages.hold([1])
     assert pages.counts["mapped"] == 3 and list(pages.idle) == [(0, 2)]
     created = len(pages.backend.pages)
-    pages.hold(5)
+    pages.hold([5])
     assert pages.counts == dict(mapped=4, unmapped=1) and not pages.idle and len(pages.backend.pages) == created
+    assert pages.backend.access_calls == 2
     pages.drop(5)
     assert pages.committed_bytes == 3 * 1024 and pages.trim() == 1 and pages.committed_bytes == 2 * 1024
     assert set(pages.mapped) == {(0, 0), (0, 1)}
@@ -706,6 +707,14 @@ def test_virtual_storage_gives_each_sequence_one_contiguous_stripe(model, monkey
     monkeypatch.setattr(block_pool, "HostPages", lambda _: HostPages(page_bytes=4096))
     flags, attention = [], runner.table_attention
     monkeypatch.setattr(runner, "table_attention", lambda *a, **kw: flags.append(kw.get("contiguous")) or attention(*a, **kw))
+
+    def virtual(**kw):
+        """A striped engine whose unmapped bytes read NaN (a page is zeroed as it is mapped), so a read outside
+        the mapped stripes shows in the outputs."""
+        engine = LLMEngine(model, block_size=8, kv_storage="virtual", **kw)
+        for t in engine.pool.raw:
+            t.fill_(float("nan"))
+        return engine
 
     def run(engine, adds):
         """adds: {step: [(prompt, params, policy)]}; every sequence's blocks checked after each step."""
@@ -726,7 +735,7 @@ def test_virtual_storage_gives_each_sequence_one_contiguous_stripe(model, monkey
 
     system = prompt(7, 40)
     a, b, c = system + prompt(8, 9), system + prompt(9, 5), system + prompt(10, 7)
-    engine = LLMEngine(model, num_blocks=64, block_size=8, kv_storage="virtual")
+    engine = virtual(num_blocks=64)
     run(engine, {0: [(a, GREEDY, None)]})
     got = run(engine, {0: [(b, GREEDY, None)], 2: [(c, GREEDY, None)]})
     assert got == [[alone(model, x, None, GREEDY, 512)] for x in (b, c)]
@@ -740,8 +749,7 @@ def test_virtual_storage_gives_each_sequence_one_contiguous_stripe(model, monkey
             3: [(p, SamplingParams(max_tokens=30, n=2, temperature=0.8, seed=9, ignore_eos=True), None)
                 for p in (prompt(30 + i, 20) for i in range(3))]}
     paged = run(LLMEngine(model, num_blocks=128, block_size=8, max_num_batched_tokens=32, prefill_chunk=16), reqs)
-    tight = LLMEngine(model, num_blocks=16, block_size=8, max_num_batched_tokens=32, prefill_chunk=16,
-                      kv_storage="virtual", max_num_seqs=6)
+    tight = virtual(num_blocks=16, max_num_batched_tokens=32, prefill_chunk=16, max_num_seqs=6)
     assert run(tight, reqs) == paged
     assert tight.scheduler.stats["preemptions"] > 0 and tight.pool.copies > 0
     with pytest.raises(KvboundError, match="max_num_seqs"):

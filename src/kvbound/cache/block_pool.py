@@ -102,7 +102,7 @@ class BlockPool:
         if self.reserved > COMMON_BLOCKS:
             raise KvboundError(f"virtual storage keeps {COMMON_BLOCKS} blocks for good, and all are taken")
         b = self.reserved - 1
-        self.pages.hold(b)
+        self.pages.hold([b])
         self.ref[b] = 1
         return b
 
@@ -207,7 +207,7 @@ class BlockPool:
     def allocate(self, at: int | None = None) -> int:
         """A free block (striped: block `at`, which must be free), with a reference."""
         if self.striped:
-            return self._allocate_at(at)
+            return self.take([at])[0]
         if self.free_plain:
             b = self.free_plain.pop()
         elif self.free_cached:
@@ -218,23 +218,29 @@ class BlockPool:
         self.ref[b] = 1
         return b
 
-    def _allocate_at(self, b: int) -> int:
+    def take(self, blocks: list[int]) -> list[int]:
+        """Striped: free blocks `blocks` (a stripe's next ones), each with a reference; the pages under them are
+        mapped in one pass."""
+        self.pages.hold([b for b in blocks if self._claim(b)])
+        return blocks
+
+    def _claim(self, b: int) -> bool:
+        """Block b's accounting; True when pages must be held under it (it is no cached block)."""
         if self.ref[b]:
             raise KvboundError(f"block {b} is in use: a stripe's blocks belong to its row alone")
         if self.held >= self.num_blocks:
             raise KvboundError("block pool exhausted: no free block (the scheduler should have preempted)")
+        self.ref[b] = 1
+        self.held += 1
         if b in self.free_cached:  # its cached contents give way (its pages stay)
             del self.free_cached[b]
             self._unpublish(b)
-        else:
-            if self.held + len(self.free_cached) >= self.num_blocks:  # the bound counts cached blocks' pages
-                old, _ = self.free_cached.popitem(last=False)
-                self._unpublish(old)
-                self.pages.drop(old)
-            self.pages.hold(b)
-        self.ref[b] = 1
-        self.held += 1
-        return b
+            return False
+        if self.held + len(self.free_cached) > self.num_blocks:  # the bound counts cached blocks' pages
+            old, _ = self.free_cached.popitem(last=False)
+            self._unpublish(old)
+            self.pages.drop(old)
+        return True
 
     def _unpublish(self, b: int):
         h, _ = self.block_info.pop(b)
@@ -281,18 +287,18 @@ class BlockPool:
         """Striped: a new row's leading blocks (prefix-cache hits, or a fork's, each with a reference) copied
         into its stripe while there is room (a hit already there stays); the rest are let go. Returns the
         row's blocks."""
-        kept, src, dst = [], [], []
+        kept, src, dst, room = [], [], [], self.num_free
         for i, b in enumerate(blocks):
             at = self.stripe_block(row, i)
-            if b != at and self.num_free <= 0:
+            if b != at and len(dst) >= room:
                 for rest in blocks[i:]:
                     self.decref(rest)
                 break
             if b != at:
                 src.append(b)
-                dst.append(self.allocate(at))
+                dst.append(at)
             kept.append(at)
-        self.copy_blocks(src, dst)
+        self.copy_blocks(src, self.take(dst))
         self.copies += len(src)
         for b in src:
             self.decref(b)

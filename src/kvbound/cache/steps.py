@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import causal_attention_batch, decode_attention, decode_with_scores, fold_scores
+from ..kernels import causal_attention_batch, contiguous_slots, decode_attention, decode_with_scores, fold_scores
 from .store import EACH_HEAD
 
 
@@ -81,7 +81,7 @@ def table_attention(q, storage, layer, table, lens, policy=None, score=None, con
         return decode_attention(q, k_pool, v_pool, table, lens, score=score, quant=quant, score_mode=mode,
                                 ema_decay=policy.fold_decay if policy is not None else 0.95, contiguous=contiguous)
     if contiguous:
-        table = table[:, :1] + torch.arange(table.shape[1], device=table.device, dtype=table.dtype)
+        table = contiguous_slots(table, lens)
     k, v = storage.gather(layer, table.long())
     out, step = decode_with_scores(q, k, v, lens, mode)
     if step is not None:

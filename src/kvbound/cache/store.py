@@ -179,9 +179,9 @@ class PagedStore:
         """Take blocks from the pool until `slots` local slots exist (exactly, rounded up to a block)."""
         need = self.blocks_for(slots)
         if need:
-            n = len(self.blocks)
-            self.blocks += [self.pool.allocate(self.pool.stripe_block(self.row, i) if self.pool.striped else None)
-                            for i in range(n, n + need)]
+            n, pool = len(self.blocks), self.pool
+            self.blocks += (pool.take([pool.stripe_block(self.row, i) for i in range(n, n + need)]) if pool.striped
+                            else [pool.allocate() for _ in range(need)])
             self._changed()
         return self.capacity
 

@@ -32,7 +32,8 @@ class PageBackend(Protocol):
     def free(self, rng: int) -> None: ...
     def create(self) -> int: ...  # a physical page
     def release(self, page: int) -> None: ...
-    def map(self, rng: int, index: int, page: int) -> None: ...
+    def map(self, rng: int, index: int, page: int, access: bool = True) -> None: ...  # access=False: `allow` later
+    def allow(self, rng: int, index: int, count: int) -> None: ...  # access to pages [index, index + count), mapped
     def unmap(self, rng: int, index: int) -> None: ...
     def copy(self, dst: int, src: int) -> None: ...  # page to page
     def to_host(self, page: int) -> torch.Tensor: ...  # uint8 [page_bytes]
@@ -59,6 +60,7 @@ class HostPages:
         self.pages: dict[int, torch.Tensor] = {}
         self.ranges: dict[int, dict[int, int]] = {}
         self._next = 0
+        self.access_calls = 0  # `allow` calls (the driver's cuMemSetAccess)
 
     def _id(self) -> int:
         self._next += 1
@@ -83,10 +85,15 @@ class HostPages:
             raise KvboundError(f"page {page} released while mapped")
         del self.pages[page]
 
-    def map(self, rng, index, page):
+    def map(self, rng, index, page, access=True):
         if index in self.ranges[rng]:
             raise KvboundError(f"page {index} of range {rng} is already mapped")
         self.ranges[rng][index] = page
+
+    def allow(self, rng, index, count):
+        self.access_calls += 1
+        if any(i not in self.ranges[rng] for i in range(index, index + count)):
+            raise KvboundError(f"access set on pages {index}..{index + count - 1} of range {rng}, not all mapped")
 
     def unmap(self, rng, index):
         del self.ranges[rng][index]
@@ -282,6 +289,17 @@ class VirtualPages:
         return region * self.region_pages * self.page_bytes + token * self.token_bytes
 
 
+def _runs(keys):
+    """(range index, first page, count) of each run of consecutive pages in sorted (range index, page) keys."""
+    runs = []
+    for i, index in keys:
+        if runs and runs[-1][0] == i and runs[-1][1] + runs[-1][2] == index:
+            runs[-1][2] += 1
+        else:
+            runs.append([i, index, 1])
+    return runs
+
+
 class BlockPages:
     """The engine's block pool in virtual ranges (`--kv-storage virtual`): each pool tensor is reserved whole
     but stored token-major ([slots, layers, ...], exposed as the pool's [layers, slots, ...] view), so one
@@ -334,26 +352,32 @@ class BlockPages:
             for index in range(block * bs * row // self.page_bytes, -(-(block + 1) * bs * row // self.page_bytes)):
                 yield i, index
 
-    def hold(self, block: int):
-        """`block` now holds data: map a page under it where none is (a page still mapped from earlier data
-        is kept as it is: stale finite values, as a paged pool's reused blocks hold)."""
+    def hold(self, blocks: list[int]):
+        """`blocks` now hold data: map a page under them where none is (a page still mapped from earlier data
+        is kept as it is: stale finite values, as a paged pool's reused blocks hold). Access is granted once per
+        run of pages newly mapped side by side (a prompt's blocks: one driver call, not one per page)."""
         t0 = time.perf_counter()
-        for key in self._pages(block):
+        fresh = []
+        for key in (key for block in blocks for key in self._pages(block)):
             self.users[key] = self.users.get(key, 0) + 1
             self.idle.pop(key, None)
             if self.users[key] == 1 and key not in self.mapped:
                 if not self.spare:
                     self._unmap_idle()
                 page = self.spare.pop() if self.spare else self.backend.create()
-                self.backend.map(self.ranges[key[0]][0], key[1], page)
+                self.backend.map(self.ranges[key[0]][0], key[1], page, access=False)
                 self.mapped[key] = page
                 self.counts["mapped"] += 1
-                # fresh bytes, or another tensor's (fp16 scales as e4m3 codes), could read as NaN under masked
-                # attention; stale values of the same tensor are finite, as in a paged pool's reused blocks (on the
-                # host a dense tensor stands in, whose bytes do not move with the page: zeroed at every map)
-                if self.home.get(page) != key[0] or not isinstance(self.backend, CudaPages):
-                    self.flat[key[0]][key[1] * self.page_bytes:(key[1] + 1) * self.page_bytes].zero_()
-                self.home[page] = key[0]
+                fresh.append((key, page))
+        for i, first, count in _runs(sorted(key for key, _ in fresh)):
+            self.backend.allow(self.ranges[i][0], first, count)
+        for key, page in fresh:
+            # fresh bytes, or another tensor's (fp16 scales as e4m3 codes), could read as NaN under masked
+            # attention; stale values of the same tensor are finite, as in a paged pool's reused blocks (on the
+            # host a dense tensor stands in, whose bytes do not move with the page: zeroed at every map)
+            if self.home.get(page) != key[0] or not isinstance(self.backend, CudaPages):
+                self.flat[key[0]][key[1] * self.page_bytes:(key[1] + 1) * self.page_bytes].zero_()
+            self.home[page] = key[0]
         self.map_seconds += time.perf_counter() - t0
 
     def drop(self, block: int):
@@ -461,10 +485,16 @@ class CudaPages:
     def release(self, page):
         self._check(self.cu.cuMemRelease(self.pages.pop(page)))
 
-    def map(self, rng, index, page):
+    def map(self, rng, index, page, access=True):
         at = self.cu.CUdeviceptr(rng + index * self.page_bytes)
         self._check(self.cu.cuMemMap(at, self.page_bytes, 0, self.pages[page], 0))
-        self._check(self.cu.cuMemSetAccess(at, self.page_bytes, [self.access], 1))
+        if access:
+            self.allow(rng, index, 1)
+
+    def allow(self, rng, index, count):
+        """Read-write access to mapped pages [index, index + count) of a range, in one driver call."""
+        at = self.cu.CUdeviceptr(rng + index * self.page_bytes)
+        self._check(self.cu.cuMemSetAccess(at, count * self.page_bytes, [self.access], 1))
 
     def unmap(self, rng, index):
         torch.cuda.current_stream(self.device).synchronize()  # kernels still reading the page finish first

@@ -170,6 +170,13 @@ def decode_with_scores(q, k, v, ctx_lens, score_mode=None):
     return out, step
 
 
+def contiguous_slots(slot_table, ctx_lens) -> torch.Tensor:
+    """The slot table of per-sequence buffers (key j of sequence b at slot_table[b, 0] + j), columns past a
+    sequence's length pointing at its first slot: what lies past its buffer may be unmapped, or NaN."""
+    j = torch.arange(slot_table.shape[1], device=slot_table.device, dtype=slot_table.dtype)
+    return slot_table[:, :1] + torch.where(j < ctx_lens.to(slot_table.device)[:, None], j, 0)
+
+
 def paged_decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, score=None, score_mode=None,
                            ema_decay=0.95, quant=None, contiguous=False):
     """The reference of the Triton decode kernel (same arguments): one query per sequence over the keys at
@@ -177,9 +184,7 @@ def paged_decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, score=None, 
     probabilities (`fold_scores`) for the valid keys only. Packed pools (quant=dict(bits=, group=,
     k_scale=, k_bias=, v_scale=, v_bias=), or bits="fp8" with k_scale, v_scale) are dequantized first.
     contiguous: key j of sequence b is at slot_table[b, 0] + j. Returns out [B, Hq, D] in q's dtype."""
-    idx = slot_table.long()
-    if contiguous:
-        idx = idx[:, :1] + torch.arange(idx.shape[1], device=idx.device)
+    idx = contiguous_slots(slot_table, ctx_lens).long() if contiguous else slot_table.long()
     if quant is None:
         k, v = k_pool[idx], v_pool[idx]  # [B, M, Hkv, D]
     elif quant["bits"] == "fp8":  # float8 codes times a scale per token and head
