@@ -92,11 +92,17 @@ def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=
     t2 = sync_time()
     after = mapping()
     running = len(eng.scheduler.running)
+    growth = {}
+    if pages:  # a growing batch's maps per step, from its bytes per token (page crossings of one window vary)
+        per_map = 1000 * pages.map_seconds / max(1, pages.counts["mapped"])
+        if policy.budget is None:  # bounded caches map nothing once they hold their budget
+            expected = running * eng.pool.block_bytes / eng.pool.block_size / pages.page_bytes
+            growth = dict(ms_per_map=per_map, maps_per_step_expected=expected, map_ms_expected=per_map * expected)
     res = dict(fit=fit, running=running, prefill_s=t1 - t0, prefill_tok_s=n * context / (t1 - t0),
                decode_tok_s=running * steps / (t2 - td), step_ms=1000 * (t2 - td) / steps,
                write_ms=write_ms(eng.pool, running, model.config.num_layers),
                committed_gib=eng.pool.committed_bytes / 2**30,
-               map_ms=1000 * (after[0] - before[0]) / steps, maps_per_step=(after[1] - before[1]) / steps)
+               map_ms=1000 * (after[0] - before[0]) / steps, maps_per_step=(after[1] - before[1]) / steps, **growth)
     eng.close()
     return res
 
@@ -270,8 +276,8 @@ def main():
                     "(issue #17: --kv-formats bf16,8,4,fp8)")
     ap.add_argument("--kv-storage", default="paged", help="pool storage of the bounded comparison: paged, "
                     "virtual, or both (issue #20: paged,virtual)")
-    ap.add_argument("--page-mib", default="2", help="virtual storage's page sizes, MiB (whole 2 MiB granules): "
-                    "each is a run")
+    ap.add_argument("--page-mib", default=str(block_pool.POOL_PAGE_BYTES >> 20),
+                    help="virtual storage's page sizes, MiB (whole 2 MiB granules): each is a run")
     ap.add_argument("--skip-hf-batch", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--check", action="store_true", help="first compare batched engine outputs with single runs")
@@ -338,7 +344,8 @@ def main():
                     key += f", virtual {mib} MiB pages" if storage == "virtual" else ""
                     res["bounded"][key] = dict(r, blocks=blocks)
                     rows.append((f"{args.context}-token prompts, {key}", r["running"], float("nan"),
-                                 r["decode_tok_s"], r["fit"], r["step_ms"], r["write_ms"], r["map_ms"]))
+                                 r["decode_tok_s"], r["fit"], r["step_ms"], r["write_ms"], r["map_ms"],
+                                 r.get("map_ms_expected", float("nan")), r["committed_gib"]))
                     print(key, {k: round(v, 3) for k, v in r.items()}, flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -347,7 +354,7 @@ def main():
     print(f"\n{args.shape} on {res['device']}, bf16, random weights; offline: {args.input_len} in / "
           f"{args.output_len} out")
     print(f"{'run':<50} {'seqs':>6} {'out tok/s':>10} {'decode tok/s':>13} {'peak / fit':>11} {'step ms':>8} "
-          f"{'write ms':>9} {'map ms':>8}")
+          f"{'write ms':>9} {'map ms':>8} {'map ms, growth':>14} {'GiB':>6}")
     for name, n, tps, dec, peak, *step in rows:
         step = "".join(f" {x:>8.2f} " for x in step)
         print(f"{name:<50} {n:>6} {tps:>10.0f} {dec:>13.0f} {peak:>11}{step}")

@@ -761,7 +761,7 @@ def test_virtual_storage_on_cuda_maps_pages_as_blocks_fill_and_gives_them_back(m
     """Real reserved ranges and 2 MiB pages under the pool's tensors (CUDA graphs and the decode kernels read
     them through strided token-major views): the paged pool's tokens, and pages mapped only under data."""
     from kvbound.cache import block_pool
-    monkeypatch.setattr(block_pool, "POOL_PAGE_BYTES", 2 << 20)  # this small pool fits in a few 8 MiB pages
+    monkeypatch.setattr(block_pool, "POOL_PAGE_BYTES", 2 << 20)  # the granularity: more page boundaries crossed
     gpu = model32.cuda()
     try:
         reqs = mixed_requests()

@@ -32,9 +32,12 @@ from .store import EACH_HEAD, at
 from .virtual import BlockPages, CudaPages, HostPages
 
 
-# virtual storage's page: each sequence's stripe has its own frontier page, partly used, so pages are as small
-# as the driver allows (its granularity, 2 MiB on current GPUs)
-POOL_PAGE_BYTES = 2 << 20
+# virtual storage's page (two 2 MiB granules): each stripe has its own partly used frontier page, so memory wants
+# small pages, while a growing batch maps bytes grown / page bytes pages per step at ~0.13-0.17 ms of host time
+# each. On the H100 (results/engine_virtual_smollm2_h100.log, 43 growing 4k-token caches) 2 MiB pages cost 1.9% of
+# a decode step, and prefill ran at 0.44-0.94x paged over four calls; 4 MiB cost 1.1% and commit 0.8% over the
+# blocks' bytes; 8 MiB 0.6%, but 9% over, and twice a bounded batch's memory
+POOL_PAGE_BYTES = 4 << 20
 COMMON_BLOCKS = 2  # virtual storage: blocks before the stripes, taken for good (block 0, a decode graph's scratch)
 
 

@@ -371,13 +371,14 @@ class BlockPages:
                 fresh.append((key, page))
         for i, first, count in _runs(sorted(key for key, _ in fresh)):
             self.backend.allow(self.ranges[i][0], first, count)
-        for key, page in fresh:
-            # fresh bytes, or another tensor's (fp16 scales as e4m3 codes), could read as NaN under masked
-            # attention; stale values of the same tensor are finite, as in a paged pool's reused blocks (on the
-            # host a dense tensor stands in, whose bytes do not move with the page: zeroed at every map)
-            if self.home.get(page) != key[0] or not isinstance(self.backend, CudaPages):
-                self.flat[key[0]][key[1] * self.page_bytes:(key[1] + 1) * self.page_bytes].zero_()
-            self.home[page] = key[0]
+        # fresh bytes, or another tensor's (fp16 scales as e4m3 codes), could read as NaN under masked attention;
+        # stale values of the same tensor are finite, as in a paged pool's reused blocks (on the host a dense
+        # tensor stands in, whose bytes do not move with the page: zeroed at every map). One launch for all.
+        stale = [self.flat[key[0]][key[1] * self.page_bytes:(key[1] + 1) * self.page_bytes] for key, page in fresh
+                 if self.home.get(page) != key[0] or not isinstance(self.backend, CudaPages)]
+        if stale:
+            torch._foreach_zero_(stale)
+        self.home.update((page, key[0]) for key, page in fresh)
         self.map_seconds += time.perf_counter() - t0
 
     def drop(self, block: int):
