@@ -39,16 +39,22 @@ def test_chat_and_sampling_are_seeded(smollm):
     assert len(run(2)) <= 6
 
 
-def test_perplexity_matches_transformers_on_same_gguf(smollm, shared_data):
-    """Full-cache PPL of the first 1024 tokens of Aristotle.txt vs transformers reading the same GGUF file."""
+@pytest.fixture(scope="module")
+def hf_smollm():
+    """transformers' own reading of the shipped GGUF (float32), loaded once: it dequantizes for ~14 s."""
     transformers = pytest.importorskip("transformers")
     from kvbound.models import default_model_path
+    path = default_model_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=torch.float32).eval()
+
+
+def test_perplexity_matches_transformers_on_same_gguf(smollm, hf_smollm, shared_data):
+    """Full-cache PPL of the first 1024 tokens of Aristotle.txt vs transformers reading the same GGUF file."""
     model, tok = smollm
     ids = tok.encode((shared_data / "wikipedia" / "Aristotle.txt").read_text())[:1024]
     ours = _ppl_full(model, ids)
-    path = default_model_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                           dtype=torch.float32).eval()
+    hf = hf_smollm
     with torch.no_grad():
         logits = hf(torch.tensor([ids])).logits[0]
     theirs = math.exp(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])))
@@ -213,25 +219,22 @@ def test_stream_decoder_pieces_add_up_to_the_whole_decode(smollm):
         assert whole.startswith(pieces) and (pieces == whole or whole.endswith("\ufffd")), ids
 
 
-def test_transformers_under_kvbound_hf_gives_kvbounds_perplexity(smollm, shared_data):
+def test_transformers_under_kvbound_hf_gives_kvbounds_perplexity(smollm, hf_smollm, shared_data):
     """SmolLM2 read by transformers from the shipped GGUF, bounded by `kvbound.hf.install_kv_eviction`: its
-    token-by-token perplexity under window and h2o-heavy (budget 256, 512 tokens) equals `kvbound eval ppl`'s."""
+    token-by-token perplexity under window and h2o-heavy (budget 128, 192 tokens) equals `kvbound eval ppl`'s."""
     transformers = pytest.importorskip("transformers")
     import kvbound.hf as kh
     from kvbound.cache import parse_policy
     from kvbound.eval.perplexity import perplexity
     from kvbound.eval.strategies import CacheOptions
-    from kvbound.models import default_model_path
     model, tok = smollm
-    ids = tok.encode((shared_data / "wikipedia" / "Aristotle.txt").read_text())[:512]
-    prefill = 256  # the budget: every eviction happens token by token, as in a decode
-    policies = {name: parse_policy(name, 256) for name in ("window", "h2o-heavy")}
+    ids = tok.encode((shared_data / "wikipedia" / "Aristotle.txt").read_text())[:192]
+    prefill = 128  # the budget: every eviction happens token by token, as in a decode
+    policies = {name: parse_policy(name, prefill) for name in ("window", "h2o-heavy")}
     ours = perplexity(model, [ids], {"baseline": (parse_policy("full"), None),
                                      **{n: (p, None) for n, p in policies.items()}}, CacheOptions(), prefill,
                       progress=False)
-    path = default_model_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                           dtype=torch.float32).eval()
+    hf = hf_smollm
     x = torch.tensor([ids])
     for name, policy in policies.items():
         kh.install_kv_eviction(hf, policy)
@@ -245,5 +248,5 @@ def test_transformers_under_kvbound_hf_gives_kvbounds_perplexity(smollm, shared_
                     logits = hf(x[:, i:i + 1], past_key_values=cache).logits[0, -1]
         kh.remove_kv_eviction(hf)
         theirs = math.exp(nll / (len(ids) - prefill))
-        assert cache.layers[0].keys.shape[-2] == 256
+        assert cache.layers[0].keys.shape[-2] == prefill
         assert abs(theirs / ours[name]["ppl"] - 1) < 1e-3, (name, theirs, ours[name]["ppl"])
