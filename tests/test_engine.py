@@ -684,12 +684,12 @@ def test_virtual_pages_stay_mapped_when_idle_until_wanted_elsewhere():
     assert pages.backend.access_calls == 1  # three pages side by side: access granted in one call
     pages.drop(1)
     pages.drop(2)
-    assert pages.counts == dict(mapped=3, unmapped=0) and list(pages.idle) == [(0, 1), (0, 2)]
+    assert pages.counts == dict(mapped=3, unmapped=0, shared=0, copied=0) and list(pages.idle) == [(0, 1), (0, 2)]
     pages.hold([1])
     assert pages.counts["mapped"] == 3 and list(pages.idle) == [(0, 2)]
     created = len(pages.backend.pages)
     pages.hold([5])
-    assert pages.counts == dict(mapped=4, unmapped=1) and not pages.idle and len(pages.backend.pages) == created
+    assert pages.counts == dict(mapped=4, unmapped=1, shared=0, copied=0) and not pages.idle and len(pages.backend.pages) == created
     assert pages.backend.access_calls == 2
     pages.drop(5)
     assert pages.committed_bytes == 3 * 1024 and pages.trim() == 1 and pages.committed_bytes == 2 * 1024
@@ -739,8 +739,9 @@ def test_virtual_storage_gives_each_sequence_one_contiguous_stripe(model, monkey
     run(engine, {0: [(a, GREEDY, None)]})
     got = run(engine, {0: [(b, GREEDY, None)], 2: [(c, GREEDY, None)]})
     assert got == [[alone(model, x, None, GREEDY, 512)] for x in (b, c)]
-    # b took a's row again and found its 5 blocks in place; c, on another row, copied them
+    # b took a's row again and found its 5 blocks in place; c, on another row, copied or shared them
     assert engine.scheduler.stats["prefix_hit_tokens"] == 80 and engine.pool.copies == 5
+    assert engine.pool.pages.counts["shared"] > 0  # c mapped a's whole pages instead of copying them
     assert flags and all(flags)
 
     seeded = SamplingParams(max_tokens=10, n=3, temperature=0.9, seed=21, ignore_eos=True)
@@ -754,6 +755,53 @@ def test_virtual_storage_gives_each_sequence_one_contiguous_stripe(model, monkey
     assert tight.scheduler.stats["preemptions"] > 0 and tight.pool.copies > 0
     with pytest.raises(KvboundError, match="max_num_seqs"):
         tight.add_request(prompt(1, 4), SamplingParams(n=7))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the CUDA driver's virtual memory"))])
+def test_stripes_share_a_prefix_s_pages_and_copy_them_on_write(device, monkeypatch):
+    """A row adopting another row's blocks maps the pages wholly under them (copies the rest); committed memory
+    counts a shared page once; the other row's next owner writing there first gets a private copy, and the
+    adopter still reads the prefix's bytes (on CUDA the two keys alias one physical page until then)."""
+    from kvbound.cache import block_pool
+    from kvbound.cache.store import PagedStore
+    from kvbound.cache.virtual import HostPages
+    if device == "cpu":
+        monkeypatch.setattr(block_pool, "HostPages", lambda _: HostPages(page_bytes=16384))
+    unit = 8 * 2 * 2 * 64 * 4  # one tensor's bytes per block: 8 slots x 2 layers x 2 heads x 64 x float32
+    per_page = (16384 if device == "cpu" else block_pool.POOL_PAGE_BYTES) // unit
+    pool = BlockPool(2, 2, 64, num_blocks=8 * per_page + 8, block_size=8, device=device, kv_storage="virtual",
+                     max_seqs=3, max_seq_blocks=4 * per_page)
+    pages = pool.pages
+    source = PagedStore(pool)
+    row = source.row
+    source.grow((3 * per_page + 1) * 8)  # three pages of blocks and one block more
+    slots = pool.block_slots(source.blocks)
+    for layer in range(2):
+        pool.write(layer, slots, *torch.randn(2, len(slots), 2, 64, device=device))
+    prefix = [x[:, slots].clone() for x in pool.raw]
+    before, keys = pages.committed_bytes, len(pages.mapped)
+    for b in source.blocks:
+        pool.incref(b)
+    adopter = PagedStore(pool, source.blocks)  # as a prefix-cache hit does
+    shared = pages.counts["shared"]
+    assert shared >= 2 * 2  # K and V: at least two whole pages each
+    assert pages.committed_bytes - before == (len(pages.mapped) - keys - shared) * pages.page_bytes
+    theirs = pool.block_slots(adopter.blocks)
+    assert all(torch.equal(x[:, theirs], p) for x, p in zip(pool.raw, prefix))
+    source.release()  # its pages stay mapped (idle), shared with the adopter
+    again = PagedStore(pool)  # the freed row again (rows are reused last freed first), writing over them
+    assert again.row == row
+    again.grow((3 * per_page + 1) * 8)
+    assert pages.counts["copied"] == shared
+    mine = pool.block_slots(again.blocks)
+    for layer in range(2):
+        pool.write(layer, mine, *torch.zeros(2, len(mine), 2, 64, device=device))
+    assert all(torch.equal(x[:, theirs], p) for x, p in zip(pool.raw, prefix))  # the adopter's prefix is intact
+    adopter.release()
+    again.release()
+    pool.check()
+    assert pool.held == 0 and sum(pages.keys_of.values()) == len(pages.mapped)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA driver's virtual memory")

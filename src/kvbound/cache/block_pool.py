@@ -287,9 +287,10 @@ class BlockPool:
                 t[:, dst_slots] = t[:, src_slots]
 
     def adopt(self, row: int, blocks: list[int]) -> list[int]:
-        """Striped: a new row's leading blocks (prefix-cache hits, or a fork's, each with a reference) copied
-        into its stripe while there is room (a hit already there stays); the rest are let go. Returns the
-        row's blocks."""
+        """Striped: a new row's leading blocks (prefix-cache hits, or a fork's, each with a reference) brought
+        into its stripe while there is room (a hit already there stays); the rest are let go. Pages wholly
+        under blocks from one other stripe are shared (mapped twice, copy-on-write), the rest copied. Returns
+        the row's blocks."""
         kept, src, dst, room = [], [], [], self.num_free
         for i, b in enumerate(blocks):
             at = self.stripe_block(row, i)
@@ -301,11 +302,36 @@ class BlockPool:
                 src.append(b)
                 dst.append(at)
             kept.append(at)
-        self.copy_blocks(src, self.take(dst))
+        claimed = [b for b in dst if self._claim(b)]
+        pairs = self._shareable(row, len(kept), dict(zip(dst, src)))
+        self.pages.share(pairs)
+        shared = {key for _, key in pairs}
+        self.pages.hold(claimed, shared)
+        copy = [(s, d) for s, d in zip(src, dst) if not all(key in shared for key in self.pages._pages(d))]
+        self.copy_blocks([s for s, _ in copy], [d for _, d in copy])
         self.copies += len(src)
         for b in src:
             self.decref(b)
         return kept
+
+    def _shareable(self, row: int, n: int, source: dict[int, int]) -> list[tuple]:
+        """(source key, destination key) of each page of row's first n blocks that lies wholly under blocks
+        copied from one other stripe, at the same place in it (stripes a whole number of pages apart)."""
+        pairs, page = [], self.pages.page_bytes
+        origin = [source.get(self.stripe_block(row, j)) for j in range(n)]  # the block each is copied from
+        first = self.stripe_block(row, 0)
+        for i, (_, slot_bytes) in enumerate(self.pages.ranges):
+            unit = self.block_size * slot_bytes
+            for p in range(-(-first * unit // page), ((first + n) * unit) // page):
+                j0, j1 = (p * page - first * unit) // unit, ((p + 1) * page - 1 - first * unit) // unit
+                shifts = {None if origin[j] is None else origin[j] - j - first for j in range(j0, j1 + 1)}
+                if len(shifts) != 1 or None in shifts:
+                    continue
+                shift = shifts.pop() * unit  # the source stripe's offset from this one, in bytes
+                if shift % page == 0 and (i, p + shift // page) in self.pages.mapped:
+                    pairs.append(((i, p + shift // page), (i, p)))
+        return pairs
+
 
     def trim(self) -> int:
         """Virtual storage: give unmapped physical pages back to the device (bytes returned)."""
@@ -367,6 +393,7 @@ class BlockPool:
         """Invariants (used by tests): refcounts >= 0, and a block is free exactly when its refcount is 0."""
         if self.striped:
             assert self.held == sum(r > 0 for r in self.ref) - self.reserved <= self.num_blocks
+            assert sum(self.pages.keys_of.values()) == len(self.pages.mapped)
             assert all(self.ref[b] == 0 and b in self.block_info for b in self.free_cached)
             return
         free = set(self.free_plain) | set(self.free_cached)

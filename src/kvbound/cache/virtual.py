@@ -315,12 +315,13 @@ class BlockPages:
         self.ranges: list[tuple[int, int]] = []  # (range, bytes of one slot over all layers)
         self.users: dict[tuple[int, int], int] = {}  # (range index, page index) -> blocks holding data on it
         self.mapped: dict[tuple[int, int], int] = {}  # (range index, page index) -> physical page
+        self.keys_of: dict[int, int] = {}  # physical page -> how many keys map it (more than 1: shared)
         self.spare: list[int] = []  # physical pages unmapped, ready for reuse
         self.idle: dict[tuple[int, int], None] = {}  # mapped keys no block holds, oldest first
         self.flat: list[torch.Tensor] = []  # each range as bytes, to zero fresh pages through
         self.home: dict[int, int] = {}  # physical page -> the range index it last held data of
         self.reserved_bytes = 0
-        self.counts = dict(mapped=0, unmapped=0)
+        self.counts = dict(mapped=0, unmapped=0, shared=0, copied=0)
         self.map_seconds = 0.0  # host time in hold / drop's driver calls and page zeroing: the storage's step cost
 
     def zeros(self, shape, dtype) -> torch.Tensor:
@@ -352,34 +353,83 @@ class BlockPages:
             for index in range(block * bs * row // self.page_bytes, -(-(block + 1) * bs * row // self.page_bytes)):
                 yield i, index
 
-    def hold(self, blocks: list[int]):
+    def hold(self, blocks: list[int], keep=frozenset()):
         """`blocks` now hold data: map a page under them where none is (a page still mapped from earlier data
-        is kept as it is: stale finite values, as a paged pool's reused blocks hold). Access is granted once per
-        run of pages newly mapped side by side (a prompt's blocks: one driver call, not one per page)."""
+        is kept as it is: stale finite values, as a paged pool's reused blocks hold), and give a page that
+        another key maps too a private copy first (copy-on-write), unless its key is in `keep` (just shared,
+        to be read). Access is granted once per run of pages newly mapped side by side (a prompt's blocks:
+        one driver call, not one per page)."""
         t0 = time.perf_counter()
         fresh = []
         for key in (key for block in blocks for key in self._pages(block)):
             self.users[key] = self.users.get(key, 0) + 1
             self.idle.pop(key, None)
+            if key in self.mapped and key not in keep and self.keys_of[self.mapped[key]] > 1:
+                self._private(key)
             if self.users[key] == 1 and key not in self.mapped:
                 if not self.spare:
                     self._unmap_idle()
                 page = self.spare.pop() if self.spare else self.backend.create()
-                self.backend.map(self.ranges[key[0]][0], key[1], page, access=False)
-                self.mapped[key] = page
-                self.counts["mapped"] += 1
+                self._map(key, page)
                 fresh.append((key, page))
         for i, first, count in _runs(sorted(key for key, _ in fresh)):
             self.backend.allow(self.ranges[i][0], first, count)
         # fresh bytes, or another tensor's (fp16 scales as e4m3 codes), could read as NaN under masked attention;
         # stale values of the same tensor are finite, as in a paged pool's reused blocks (on the host a dense
         # tensor stands in, whose bytes do not move with the page: zeroed at every map). One launch for all.
-        stale = [self.flat[key[0]][key[1] * self.page_bytes:(key[1] + 1) * self.page_bytes] for key, page in fresh
+        stale = [self._bytes(key) for key, page in fresh
                  if self.home.get(page) != key[0] or not isinstance(self.backend, CudaPages)]
         if stale:
             torch._foreach_zero_(stale)
         self.home.update((page, key[0]) for key, page in fresh)
         self.map_seconds += time.perf_counter() - t0
+
+    def share(self, pairs: list[tuple[tuple[int, int], tuple[int, int]]]):
+        """Map each (source key, destination key)'s source physical page under the destination key too (a
+        prefix's pages into a second sequence's range), replacing what the destination mapped. On the host,
+        whose dense tensor cannot alias, the bytes are copied: the same as long as neither key writes, which
+        `hold`'s copy-on-write keeps."""
+        t0 = time.perf_counter()
+        for src, dst in pairs:
+            if dst in self.mapped:
+                self._unmap(dst)
+            self._map(dst, self.mapped[src])
+            self.backend.allow(self.ranges[dst[0]][0], dst[1], 1)
+            if not isinstance(self.backend, CudaPages):
+                self._bytes(dst).copy_(self._bytes(src))
+            self.counts["shared"] += 1
+        self.map_seconds += time.perf_counter() - t0
+
+    def _private(self, key):
+        """Copy-on-write: key's shared page replaced by a private page holding the same bytes."""
+        keep = self._bytes(key).clone() if isinstance(self.backend, CudaPages) else None
+        self._unmap(key)
+        page = self.spare.pop() if self.spare else self.backend.create()
+        self._map(key, page)
+        self.backend.allow(self.ranges[key[0]][0], key[1], 1)
+        if keep is not None:
+            self._bytes(key).copy_(keep)
+        self.home[page] = key[0]
+        self.counts["copied"] += 1
+
+    def _bytes(self, key) -> torch.Tensor:
+        return self.flat[key[0]][key[1] * self.page_bytes:(key[1] + 1) * self.page_bytes]
+
+    def _map(self, key, page):
+        self.backend.map(self.ranges[key[0]][0], key[1], page, access=False)
+        self.mapped[key] = page
+        self.keys_of[page] = self.keys_of.get(page, 0) + 1
+        self.counts["mapped"] += 1
+
+    def _unmap(self, key):
+        """Unmap key; its physical page goes spare once no key maps it."""
+        self.backend.unmap(self.ranges[key[0]][0], key[1])
+        page = self.mapped.pop(key)
+        self.keys_of[page] -= 1
+        if not self.keys_of[page]:
+            del self.keys_of[page]
+            self.spare.append(page)
+        self.counts["unmapped"] += 1
 
     def drop(self, block: int):
         """`block` holds nothing any more. Pages no block holds stay mapped (idle) until a page is needed
@@ -394,9 +444,7 @@ class BlockPages:
         """Unmap the oldest idle page (every one with `every`) into the spare list."""
         for key in list(self.idle) if every else list(itertools.islice(self.idle, 1)):
             del self.idle[key]
-            self.backend.unmap(self.ranges[key[0]][0], key[1])
-            self.spare.append(self.mapped.pop(key))
-            self.counts["unmapped"] += 1
+            self._unmap(key)
 
     def trim(self) -> int:
         """Unmap the idle pages and give every spare page back to the device; returns how many."""
@@ -407,15 +455,14 @@ class BlockPages:
 
     @property
     def committed_bytes(self) -> int:
-        """Physical memory taken: mapped pages and spare ones."""
-        return (len(self.mapped) + len(self.spare)) * self.page_bytes
+        """Physical memory taken: mapped pages (a shared one once) and spare ones."""
+        return (len(self.keys_of) + len(self.spare)) * self.page_bytes
 
     def close(self):
         """Unmap and release every page and free the ranges; the pool's tensors must not be read after this."""
-        for (i, index), page in self.mapped.items():
-            self.backend.unmap(self.ranges[i][0], index)
-            self.spare.append(page)
-        self.mapped, self.users, self.idle, self.home, self.flat = {}, {}, {}, {}, []
+        for key in list(self.mapped):
+            self._unmap(key)
+        self.users, self.idle, self.home, self.flat = {}, {}, {}, []
         self.trim()
         for rng, _ in self.ranges:
             self.backend.free(rng)
