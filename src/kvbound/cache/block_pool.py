@@ -16,8 +16,9 @@ Virtual storage (`kv_storage="virtual"`) gives each block-table row a stripe of 
 `stripe_block(row, i)`, so every sequence's slots are one contiguous run of the pool and the decode kernel
 reads it without a table (`contiguous`). The tensors are reserved address ranges, with physical pages only
 under blocks that hold data; `num_blocks` is then the physical bound (blocks holding data at once), not the
-reserved size. A prefix-cache hit or a fork copies its blocks into the new row's stripe (the compute is saved,
-not the memory), so a block is only ever held by its own row.
+reserved size. A prefix-cache hit or a fork from another row brings its blocks into the new row's stripe: the
+physical pages wholly under them are mapped there too (copy-on-write, `virtual.BlockPages`), the rest copied.
+So a block is only ever held by its own row.
 """
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ class BlockPool:
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # published blocks with refcount 0, LRU first
         self.by_hash: dict[int, int] = {}  # hash -> block
         self.block_info: dict[int, tuple[int, tuple]] = {}  # block -> (hash, token ids) while published
-        self.copies = 0  # blocks copied: copy-on-write, or into a stripe (for tests and stats)
+        self.copies = 0  # blocks whose bytes were copied: copy-on-write, or into a stripe (for tests and stats)
         self.reserved = 0  # blocks taken for good (a decode graph's scratch block)
         self.held = 0  # striped: blocks with a reference (the common ones aside), against the num_blocks bound
         self.promised = 0  # striped: blocks this step's forks will copy into (`Scheduler._take` reserves them)
@@ -309,7 +310,7 @@ class BlockPool:
         self.pages.hold(claimed, shared)
         copy = [(s, d) for s, d in zip(src, dst) if not all(key in shared for key in self.pages._pages(d))]
         self.copy_blocks([s for s, _ in copy], [d for _, d in copy])
-        self.copies += len(src)
+        self.copies += len(copy)
         for b in src:
             self.decref(b)
         return kept

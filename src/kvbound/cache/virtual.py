@@ -394,10 +394,11 @@ class BlockPages:
             if dst in self.mapped:
                 self._unmap(dst)
             self._map(dst, self.mapped[src])
-            self.backend.allow(self.ranges[dst[0]][0], dst[1], 1)
             if not isinstance(self.backend, CudaPages):
                 self._bytes(dst).copy_(self._bytes(src))
             self.counts["shared"] += 1
+        for i, first, count in _runs(sorted(dst for _, dst in pairs)):
+            self.backend.allow(self.ranges[i][0], first, count)
         self.map_seconds += time.perf_counter() - t0
 
     def _private(self, key):
@@ -487,7 +488,8 @@ class CudaPages:
                                "(or cuda-bindings), or use --kv-storage paged") from None
         self.cu = driver
         torch.cuda.init()
-        self.device = torch.device("cuda", torch.cuda.current_device() if device is None else torch.device(device).index)
+        index = None if device is None else torch.device(device).index
+        self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
         torch.empty(1, device=self.device)  # PyTorch makes the primary context current on this thread
         self._check(driver.cuInit(0))
         prop = driver.CUmemAllocationProp()
