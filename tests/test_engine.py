@@ -883,6 +883,38 @@ def test_swapped_bounded_caches_come_back_bit_for_bit(model32, bits, storage, mo
         assert tight == roomy
 
 
+@pytest.mark.parametrize("storage, device", [("paged", "cpu"), ("virtual", "cpu"), *[pytest.param(
+    st, "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")) for st in ("paged", "virtual")]])
+def test_prefix_blocks_evicted_from_the_pool_come_back_from_the_host_tier(model, storage, device, monkeypatch):
+    """With kv_offloading_size, a cached prefix whose blocks other requests take is copied to host memory; a
+    later request with that prefix copies it back instead of computing it, and answers as a cold run does
+    (on CUDA: as the same engine without the host tier, whose copies out are queued, not awaited). Without
+    it, the prefix is computed again."""
+    from kvbound.cache import block_pool
+    from kvbound.cache.virtual import HostPages
+    if device == "cpu":
+        monkeypatch.setattr(block_pool, "HostPages", lambda _: HostPages(page_bytes=4096))
+    system = prompt(40, 40)  # 5 blocks of 8
+    first, other, again = system + prompt(41, 6), prompt(42, 80), system + prompt(43, 9)
+    cold = None if device == "cuda" else [alone(model, p, None, GREEDY, 512) for p in (first, other, again)]
+    for size in (1 / 1024, 0):
+        try:
+            engine = LLMEngine(model.to(device), num_blocks=14, block_size=8, kv_storage=storage,
+                               kv_offloading_size=size)
+            got = [run_steps(engine, [(p, GREEDY, None)])[0][0] for p in (first, other, again)]
+        finally:
+            model.cpu()
+        cold = cold or got
+        assert got == cold
+        stats = engine.scheduler.stats
+        if size:  # the pool kept some of the prefix's blocks, the host tier gave back the others
+            assert stats["prefix_hit_tokens"] == 40 and stats["host_hit_tokens"] > 0 and engine.pool.offloaded > 0
+        else:
+            assert stats["prefix_hit_tokens"] < 40 and stats["host_hit_tokens"] == 0 == engine.pool.offloaded
+    with pytest.raises(KvboundError, match="kv_offloading_size must be >= 0"):
+        LLMEngine(model, num_blocks=4, kv_offloading_size=-1)
+
+
 def run_steps(engine, requests, abort_at=None):
     """Step the engine to the end; {request id: token lists}. abort_at: (step, request id) to abort then."""
     ids = [engine.add_request(p, params, policy=parse_policy(pol) if pol else None) for p, params, pol in requests]
@@ -894,7 +926,8 @@ def run_steps(engine, requests, abort_at=None):
         if abort_at is not None and steps == abort_at[0]:
             engine.abort(abort_at[1])
     engine.pool.check()
-    assert engine.pool.num_free == engine.pool.num_blocks - engine.pool.reserved, "blocks leaked"
+    pool = engine.pool
+    assert pool.num_free == pool.num_blocks - (0 if pool.striped else pool.reserved), "blocks leaked"
     return [done.get(i) for i in ids]
 
 

@@ -49,12 +49,15 @@ def block_hash(prev: int | None, tokens) -> int:
 class BlockPool:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, num_blocks: int, block_size: int = 16,
                  device="cpu", dtype=torch.float32, kv_bits: int | None = None, group_size: int = 64,
-                 kv_storage: str = "paged", max_seqs: int = 16, max_seq_blocks: int | None = None):
+                 kv_storage: str = "paged", max_seqs: int = 16, max_seq_blocks: int | None = None,
+                 offload_bytes: int = 0):
         """kv_bits 8 or 4: blocks hold packed codes with an fp16 scale and bias per group of `group_size`
         (`kernels.packing`), written quantized once and moved as packed bytes; "fp8": float8 e4m3 codes with
         a scale per token and head; None: `dtype` K/V. kv_storage "virtual": a stripe of `max_seq_blocks`
         blocks (default num_blocks) for each of `max_seqs` rows in reserved ranges, physical pages only under
-        blocks holding data (`virtual.BlockPages`); "paged": ordinary tensors of num_blocks blocks, all committed."""
+        blocks holding data (`virtual.BlockPages`); "paged": ordinary tensors of num_blocks blocks, all committed.
+        offload_bytes: host memory for prefix-cache blocks whose device memory is taken back (a host tier,
+        least recently offloaded dropped first); a later prefix match finds them there (`host_match`)."""
         if block_size < 1 or num_blocks < 1:
             raise KvboundError(f"block pool: block_size ({block_size}) and num_blocks ({num_blocks}) must be >= 1")
         if kv_storage not in ("paged", "virtual"):
@@ -84,6 +87,9 @@ class BlockPool:
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # published blocks with refcount 0, LRU first
         self.by_hash: dict[int, int] = {}  # hash -> block
         self.block_info: dict[int, tuple[int, tuple]] = {}  # block -> (hash, token ids) while published
+        self.offload_left = offload_bytes
+        self.host: OrderedDict[int, tuple[tuple, list[torch.Tensor]]] = OrderedDict()  # hash -> (token ids, bytes)
+        self.offloaded = 0  # prefix-cache blocks copied to the host tier
         self.copies = 0  # blocks whose bytes were copied: copy-on-write, or into a stripe (for tests and stats)
         self.reserved = 0  # blocks taken for good (a decode graph's scratch block)
         self.held = 0  # striped: blocks with a reference (the common ones aside), against the num_blocks bound
@@ -247,8 +253,38 @@ class BlockPool:
         return True
 
     def _unpublish(self, b: int):
-        h, _ = self.block_info.pop(b)
+        """A cached block's contents give way: off the device's prefix cache, into the host tier if it has room."""
+        h, tokens = self.block_info.pop(b)
         del self.by_hash[h]
+        cost = self.block_bytes
+        if cost > self.offload_left + len(self.host) * cost:
+            return
+        while cost > self.offload_left:  # the least recently offloaded go first
+            self.host.popitem(last=False)
+            self.offload_left += cost
+        self.host[h] = (tokens, self.read_blocks([b], wait=False))
+        self.offload_left -= cost
+        self.offloaded += 1
+
+    def host_match(self, tokens: list[int], first: int, limit: int, chain: int | None) -> list[int]:
+        """Hashes of the blocks after the first `first` full blocks of `tokens` (whose hash chain ends at `chain`),
+        up to `limit`, found in the host tier (hash and token ids equal), in order."""
+        bs, out, h = self.block_size, [], chain
+        for i in range(first, min(limit, len(tokens) // bs)):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            h = block_hash(h, chunk)
+            if self.host.get(h, (None,))[0] != chunk:
+                break
+            out.append(h)
+        return out
+
+    def take_host(self, hashes: list[int]) -> list[torch.Tensor]:
+        """The host tier's bytes of `hashes` (from `host_match`), as `read_blocks` gives them; they leave the tier."""
+        got = [self.host.pop(h)[1] for h in hashes]
+        self.offload_left += len(hashes) * self.block_bytes
+        if self.device.type == "cuda":  # their copies out were queued, not awaited
+            torch.cuda.current_stream(self.device).synchronize()
+        return [torch.cat(parts, 1) for parts in zip(*got)]
 
     def incref(self, b: int):
         if self.ref[b] == 0:  # a cached free block comes back into use
@@ -351,14 +387,16 @@ class BlockPool:
         bs = self.block_size
         return (torch.tensor(blocks, device=self.device)[:, None] * bs + torch.arange(bs, device=self.device)).flatten()
 
-    def read_blocks(self, blocks: list[int]) -> list[torch.Tensor]:
-        """The stored bytes of `blocks`, every layer, copied to host memory (pinned where the pool is on CUDA)."""
+    def read_blocks(self, blocks: list[int], wait: bool = True) -> list[torch.Tensor]:
+        """The stored bytes of `blocks`, every layer, copied to host memory (pinned where the pool is on CUDA).
+        wait=False: the copy is queued on the stream, ahead of any later write to the blocks, and the bytes are
+        only read back through `write_blocks` (queued behind it too)."""
         slots = self.block_slots(blocks)
         out = []
         for t in self.raw:
             got = t.index_select(1, slots)
             host = torch.empty(got.shape, dtype=got.dtype, pin_memory=got.is_cuda)
-            out.append(host.copy_(got))
+            out.append(host.copy_(got, non_blocking=not wait))
         return out
 
     def write_blocks(self, blocks: list[int], host: list[torch.Tensor]):

@@ -34,8 +34,8 @@ def cmd_throughput(args):
 
 ENGINE_FLAGS = ("model", "dtype", "block_size", "num_blocks", "kv_cache_tokens", "kv_cache_memory",
                 "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk", "kv_bits",
-                "kv_cache_dtype", "kv_group_size", "kv_storage", "swap_space", "kv_dtype", "score", "ema_decay",
-                "granularity", "evict_every", "pin_prefix", "threads")
+                "kv_cache_dtype", "kv_group_size", "kv_storage", "swap_space", "kv_offloading_size", "kv_dtype",
+                "score", "ema_decay", "granularity", "evict_every", "pin_prefix", "threads")
 
 
 def parse_slo(spec: str | None) -> dict | None:

@@ -253,7 +253,7 @@ def make_engine(args, model, tok, dtype):
                      max_num_seqs=args.max_num_seqs, prefill_chunk=args.prefill_chunk,
                      kv_dtype=kv, kv_bits=engine_kv_bits(args), kv_group_size=args.kv_group_size,
                      kv_storage=args.kv_storage, swap_space=args.swap_space,
-                     async_scheduling=args.async_scheduling)
+                     kv_offloading_size=args.kv_offloading_size, async_scheduling=args.async_scheduling)
 
 
 def token_bytes(config, kv_dtype, kv_bits: int | None, group_size: int) -> int:
@@ -280,6 +280,9 @@ def add_engine_args(p):
     g.add_argument("--swap-space", type=nonneg_float, default=4.0, metavar="GiB",
                    help="host memory for preempted sequences' KV blocks, restored on resume instead of "
                    "recomputed (0: recompute)")
+    g.add_argument("--kv-offloading-size", type=nonneg_float, default=0.0, metavar="GiB",
+                   help="host memory for prefix-cache blocks evicted from the pool, copied back when a request "
+                   "shares their prefix instead of recomputed (0: off)")
     g.add_argument("--gpu-memory-utilization", type=positive_float, default=None, metavar="F",
                    help="size the KV pool as vLLM does: fraction F of the GPU's memory for this engine, less the "
                    "memory in use after loading and an estimate of the activations")

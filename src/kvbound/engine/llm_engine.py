@@ -126,7 +126,7 @@ class LLMEngine:
                  kv_cache_tokens: int = 16384, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                  prefill_chunk: int = 512, kv_dtype=None, cuda_graphs: bool = True, graph_max_len: int = 8192,
                  kv_bits: int | None = None, kv_group_size: int = 64, kv_storage: str = "paged",
-                 swap_space: float = 4.0, async_scheduling: bool | None = None):
+                 swap_space: float = 4.0, async_scheduling: bool | None = None, kv_offloading_size: float = 0.0):
         """policy: the default eviction policy of a request (a policy object; FullPolicy when None).
         The pool holds `num_blocks` blocks of `block_size` tokens (default: kv_cache_tokens / block_size).
         On CUDA, whole decode steps replay CUDA graphs for batch sizes up to max_num_seqs: those of unbounded
@@ -144,10 +144,13 @@ class LLMEngine:
         swap_space: GiB of host memory for preempted sequences' caches (vLLM's --swap-space): an unbounded
         one's full blocks, a bounded one's whole state, restored when it resumes instead of recomputed.
         0: recompute.
+        kv_offloading_size: GiB of host memory for prefix-cache blocks whose pool memory is taken back (vLLM's
+        --kv-offloading-size): a later request with that prefix copies them in instead of computing them. 0: off.
         async_scheduling (default: on CUDA): a step's tokens are read while the GPU runs the next step, so the
         host's work between steps overlaps the GPU's (see `step`)."""
-        if not swap_space >= 0:
-            raise KvboundError(f"swap_space must be >= 0 GiB, got {swap_space}")
+        for name, gib in (("swap_space", swap_space), ("kv_offloading_size", kv_offloading_size)):
+            if not gib >= 0:
+                raise KvboundError(f"{name} must be >= 0 GiB, got {gib}")
         cfg = model.config
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
@@ -160,7 +163,8 @@ class LLMEngine:
                                "run on a single-sequence cache)")
         self.pool = BlockPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size,
                               self.device, self.kv_dtype, kv_bits, kv_group_size, kv_storage, max_seqs=max_num_seqs + 1,
-                              max_seq_blocks=-(-cfg.max_position_embeddings // block_size))
+                              max_seq_blocks=-(-cfg.max_position_embeddings // block_size),
+                              offload_bytes=int(kv_offloading_size * 2**30))
         self.caches = PoolCaches(cfg, self.pool, self.device, self.kv_dtype, max_num_seqs + 1)
         self.scheduler = Scheduler(self.pool, self.caches, max_num_batched_tokens, max_num_seqs, prefill_chunk,
                                    int(swap_space * 2**30))

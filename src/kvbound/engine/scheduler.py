@@ -127,7 +127,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swap_left = swap_bytes  # host memory left for preempted sequences' blocks
         self.stats = dict(preemptions=0, prompt_tokens=0, prefix_hit_tokens=0, steps=0, swapped_out_blocks=0,
-                          swapped_in_blocks=0, recomputed_tokens=0)
+                          swapped_in_blocks=0, recomputed_tokens=0, host_hit_tokens=0)
 
     # --- requests -------------------------------------------------------------------------------
     def blocks_to_finish(self, seq: Sequence) -> int:
@@ -270,10 +270,13 @@ class Scheduler:
             chain = [self.pool.block_info[b][0] for b in hits]
             seq.cache = self.make_cache(seq.policy, hits)
             kept = len(seq.cache.store.blocks)  # a striped pool keeps the hits it had room to copy
-            if seq.swapped is not None and not self._swap_in(seq, tokens, kept, limit, chain[kept - 1] if kept else None):
+            chain = chain[kept - 1] if kept else None
+            if seq.swapped is not None and not self._swap_in(seq, tokens, kept, limit, chain):
                 seq.cache.release()
                 seq.cache = None
                 return
+            if seq.swapped is None and self.pool.host:
+                self._from_host(seq, tokens, kept, limit, chain)
             held = len(seq.cache.store.blocks)
             if held:
                 seq.cache.adopt_prefix(held * bs)
@@ -281,25 +284,40 @@ class Scheduler:
         seq.hit_tokens = held * bs
 
     def _swap_in(self, seq: Sequence, tokens: list[int], first: int, limit: int, chain: int | None) -> bool:
-        """A swapped-out sequence's full blocks after its `first` prefix-cache hits (whose chain ends at hash
-        `chain`), up to `limit`, written back into its cache's next blocks and published under their hashes;
-        False while the pool has no room for all of them."""
+        """A swapped-out sequence's full blocks after its `first` prefix-cache hits, up to `limit`, back in its
+        cache; False while the pool has no room for all of them."""
         full, host = seq.swapped
-        bs, store = self.pool.block_size, seq.cache.store
+        bs = self.pool.block_size
         n = min(full, limit) - first
         if n <= 0:
             return True
+        if not self._write_in(seq, tokens, first, [x[:, first * bs:(first + n) * bs] for x in host], chain):
+            return False
+        self.stats["swapped_in_blocks"] += n
+        return True
+
+    def _from_host(self, seq: Sequence, tokens: list[int], first: int, limit: int, chain: int | None):
+        """The prompt's blocks after its `first` prefix-cache hits that the pool's host tier holds, back in its
+        cache while the pool has room: copied in, not computed again."""
+        hashes = self.pool.host_match(tokens, first, limit, chain)[:self.pool.num_free]
+        if hashes and self._write_in(seq, tokens, first, self.pool.take_host(hashes), chain):
+            self.stats["host_hit_tokens"] += len(hashes) * self.pool.block_size
+
+    def _write_in(self, seq: Sequence, tokens: list[int], first: int, host: list, chain: int | None) -> bool:
+        """Host bytes of full blocks (`BlockPool.read_blocks`' layout) into the cache's next blocks after its
+        `first`, published under their hashes, whose chain goes on from `chain`; False without room for them."""
+        bs, store = self.pool.block_size, seq.cache.store
+        n = host[0].shape[1] // bs
         if n > self.pool.num_free:
             return False
         store.grow((first + n) * bs)
         blocks = store.blocks[first:first + n]
-        self.pool.write_blocks(blocks, [x[:, first * bs:(first + n) * bs] for x in host])
-        h = chain  # the chain goes on from the last hit's hash
+        self.pool.write_blocks(blocks, host)
+        h = chain
         for i, b in enumerate(blocks, first):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = block_hash(h, chunk)
             self.pool.publish(b, h, chunk)
-        self.stats["swapped_in_blocks"] += n
         return True
 
     def _restore(self, seq: Sequence) -> bool:
