@@ -15,6 +15,8 @@ rounded up to whole pages, so region r's token j lives at byte r * region_bytes 
 from __future__ import annotations
 
 import itertools
+import mmap
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -22,6 +24,9 @@ from typing import Protocol
 import torch
 
 from ..errors import KvboundError
+
+# Linux's MAP_NORESERVE (the mmap module names it from Python 3.13): no swap is set aside for an untouched range
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
 
 
 class PageBackend(Protocol):
@@ -338,14 +343,14 @@ class BlockPages:
         if isinstance(self.backend, CudaPages):
             self.flat.append(self.backend.tensor(rng, 0, (pages * self.page_bytes,)))  # for zeroing pages
             return self.backend.tensor(rng, 0, token_major, dtype).transpose(0, 1)
-        try:  # the host's own virtual memory: untouched pages of a large allocation take no memory
-            dense = torch.empty(token_major, dtype=dtype, device=self.device)
-        except RuntimeError:
-            raise KvboundError(f"virtual storage on the CPU is one dense tensor of {slots * row / 2**30:.1f} GiB, "
-                               "more than this machine can reserve: lower --max-num-seqs or use --kv-storage "
-                               "paged") from None
-        self.flat.append(dense.view(-1).view(torch.uint8))
-        return dense.transpose(0, 1)
+        try:  # the host's own virtual memory, reserved without backing: pages take memory once written
+            buf = mmap.mmap(-1, slots * row, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE)
+        except OSError:
+            raise KvboundError(f"virtual storage on the CPU reserves {slots * row / 2**30:.1f} GiB of address space, "
+                               "more than this machine allows: lower --max-num-seqs or use --kv-storage paged") from None
+        flat = torch.frombuffer(buf, dtype=torch.uint8)
+        self.flat.append(flat)
+        return flat.view(dtype).view(token_major).transpose(0, 1)
 
     def _pages(self, block: int):
         bs = self.block_size

@@ -188,7 +188,7 @@ class LLMEngine:
                  if p.packed is not None else str(p.dtype).removeprefix("torch."))
         size = f"{p.num_blocks * p.block_bytes / 2**30:.2f} GiB"
         if p.pages is not None:
-            size += f" reserved, {p.committed_bytes / 2**30:.2f} GiB committed (virtual storage)"
+            size += f" at most, {p.committed_bytes / 2**30:.2f} GiB committed (virtual storage)"
         return (f"KV pool: {p.num_blocks:,} blocks x {p.block_size} = {p.num_blocks * p.block_size:,} tokens, "
                 f"{width}, {size}")
 
