@@ -136,8 +136,8 @@ class PagedStore:
     exact = True
 
     def __init__(self, pool, blocks=()):
-        """blocks: leading blocks to start from, a reference taken on each (a striped pool copies them into
-        this row's stripe while it has room, and keeps only those: see `len(blocks)`)."""
+        """blocks: leading blocks to start from, a reference taken on each (a striped pool brings them into this
+        row's stripe while it has room, `BlockPool.adopt`, and keeps only those: see `len(blocks)`)."""
         self.pool = self.storage = pool
         self.private = False  # set once `make_private` found nothing shared past its first block
         self.row = pool.take_row()  # this sequence's row in the pool's block tables
@@ -200,7 +200,8 @@ class PagedStore:
 
     def fork(self) -> "PagedStore":
         """A second view of the same blocks (each gets a reference); both copy a block before writing it. A
-        striped pool copies them at once instead, into the fork's stripe (the scheduler kept room for it)."""
+        striped pool brings them into the fork's stripe at once instead (`BlockPool.adopt`; the scheduler kept
+        room for it)."""
         for b in self.blocks:
             self.pool.incref(b)
         self.private = self.private and self.pool.striped

@@ -380,8 +380,8 @@ class BlockPages:
         for i, first, count in _runs(sorted(key for key, _ in fresh)):
             self.backend.allow(self.ranges[i][0], first, count)
         # fresh bytes, or another tensor's (fp16 scales as e4m3 codes), could read as NaN under masked attention;
-        # stale values of the same tensor are finite, as in a paged pool's reused blocks (on the host a dense
-        # tensor stands in, whose bytes do not move with the page: zeroed at every map). One launch for all.
+        # stale values of the same tensor are finite, as in a paged pool's reused blocks (on the host one mapping
+        # stands in, whose bytes do not move with the page: zeroed at every map). One launch for all.
         stale = [self._bytes(key) for key, page in fresh
                  if self.home.get(page) != key[0] or not isinstance(self.backend, CudaPages)]
         if stale:
@@ -392,7 +392,7 @@ class BlockPages:
     def share(self, pairs: list[tuple[tuple[int, int], tuple[int, int]]]):
         """Map each (source key, destination key)'s source physical page under the destination key too (a
         prefix's pages into a second sequence's range), replacing what the destination mapped. On the host,
-        whose dense tensor cannot alias, the bytes are copied: the same as long as neither key writes, which
+        whose single mapping cannot alias, the bytes are copied: the same as long as neither key writes, which
         `hold`'s copy-on-write keeps."""
         t0 = time.perf_counter()
         for src, dst in pairs:

@@ -140,7 +140,8 @@ class LLMEngine:
         kv_storage "virtual": each sequence's cache is one contiguous range of reserved address space (a stripe
         of the pool), read by the decode kernel without a block table; physical pages back only the blocks in use
         (`cache.virtual.BlockPages`), and go back to the device whenever the engine falls idle. num_blocks then
-        bounds the blocks in use at once. Prefix-cache hits and forks copy their blocks into the new stripe.
+        bounds the blocks in use at once. Prefix-cache hits and forks map the pages under their blocks into the new
+        stripe (copy-on-write) and copy the rest (`BlockPool.adopt`).
         swap_space: GiB of host memory for preempted sequences' caches (vLLM's --swap-space): an unbounded
         one's full blocks, a bounded one's whole state, restored when it resumes instead of recomputed.
         0: recompute.

@@ -267,10 +267,10 @@ class Scheduler:
             if seq.bounded:
                 limit = min(limit, seq.policy.protected_prefix // bs)
             hits = self.pool.match_prefix(tokens, limit)
-            chain = [self.pool.block_info[b][0] for b in hits]
+            hashes = [self.pool.block_info[b][0] for b in hits]
             seq.cache = self.make_cache(seq.policy, hits)
-            kept = len(seq.cache.store.blocks)  # a striped pool keeps the hits it had room to copy
-            chain = chain[kept - 1] if kept else None
+            kept = len(seq.cache.store.blocks)  # a striped pool keeps the hits it had room for
+            chain = hashes[kept - 1] if kept else None  # the hash chain goes on from the last one kept
             if seq.swapped is not None and not self._swap_in(seq, tokens, kept, limit, chain):
                 seq.cache.release()
                 seq.cache = None

@@ -18,5 +18,4 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, **kw):
 
 
 __all__ = ["SCORE_MODES", "causal_attention", "causal_attention_batch", "contiguous_slots", "decode_attention",
-           "decode_with_scores",
-           "fold_scores", "fused_sdpa", "paged_decode_attention", "varlen_causal_attention"]
+           "decode_with_scores", "fold_scores", "fused_sdpa", "paged_decode_attention", "varlen_causal_attention"]
