@@ -25,6 +25,9 @@ SHAPES = {  # transformers config class, its arguments
     "qwen3-0.6b": ("Qwen3Config", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                                        tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960)),
+    "8b": ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                               num_key_value_heads=8, vocab_size=128256, rope_theta=5e5,
+                               max_position_embeddings=131072)),  # Llama-3.1-8B: GPU-bound steps
 }
 
 
@@ -33,7 +36,10 @@ def random_model_dir(path: str, shape: str = "smollm2") -> str:
     config_class, kwargs = SHAPES[shape]
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**kwargs)
-    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # 8B's random init is slow on the host
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    del model
     vocab = {f"t{i}": i for i in range(kwargs["vocab_size"])}
     Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
