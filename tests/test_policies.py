@@ -311,11 +311,13 @@ SHARED += [H2OPolicy(sink=2, heavy=5, recent=5, score="observed", alpha=0.2),
 @pytest.mark.parametrize("policy", SHARED, ids=lambda p: p.describe() + f",every={p.evict_every},pin={p.pinned}")
 def test_shared_budgets_match_brute_force_reference(policy):
     """AdaKV and PyramidKV through `AdaptiveKVCache`, three layers: each layer's kept tokens per head and its
-    outputs equal the reference's, and a layer never holds more than heads x its budget per head."""
+    outputs equal the reference's, and a layer never holds more than heads x its budget per head. The store
+    holds a uniform budget's slots per layer: PyramidKV's first layer borrows what its last ones leave."""
     layers = 3
     cfg = replace(tiny_config(), num_layers=layers)
     cache = sequence_cache(cfg, policy)
     assert isinstance(cache, AdaptiveKVCache)
+    assert cache.store.capacity == policy.capacity
     refs = [Reference(policy, policy.head_budgets(layer, layers)) for layer in range(layers)]
     uneven = False
     steps = [list(_steps(seed=zlib.crc32(repr(policy).encode()) + layer)) for layer in range(layers)]

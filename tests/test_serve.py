@@ -166,6 +166,7 @@ def test_per_request_kv_policy(live, offline):
     spec = "h2o:sink=4,heavy=24,recent=36"
 
     ada = "adakv:sink=4,heavy=24,recent=36,alpha=0.2"
+    pyr = "pyramidkv:sink=4,heavy=24,recent=36,beta=4"
 
     async def go():
         async with live.client() as c:
@@ -173,11 +174,14 @@ def test_per_request_kv_policy(live, offline):
                                                  extra_body={"kv_policy": spec})
             shared = await c.completions.create(model=NAME, prompt=text, max_tokens=6, temperature=0,
                                                 extra_body={"kv_policy": ada})
+            layered = await c.completions.create(model=NAME, prompt=text, max_tokens=6, temperature=0,
+                                                 extra_body={"kv_policy": pyr})
             full = await c.completions.create(model=NAME, prompt=text, max_tokens=6, temperature=0)
             again = await c.completions.create(model=NAME, prompt=text, max_tokens=6, temperature=0)
-            return bounded, shared, full, again
-    bounded, shared, full, again = asyncio.run(go())
+            return bounded, shared, layered, full, again
+    bounded, shared, layered, full, again = asyncio.run(go())
     assert shared.choices[0].text == offline(text, 6, parse_policy(ada))  # heads sharing a budget, served
+    assert layered.choices[0].text == offline(text, 6, parse_policy(pyr))  # layers of different budgets
     assert bounded.model_extra["kv"]["policy"] == parse_policy(spec).describe()
     assert bounded.model_extra["kv"]["tokens_evicted"] > 0 and full.model_extra["kv"]["tokens_evicted"] == 0
     assert bounded.model_extra["kv"]["peak_kv_bytes"] < full.model_extra["kv"]["peak_kv_bytes"]
@@ -255,7 +259,7 @@ def test_flood_past_max_waiting_gets_200_or_429_and_nothing_mixed(smollm, offlin
     ({"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias"),
     ({"prompt": "x", "kv_policy": "h2o:sink=4,heavy=8,recnt=4"}, 400, "kv_policy"),
     ({"prompt": "x", "kv_budget": 64}, 400, "kv_budget"),
-    ({"prompt": "x", "kv_policy": "pyramidkv:budget=64"}, 400, "kv_policy"),
+    ({"prompt": "x", "kv_policy": "pyramidkv:budget=64,beta=0.5"}, 400, "kv_policy"),
     ({"prompt": "x", "kv_policy": "window:budget=64", "pin": [[5, 2]]}, 400, "pin"),
     ({"prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"prompt": "x", "n": 10 ** 6}, 400, "n"),

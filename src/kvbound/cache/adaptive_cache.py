@@ -3,13 +3,14 @@
 `KVCache` gives each KV head of a layer its own column of slots, all columns the same length, so a head holds
 exactly its equal share. Here every (slot, column) place of a layer is an entry that any KV head may own: the
 layout of `KVCache` ([slots, heads] places, K/V in a `store.KVStore`) plus an owner per place. A layer holds at
-most heads x its budget per head (`policy.head_budgets`) after each eviction, however its heads share them, so
-its memory is that of a uniform cache with the largest layer's budget. Each query head attends to its KV head's
-entries only (a mask over the layer's entries; the PyTorch route, for a batch of one). Evicted entries become
-holes that new tokens fill, lowest first, so nothing moves; the first tokens take slot j, column h for token j
-and head h, as in `KVCache`, which keeps a protected prefix's blocks shareable.
-In the engine (a `PagedStore`) the cache runs its own `attend` per sequence; policies whose layers keep
-different budgets (PyramidKV) stay on single-sequence caches, since a pool block spans every layer.
+most heads x its budget per head (`policy.head_budgets`) after each eviction, however its heads share them.
+Layers whose budgets differ (PyramidKV) share the store's rows: a layer that keeps more than the mean borrows
+rows that layers keeping fewer never use (`_place_map`), so the store holds what a uniform budget's would, in
+the engine's pool too. Each query head attends to its KV head's entries only (a mask over the layer's entries;
+the PyTorch route, for a batch of one). Evicted entries become holes that new tokens fill, lowest first, so
+nothing moves; the first tokens take slot j, column h for token j and head h, as in `KVCache`, which keeps a
+protected prefix's blocks shareable. In the engine (a `PagedStore`) the cache runs its own `attend` per
+sequence.
 """
 from __future__ import annotations
 
@@ -44,9 +45,12 @@ class AdaptiveKVCache:
         if protected > sure:
             raise KvboundError(f"{policy.name}: sinks, pinned spans and the recent window ({protected} tokens) do "
                                f"not fit the smallest per-head budget of this {layers}-layer model ({sure})")
-        self.slots = max(share for _, share in self.budgets) + policy.evict_every
-        self.store = store if store is not None else DenseStore(layers, self.slots, self.heads, config.head_dim,
-                                                                device, dtype)
+        self.rows = [share + policy.evict_every for _, share in self.budgets]  # place rows each layer may use
+        self.slots = max(self.rows)
+        self.store_rows = -(-sum(self.rows) // layers)  # what the store holds per layer: the mean layer's rows
+        self.places = self._place_map(device)
+        self.store = store if store is not None else DenseStore(layers, self.store_rows, self.heads,
+                                                                config.head_dim, device, dtype)
         self.stacked = stacked
         if stacked is not None:
             meta, row = stacked
@@ -65,9 +69,22 @@ class AdaptiveKVCache:
         self.used = 0  # local slots [0, used) may hold entries
         self.seen = 0
 
+    def _place_map(self, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the (store layer, store row) of each of its place rows. A layer's rows up to the store's
+        width are its own; a layer that keeps more (PyramidKV's first layers) borrows the rows past the budget
+        of layers that keep fewer, so the store holds the mean layer's rows, as a uniform budget would."""
+        lent = [(other, row) for other, rows in enumerate(self.rows) for row in range(rows, self.store_rows)]
+        out = []
+        for layer, rows in enumerate(self.rows):
+            own = min(rows, self.store_rows)
+            extra, lent = lent[:rows - own], lent[rows - own:]
+            where = [(layer, row) for row in range(own)] + extra
+            out.append(tuple(torch.tensor(x, dtype=torch.long, device=device) for x in zip(*where)))
+        return out
+
     @property
     def capacity(self) -> int:
-        return self.slots
+        return self.store_rows
 
     def __len__(self) -> int:
         """Tokens held per head in the first layer, on average (read from the device: a cache's truth value is
@@ -91,7 +108,33 @@ class AdaptiveKVCache:
         return self.store.row
 
     def slots_needed(self, t: int, layer: int = 0) -> int:
-        return min(self.slots, self.used + t)
+        return min(self.store_rows, self.used + t)
+
+    def _room(self, layer: int, t: int) -> int:
+        """Place rows the layer may fill this step: up to its own, within what `prepare` made the store hold
+        (all of it before any row is borrowed)."""
+        n = min(self.rows[layer], self.used + t)
+        return n if self.store.capacity >= self.store_rows else min(n, self.store.capacity)
+
+    def _rows(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(store layer, store slot) of the layer's first n place rows."""
+        at_layer, row = self.places[layer]
+        return at_layer[:n], self.store.slot_table(self.store_rows if n > self.store_rows else n).long()[row[:n]]
+
+    def _gather(self, layer: int, n: int):
+        """K, V of the layer's first n place rows, [n, heads, D] each."""
+        at_layer, slots = self._rows(layer, n)
+        storage = self.store.storage
+        if n <= self.store_rows:  # all its own
+            return storage.gather(layer, slots)
+        k = v = None
+        for lay in at_layer.unique().tolist():
+            mine = at_layer == lay
+            kl, vl = storage.gather(lay, slots[mine])
+            if k is None:
+                k, v = kl.new_empty(n, *kl.shape[1:]), vl.new_empty(n, *vl.shape[1:])
+            k[mine], v[mine] = kl, vl
+        return k, v
 
     def writable_from(self) -> int:
         return self.policy.protected_prefix
@@ -143,11 +186,11 @@ class AdaptiveKVCache:
         scores, keep the layer's budget if over it, and write the kept new tokens into free places."""
         t, h, d = k.shape
         storage = self.store.storage
-        table = self.store.slot_table(self.slots_needed(t)).long()
-        held = (self.owner[layer, :self.used] >= 0).flatten().nonzero()[:, 0]  # places: slot * heads + column
+        used = min(self.used, self.rows[layer])
+        held = (self.owner[layer, :used] >= 0).flatten().nonzero()[:, 0]  # places: slot * heads + column
         meta = [x[layer].view(-1) for x in (self.owner, self.pos, self.score)]
-        if self.used:
-            kc, vc = storage.gather(layer, table[:self.used])
+        if used:
+            kc, vc = self._gather(layer, used)
             kc, vc = kc.flatten(0, 1)[held], vc.flatten(0, 1)[held]
         else:
             kc = vc = k.new_zeros(0, d)
@@ -167,23 +210,28 @@ class AdaptiveKVCache:
         meta[0][held[~keep[:m]]] = -1
         meta[1][held[~keep[:m]]] = -1
         meta[2][held] = score[:m]
-        self._write(layer, table, k, v, keep[m:], (own[m:], pos[m:], score[m:]), meta)
+        self._write(layer, self._room(layer, t), k, v, keep[m:], (own[m:], pos[m:], score[m:]), meta)
         if evicted and self.policy.evict_every == 1 and share == self.slots - 1:
             self.spare[layer] = (meta[0] < 0).nonzero()[:, 0]  # the one free place per head's worth
             self.steady[layer], self.used = True, self.slots
         return out
 
-    def _write(self, layer, table, k, v, keep, new_meta, meta):
-        """The kept new entries (token-major `keep` [t * heads]) into the lowest free places."""
+    def _write(self, layer, rows, k, v, keep, new_meta, meta):
+        """The kept new entries (token-major `keep` [t * heads]) into the lowest free places of the layer's
+        first `rows` place rows."""
         new = keep.nonzero()[:, 0]
         if not len(new):
             return
-        free = (meta[0][:len(table) * self.heads] < 0).nonzero()[:len(new), 0]
+        free = (meta[0][:rows * self.heads] < 0).nonzero()[:len(new), 0]
         assert len(free) == len(new), "no free place for a kept token"
         slots, cols = free // self.heads, free % self.heads
         d = k.shape[-1]
-        self.store.storage.write(layer, table[slots][:, None], k.reshape(-1, d)[new][:, None],
-                                 v.reshape(-1, d)[new][:, None], cols[:, None])
+        at_layer, at_slot = self._rows(layer, rows)
+        at_layer, at_slot = at_layer[slots], at_slot[slots]
+        ks, vs = k.reshape(-1, d)[new][:, None], v.reshape(-1, d)[new][:, None]
+        for lay in ([layer] if rows <= self.store_rows else at_layer.unique().tolist()):  # borrowed rows: by layer
+            mine = at_layer == lay
+            self.store.storage.write(lay, at_slot[mine][:, None], ks[mine], vs[mine], cols[mine][:, None])
         for x, y in zip(meta, new_meta):
             x[free] = y[new].to(x.dtype)
         self.used = max(self.used, int(slots.max()) + 1)

@@ -53,7 +53,7 @@ def cmd_generate(args):
     if not args.reindex_positions:
         model.config.check_length(len(ids), args.max_tokens)
     report = {}
-    own_cache = isinstance(bits, dict) or args.quantized_kv_start or args.reindex_positions or policy.layered
+    own_cache = isinstance(bits, dict) or args.quantized_kv_start or args.reindex_positions
     if not own_cache:
         need = policy.capacity if policy.bounded else len(ids) + args.max_tokens
         engine = LLMEngine(model, tok, policy=policy, num_blocks=-(-need // 16), block_size=16,

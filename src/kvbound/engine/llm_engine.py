@@ -111,16 +111,6 @@ class PoolCaches:
                               store=PagedStore(self.pool, hits), stacked=stacked)
 
 
-def check_engine_policy(policy):
-    """A pool block spans every layer, so the engine gives every layer one budget: policies whose layers keep
-    different numbers of tokens (pyramidkv, beta) run on single-sequence caches. Heads sharing a layer's budget
-    (adakv, alpha) run here."""
-    if policy is not None and policy.layered:
-        raise KvboundError(f"{policy.name}: its layers keep different numbers of tokens, but a block of the "
-                           "engine's pool spans every layer; run it on a single-sequence cache (kvbound generate, "
-                           "kvbound eval without --engine)")
-
-
 class LLMEngine:
     def __init__(self, model, tokenizer=None, policy=None, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_tokens: int = 16384, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
@@ -156,7 +146,6 @@ class LLMEngine:
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         self.kv_dtype = kv_dtype or next(model.parameters()).dtype
-        check_engine_policy(policy)
         self.default_policy = policy or FullPolicy()
         num_blocks = num_blocks or max(1, kv_cache_tokens // block_size)
         if kv_bits is not None and not isinstance(kv_bits, int) and kv_bits != "fp8":
@@ -235,7 +224,6 @@ class LLMEngine:
             raise KvboundError(f"request id {request_id!r} is already in use")
         if params.stop and self.tokenizer is None:
             raise KvboundError("stop strings need a tokenizer")
-        check_engine_policy(policy)
         seq = Sequence(request_id, 0, prompt, params, policy or self.default_policy, arrival=time.perf_counter(),
                        seed=self._seed(params, 0))
         self.scheduler.add(seq)

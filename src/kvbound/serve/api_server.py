@@ -20,7 +20,6 @@ from starlette.exceptions import HTTPException
 
 from ..cache import parse_policy
 from ..engine.chat import with_pinned_system
-from ..engine.llm_engine import check_engine_policy
 from ..errors import KvboundError
 from .engine_loop import EngineClient, EngineGone, Mailbox, QueueFull
 from .protocol import BadField, ChatRequest, CompletionRequest, RequestBase
@@ -69,7 +68,6 @@ class Server:
         budget = body.kv_budget or (None if body.kv_policy else self.config.budget)
         try:
             policy = parse_policy(spec, budget, pinned=tuple(map(tuple, body.pin or ())), **self.config.policy_defaults)
-            check_engine_policy(policy)
         except KvboundError as e:
             field = ("pin" if body.pin and "pinned" in str(e) else "kv_policy" if body.kv_policy else "kv_budget")
             raise BadField(field, str(e)) from None
