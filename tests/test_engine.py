@@ -480,11 +480,12 @@ def test_greedy_at_20k_context_alone_equals_batched_and_replays_wide_graphs():
 @pytest.mark.parametrize("spec", ["tova:sink=2,heavy=22", "knorm:sink=2,heavy=10,recent=12",
                                   "h2o:sink=2,heavy=10,recent=12,score=observed", "keydiff:sink=2,heavy=10,recent=12",
                                   "snapkv:sink=2,heavy=12,recent=10,window=6",
-                                  "adakv:sink=2,heavy=12,recent=10,window=6"])
+                                  "adakv:sink=2,heavy=12,recent=10,window=6",
+                                  "pyramidkv:sink=2,heavy=12,recent=10,window=6,beta=4"])
 def test_scored_policies_on_cuda_batched_equal_alone(model, spec, monkeypatch):
     """On CUDA the decode steps of tova run the fused evict kernel (an EMA that forgets at once), those of
-    knorm / observed the unfused steps in CUDA graphs and adakv's the shared-place kernels (`triton_shared`):
-    batched outputs still equal each sequence alone."""
+    knorm / observed the unfused steps in CUDA graphs, adakv's the shared-place kernels (`triton_shared`) and
+    pyramidkv's each sequence's own attend over borrowed rows: batched outputs still equal each sequence alone."""
     gpu = model.cuda()
     try:
         import kvbound.kernels.triton_shared as shared
@@ -494,13 +495,14 @@ def test_scored_policies_on_cuda_batched_equal_alone(model, spec, monkeypatch):
         reqs = [prompt(40 + i, 30 + 7 * i) for i in range(4)]
         # AdaKV as the engine's default: its "shared" graphs are captured up front
         llm = LLM(gpu, num_blocks=128, block_size=8, prefill_chunk=16, policy=pol if pol.adapts else None)
-        if pol.adapts:
+        stacks = pol.adapts and not pol.layered
+        if stacks:
             assert any(key[0].kind == "shared" for key in llm.engine.graphs.graphs)
         outs = llm.generate(reqs, GREEDY, pol, use_tqdm=False)
         for ids, out in zip(reqs, outs):
             cache = sequence_cache(gpu.config, pol, device="cuda")
             assert out.outputs[0].token_ids == list(generate_ids(gpu, ids, GREEDY, cache, (), 16)), spec
-        assert bool(calls) == pol.adapts
+        assert bool(calls) == stacks
     finally:
         model.cpu()
 
