@@ -12,6 +12,9 @@ Three steps, because kvpress 0.5 needs transformers < 5.3 and so a virtual envir
 
 The protocols differ: kvpress compresses the context once after prefilling it whole and leaves the question
 uncompressed; kvbound evicts as it goes (the question included) and its budget counts the whole prompt.
+`run --query-aware` is kvpress's query-aware setting instead (its leaderboard's "SnapKV with the question"):
+context and question go through the press together, compressed once, and keep counts the whole prompt, as
+kvbound's one-piece runs (`--prefill-chunk` at least the prompt) do.
 
 python benchmarks/peer_kvpress.py export --out prompts.json
 /path/to/kvpress-venv/bin/python benchmarks/peer_kvpress.py run --prompts prompts.json \\
@@ -70,6 +73,8 @@ def run(args):
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
     data = json.load(open(args.prompts))
+    if args.first is not None:
+        data["prompts"] = [p for p in data["prompts"] if p["sample"] < args.first]
     models = {}
     out, start = [], time.time()
     presses = args.presses.split(",")
@@ -83,14 +88,17 @@ def run(args):
             model = models[attn]
             for p in data["prompts"]:
                 cache = DynamicCache()
-                at = len(p["context_ids"])  # positions count the tokens processed, not the compressed cache's
+                pressed = p["context_ids"] + (p["question_ids"] if args.query_aware else [])
+                at = len(pressed)  # positions count the tokens processed, not the compressed cache's
                 with torch.no_grad():
                     with make_press(name, 1 - keep)(model):
-                        model(torch.tensor([p["context_ids"]], device=args.device), past_key_values=cache)
-                    q = len(p["question_ids"])
-                    logits = model(torch.tensor([p["question_ids"]], device=args.device), past_key_values=cache,
-                                   position_ids=torch.arange(at, at + q, device=args.device)[None]).logits[0, -1]
-                    at += q
+                        logits = model(torch.tensor([pressed], device=args.device), past_key_values=cache,
+                                       logits_to_keep=1).logits[0, -1]
+                    if not args.query_aware:  # the question uncompressed, after the compressed context
+                        q = len(p["question_ids"])
+                        logits = model(torch.tensor([p["question_ids"]], device=args.device), past_key_values=cache,
+                                       position_ids=torch.arange(at, at + q, device=args.device)[None]).logits[0, -1]
+                        at += q
                     reply = []
                     for _ in range(args.max_tokens):
                         nxt = int(logits.argmax())
@@ -100,7 +108,8 @@ def run(args):
                         logits = model(torch.tensor([[nxt]], device=args.device), past_key_values=cache,
                                        position_ids=torch.tensor([[at]], device=args.device)).logits[0, -1]
                         at += 1
-                out.append({"press": name, "keep": keep, "task": p["task"], "sample": p["sample"],
+                out.append({"press": name + (" (query-aware)" if args.query_aware else ""), "keep": keep,
+                            "task": p["task"], "sample": p["sample"],
                             "reply_ids": reply, "answers": p["answers"], "held": cache.get_seq_length()})
             print(f"{name} keep {keep}: {len(data['prompts'])} prompts, {time.time() - start:.0f} s", flush=True)
             _write(args.out, data["context"], out)  # after each press: a run cut short keeps what it finished
@@ -118,15 +127,20 @@ def report(args):
     _, tok = load(args.model)
     files = [json.load(open(path)) for path in args.replies]
     data = files[0]
+    first = args.first if args.first is not None else float("inf")  # the same instances on both sides
     results = [{"strategy": f"kvpress {r['press']}", "budget_frac": r["keep"], "task": r["task"],
-                "score": score(tok.decode(r["reply_ids"]), r["answers"])} for f in files for r in f["replies"]]
+                "score": score(tok.decode(r["reply_ids"]), r["answers"])} for f in files for r in f["replies"]
+               if r["sample"] < first]
     for path in args.kvbound or []:
         tag = "" if "onepiece" not in path else " (one piece)"
         for r in json.load(open(path))["results"]:
-            results.append({**r, "strategy": f"kvbound {r['strategy']}{tag}"})
+            if r["sample"] < first:
+                results.append({**r, "strategy": f"kvbound {r['strategy']}{tag}"})
     rows, tasks, grid = ruler_table(results)
-    print(f"RULER-style score, {data['context']}-token prompts; kvpress keeps a fraction of the context "
-          f"(question uncompressed), kvbound a fraction of the whole prompt")
+    aware = any("(query-aware)" in r["press"] for f in files for r in f["replies"])
+    kvpress_keeps = "the whole prompt (query-aware)" if aware else "the context (question uncompressed)"
+    print(f"RULER-style score, {data['context']}-token prompts; kvpress keeps a fraction of {kvpress_keeps}, "
+          f"kvbound a fraction of the whole prompt")
     print(f"{'strategy@keep':<44}" + "".join(f"{t:>16}" for t in tasks) + f"{'mean':>7}")
     for row, cells in sorted(zip(rows, grid), key=lambda x: (x[0].split("@")[1], x[0])):
         mean = sum(cells) / len(cells)
@@ -150,11 +164,15 @@ def main():
     r.add_argument("--max-tokens", type=int, default=32)
     r.add_argument("--device", default="cpu")
     r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    r.add_argument("--first", type=int, default=None, help="only the first N instances of each task")
+    r.add_argument("--query-aware", action="store_true", help="the question compressed with the context (kvpress's "
+                   "query-aware setting); keep then counts the whole prompt")
     r.add_argument("--out", required=True)
     p = sub.add_parser("report")
     p.add_argument("--model", default=None)
     p.add_argument("--replies", required=True, nargs="+", help="reply files of `run` (several runs' presses merge)")
     p.add_argument("--kvbound", nargs="*")
+    p.add_argument("--first", type=int, default=None, help="only the first N instances of each task, both sides")
     args = ap.parse_args()
     {"export": export, "run": run, "report": report}[args.cmd](args)
 
