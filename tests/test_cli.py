@@ -54,7 +54,7 @@ def test_unknown_architecture_and_malformed_config(tmp_path):
 @pytest.mark.parametrize("args, needle", [
     (["bench", "serve", "--rate", "0"], "--rate and --duration must be > 0"),
     (["bench", "throughput", "--num-blocks", "1", "--input-len", "64"], "but the pool has only 1"),
-    (["bench", "throughput", "--kv-bits", "heavy=8,recent=4"], "packs one width"),
+    (["bench", "throughput", "--kv-bits", "heavy=8,recent=4"], "keep recent tokens wider"),
     (["bench", "throughput", "--kv-bits", "8", "--kv-cache-dtype", "fp8"], "not both"),
     (["bench", "serve", "--policy", "window", "--budget", "4"], "must be < budget (4)"),
     (["bench", "throughput", "--prefill-chunk", "4096"], "must be >= prefill_chunk"),
@@ -148,11 +148,13 @@ def test_info_reports_how_many_tokens_a_pool_holds_at_the_chosen_width():
 
 
 def test_info_reports_each_width_of_mixed_kv():
+    r = run("info", "--policy", "h2o", "--budget", "256", "--kv-bits", "heavy=4,recent=8")
+    assert r.returncode == 0, r.stderr
+    assert "12,960 at 8-bit precision (recent and sink tokens" in r.stdout and "6,480 at 4 bits (older" in r.stdout
+    # 128 young tokens with residuals, 128 older at 4 bits, int32 positions and fp32 scores, 30 layers x 3 heads
+    assert f"KV bytes held     {128 * 12960 + 128 * 6480 + 256 * 30 * 3 * 8:,}" in r.stdout
     r = run("info", "--policy", "h2o", "--budget", "256", "--kv-bits", "heavy=8,recent=4")
-    assert r.returncode == 0
-    assert "12,240 at 8 bits (older tokens)" in r.stdout and "6,480 at 4 bits (recent and sink tokens)" in r.stdout
-    # 128 young tokens at 4 bits, 128 older at 8, int32 positions and fp32 scores for all 30 layers x 3 heads
-    assert f"KV bytes held     {128 * 6480 + 128 * 12240 + 256 * 30 * 3 * 8:,}" in r.stdout
+    assert r.returncode == 2 and "heavy=4,recent=8" in r.stderr
 
 
 def test_help_shows_defaults():

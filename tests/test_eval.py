@@ -279,5 +279,8 @@ def test_perplexity_through_the_engine_equals_the_harness(tiny):
     for name in strategies:
         assert engine[name]["ppl"] == pytest.approx(harness[name]["ppl"], rel=1e-4), name
     assert engine["h2o-heavy+kv4"]["kv_held_bytes"] < engine["h2o-heavy"]["kv_held_bytes"]
-    with pytest.raises(KvboundError, match="mixed widths"):
-        engine_perplexity(model, samples, parse_strategies(["h2o-heavy+kvmixed"], 16, args), args, 8, progress=False)
+    mixed = parse_strategies(["h2o-heavy+kvmixed"], 16, args)  # heavy=4,recent=8 through the engine, its own attends
+    got = engine_perplexity(model, samples, mixed, args, 8, progress=False)["h2o-heavy+kvmixed"]
+    want = perplexity(model, samples, mixed, args, 8, progress=False)["h2o-heavy+kvmixed"]
+    assert got["ppl"] == pytest.approx(want["ppl"], rel=1e-4)
+    assert harness["h2o-heavy+kv4"]["ppl"] != want["ppl"] != harness["h2o-heavy+kv8"]["ppl"]

@@ -27,6 +27,8 @@ from .store import DenseStore
 
 
 class AdaptiveKVCache:
+    ring = None  # no mixed widths (`KVCache.ring`)
+
     def __init__(self, config, policy, device="cpu", dtype=torch.float32, kv_bits=None, rotate_keys=None,
                  store=None, stacked=None, **_):
         """dtype: the dtype K/V are stored in. store: where K/V live (default: a dense store of its own; the

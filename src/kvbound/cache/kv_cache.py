@@ -23,20 +23,31 @@ import torch
 from ..errors import KvboundError
 from .adaptive_cache import AdaptiveKVCache
 from .policies import FullPolicy
-from .quant import QuantizedStore
+from .quant import QuantizedStore, RecentResiduals, check_mixed_policy
 from .stacked import StackedMeta, release
-from .steps import (chunk_attend, evict_decode, evict_one, fresh_scores, keep_and_rewrite, piece_attention, rescored,
-                    table_attention)
+from .steps import (chunk_attend, evict_decode, evict_one, fresh_scores, keep_and_rewrite, piece_attention, read_kv,
+                    rescored, table_attention)
 from .store import DenseStore
 
 
 def make_store(layers, slots, heads, head_dim, device, dtype, kv_bits=None, group_size=64,
-               quantized_kv_start=0, policy=None):
-    """A sequence's own store: dense, or packed when `kv_bits` is given."""
+               quantized_kv_start=0):
+    """A sequence's own store: dense, or packed when `kv_bits` (one width) is given."""
     if kv_bits is None:
         return DenseStore(layers, slots, heads, head_dim, device, dtype)
-    return QuantizedStore(layers, slots, heads, head_dim, device, dtype, kv_bits, group_size,
-                          quantized_kv_start, policy)
+    return QuantizedStore(layers, slots, heads, head_dim, device, dtype, kv_bits, group_size, quantized_kv_start)
+
+
+def recent_residuals(config, policy, kv_bits, group_size, quantized_kv_start, device) -> RecentResiduals | None:
+    """Mixed widths (kv_bits heavy=4,recent=8): the residuals that keep the recent window at 8-bit precision
+    over a 4-bit store. None for one width."""
+    if not isinstance(kv_bits, dict):
+        return None
+    check_mixed_policy(policy)
+    if quantized_kv_start:
+        raise KvboundError("--quantized-kv-start and mixed widths (--kv-bits heavy=4,recent=8): choose one")
+    return RecentResiduals(config.num_layers, config.num_kv_heads, config.head_dim, policy.sink, policy.recent,
+                           group_size, device)
 
 
 def sequence_cache(config, policy=None, **kw):
@@ -66,12 +77,15 @@ class KVCache:
         self.budget = self.policy.budget
         layers, h = config.num_layers, config.num_kv_heads
         cap = self.policy.capacity if self.bounded else initial_slots
+        self.ring = recent_residuals(config, self.policy, kv_bits, kv_group_size, quantized_kv_start, device)
+        if self.ring is not None:
+            kv_bits = kv_bits["heavy"]
         if store is not None:
-            if kv_bits is not None:
-                raise KvboundError("the paged engine stores K/V unquantized (kv_bits must be None)")
+            if kv_bits is not None and self.ring is None:
+                raise KvboundError("the paged engine's pool packs K/V itself (kv_bits must be None, or mixed widths)")
             cap = cap if self.bounded else store.capacity
         self.store = store if store is not None else make_store(
-            layers, cap, h, config.head_dim, device, dtype, kv_bits, kv_group_size, quantized_kv_start, self.policy)
+            layers, cap, h, config.head_dim, device, dtype, kv_bits, kv_group_size, quantized_kv_start)
         self.stacked = stacked if self.bounded else None
         if self.stacked is not None:
             self.pos, self.score, self.spare = stacked[0].views(stacked[1])
@@ -172,7 +186,8 @@ class KVCache:
         bounded cache, swapped out; `restore` brings it back into a fresh cache)."""
         return dict(slots=self.store.capacity, bytes=self.store.pool.read_blocks(self.store.blocks),
                     pos=self.pos.cpu(), score=None if self.score is None else self.score.cpu(),
-                    spare=self.spare.cpu(), n=list(self.n), has_spare=list(self.has_spare), seen=self.seen)
+                    spare=self.spare.cpu(), n=list(self.n), has_spare=list(self.has_spare), seen=self.seen,
+                    ring=None if self.ring is None else [t.cpu() for t in self.ring.tensors()])
 
     def restore(self, state: dict):
         """Take a `snapshot`'s state: blocks from the pool, written back, and the metadata copied."""
@@ -184,6 +199,9 @@ class KVCache:
         if self.score is not None:
             self.score.copy_(state["score"])
         self.spare.copy_(state["spare"])
+        if self.ring is not None:
+            for dst, src in zip(self.ring.tensors(), state["ring"]):
+                dst.copy_(src)
         self.n, self.has_spare, self.seen = list(state["n"]), list(state["has_spare"]), state["seen"]
 
     def adopt_prefix(self, t: int):
@@ -203,6 +221,7 @@ class KVCache:
         child.pos = self.pos.clone()
         child.score = None if self.score is None else self.score.clone()
         child.spare = self.spare.clone()
+        child.ring = None if self.ring is None else self.ring.clone()
         child.stacked = None
         child.n, child.has_spare = list(self.n), list(self.has_spare)
         return child
@@ -218,15 +237,22 @@ class KVCache:
         self._grow(self.slots_needed(t, layer))
         if self.has_spare[layer] and t > 1:
             self._densify(layer)
-        storage, meta = self.store.storage, self._layer_meta(layer)
+        storage, meta, ring = self.store.storage, self._layer_meta(layer), self.ring
+        if ring is not None:
+            ring.first = self.seen
         if self.has_spare[layer]:  # steady-state decode: the new token takes the evicted token's slot
             table = self.store.slot_table(self.capacity)[None]
             lens = torch.full((1,), self.capacity, dtype=torch.int32, device=q.device)
-            out = evict_decode(q, k, v, storage, layer, table, lens, self.one_row, positions, *meta, self.policy)
+            out = evict_decode(q, k, v, storage, layer, table, lens, self.one_row, positions, *meta, self.policy,
+                               ring=ring)
         elif n + t <= self.capacity:  # room: the new tokens take slots [n, n + t) in every head
             self.store.write_range(layer, n, k, v)
             self.pos[layer, n:n + t] = positions[:, None].to(self.pos.dtype)
-            out = self._attend_new(layer, q, k, n + t)
+            if ring is not None and t == 1:  # a decode step's token reads its residual in place
+                ring.write(layer, positions, k, v)
+            out = self._attend_new(layer, q, k, v, n + t)
+            if ring is not None and t > 1:
+                ring.write(layer, positions, k, v)
             self.n[layer] = n + t
             if self.bounded and n + t >= self.policy.capacity:  # over budget + evict_every - 1 tokens
                 if n + t == self.budget + 1:
@@ -238,11 +264,13 @@ class KVCache:
             table = self.store.slot_table(self.capacity)[None]
             pos, _, score = meta
             out, *cand = chunk_attend(q, k, v, storage, layer, table, n, self.one_row, positions, pos, score,
-                                      self.policy)
+                                      self.policy, ring=ring)
             if storage.exact:
                 keep_and_rewrite(storage, layer, table, n, self.one_row, pos, score, self.policy, *cand)
             else:
                 self._evict_and_write(layer, k, v, cand[2][0], None if cand[3] is None else cand[3][0])
+            if ring is not None:
+                ring.write(layer, positions, k, v)
             self.n[layer] = self.budget
         self.store.after_insert(layer, self._slots_used(layer), self.pos[layer], int(positions[-1]))
         if self.rotate_keys is not None:
@@ -270,24 +298,27 @@ class KVCache:
     def _slots_used(self, layer):
         return self.n[layer] + self.has_spare[layer]
 
-    def _attend_new(self, layer, q, k, total):
-        """Attention of the T new queries (keys k) over slots [0, total), all live, the new tokens the last T
-        (causal mask); the new tokens' scores start at the policy's (`fresh_scores`), then every slot's
+    def _attend_new(self, layer, q, k, v, total):
+        """Attention of the T new queries (keys k, values v) over slots [0, total), all live, the new tokens the
+        last T (causal mask); the new tokens' scores start at the policy's (`fresh_scores`), then every slot's
         score takes this step's probabilities."""
-        t = q.shape[0]
+        t, ring, pos = q.shape[0], self.ring, self.pos[layer, :total][None]
         score = None if self.score is None else self.score[layer, :total]
         table = self.store.slot_table(total)[None]
         if t == 1:
             if score is not None:
-                score[total - t:] = fresh_scores(self.policy, k, score, self.store.storage, layer)
+                score[total - t:] = fresh_scores(self.policy, k, score, ring or self.store.storage, layer)
             lens = torch.full((1,), total, dtype=torch.int32, device=q.device)
             out = table_attention(q, self.store.storage, layer, table, lens, self.policy,
-                                  None if score is None else score[None])
+                                  None if score is None else score[None], ring=ring, pos=pos)
             if score is not None and self.policy.rescores:
-                kc = self.store.storage.gather(layer, table.long())[0]
-                score.copy_(rescored(self.policy, score[None], kc, self.pos[layer, :total][None])[0])
+                kc = read_kv(self.store.storage, layer, table.long(), ring, pos)[0]
+                score.copy_(rescored(self.policy, score[None], kc, pos)[0])
             return out
         kc, vc = self.store.storage.gather(layer, table.long())
+        if ring is not None:  # the cached tokens as the window holds them, the step's own at mixed precision
+            kc, vc = (torch.cat([c, ring.roundtrip(layer, x).to(c.dtype)[None]], 1) for c, x in
+                      zip(ring.add(layer, kc[:, :total - t], vc[:, :total - t], pos[:, :total - t]), (k, v)))
         out, scores = piece_attention(q[None], kc, vc, self.policy, None if score is None else score[None, :total - t],
                                       self.pos[layer, :total][None])
         if score is not None:
@@ -379,6 +410,8 @@ class KVCache:
         for layer in range(len(self.n)):
             live = self.positions_held(layer) >= 0
             total += self.store.bytes_held(layer, live) + int(live.sum()) * (4 + (4 if self.score is not None else 0))
+            if self.ring is not None:
+                total += self.ring.bytes_held(self.positions_held(layer), self.seen)
         bf16 = 2 * 2 * self.cfg.num_kv_heads * self.cfg.head_dim * self.seen * len(self.n)
         return {"held_bytes": total, "tokens_held": len(self), "full_bf16_bytes": bf16,
                 "bytes_per_token_layer": self.store.bytes_per_token(),

@@ -3,24 +3,28 @@
 Tokens are quantized independently and exactly once, when written, so evicting (replacing or moving a
 slot) copies packed bytes and never changes another token.
 
-Mixed precision (`heavy=8,recent=4`): a token is written at the recent width. When it leaves the
-recent window (it becomes a heavy-hitter candidate) it is converted once to the heavy width, from its
-codes (never from the lost original):
-  - 4 -> 8 bits is exact: code8 = 17 * code4, scale8 = scale4 / 17 (255 = 15 * 17). Its values, and so
-    its precision, stay those of the 4-bit quantization; only the storage width changes.
-  - 8 -> 4 bits requantizes the dequantized 8-bit values (error <= 8-bit error + half a 4-bit step).
+Mixed widths (`heavy=4,recent=8`): every token is stored at 4 bits where eviction moves it, and the
+recent window's tokens (and the sinks) also hold a 4-bit residual, x minus its 4-bit read-back quantized
+again (`RecentResiduals`), so they read back at about 8-bit precision. A token drops to 4 bits by losing its
+residual when it leaves the window: nothing is requantized or moved, and the residuals live in a ring of
+sink + recent + 1 entries per layer indexed by position, so only the window pays the extra bits.
 """
 from __future__ import annotations
+
+from copy import copy
 
 import torch
 
 from ..errors import KvboundError
-from ..kernels.packing import convert, dequantize, quantize
+from ..kernels.packing import dequantize, quantize
 from .store import DenseStore, at
 
 
+MIXED = {"heavy": 4, "recent": 8}  # the one mixed setting: recent tokens (and sinks) at 8-bit precision
+
+
 def parse_kv_bits(spec):
-    """None | 8 | 4 | 'heavy=8,recent=4' -> None | int | dict(heavy=, recent=)."""
+    """None | 8 | 4 | 'heavy=4,recent=8' -> None | int | dict(heavy=4, recent=8)."""
     if spec is None or spec == "" or spec in ("16", "none", "bf16"):
         return None
     if isinstance(spec, (int, dict)):
@@ -42,6 +46,9 @@ def parse_kv_bits(spec):
     for b in (out.values() if isinstance(out, dict) else [out]):
         if b not in (4, 8):
             raise KvboundError(f"--kv-bits: unsupported bit width {b} (supported: 4, 8)")
+    if isinstance(out, dict) and out != MIXED:
+        raise KvboundError(f"--kv-bits {spec!r}: mixed widths keep recent tokens wider, heavy=4,recent=8 (heavy "
+                           "hitters at 8 bits and recent tokens at 4 would store 4-bit precision in 8-bit bytes)")
     return out
 
 
@@ -157,25 +164,14 @@ class Fp8KV:
 
 
 class QuantizedStore:
-    """Packed K/V, a `store.KVStore` and its own `SlotStorage`. A full-precision prefix store until `start` tokens."""
+    """Packed K/V at one width, a `store.KVStore` and its own `SlotStorage`. A full-precision prefix store until
+    `start` tokens."""
     exact = False  # reads back the dequantized codes
 
-    def __init__(self, layers, slots, heads, head_dim, device, dtype, bits, group_size, start=0, policy=None):
+    def __init__(self, layers, slots, heads, head_dim, device, dtype, bits, group_size, start=0):
         check_group(head_dim, group_size)
-        self.mixed = isinstance(bits, dict)
-        self.recent_bits = bits["recent"] if self.mixed else bits
-        self.heavy_bits = bits["heavy"] if self.mixed else bits
-        if self.mixed and (policy is None or policy.name != "h2o"):
-            raise KvboundError("--kv-bits heavy=..,recent=.. needs an h2o policy (it has a recent window)")
-        self.recent_window = policy.recent if policy is not None else 0
-        self.sink = policy.sink if policy is not None else 0
-        self.dtype, self.group, self.start = dtype, group_size, start
-        shape = (layers, slots, heads, head_dim)
-        widths = sorted({self.recent_bits, self.heavy_bits})
-        self.k = {b: _Packed(*shape, b, group_size, zeros_on(device)) for b in widths}
-        self.v = {b: _Packed(*shape, b, group_size, zeros_on(device)) for b in widths}
-        # width of the token in each (layer, slot, head)
-        self.width = torch.full((layers, slots, heads), self.recent_bits, dtype=torch.uint8, device=device)
+        self.bits, self.dtype, self.group, self.start = bits, dtype, group_size, start
+        self.packed = PackedKV(layers, slots, heads, head_dim, bits, group_size, zeros_on(device))
         self.dense = None
         self.storage = self
         if start > 0:
@@ -185,86 +181,69 @@ class QuantizedStore:
     def _is_dense(self, layer):
         return self.dense is not None and self.dense_layers[layer]
 
+    def _sides(self):
+        return self.packed.k, self.packed.v
+
     def gather(self, layer, slots):
         if self._is_dense(layer):
             return self.dense.gather(layer, slots)
-        ks, vs = [], []
-        for b in self.k:
-            ks.append(dequantize(*(t[layer, slots] for t in self.k[b].tensors()), b, self.group, self.dtype))
-            vs.append(dequantize(*(t[layer, slots] for t in self.v[b].tensors()), b, self.group, self.dtype))
-        if len(ks) == 1:
-            return ks[0], vs[0]
-        wide = (self.width[layer, slots] == max(self.k))[..., None]
-        return torch.where(wide, ks[1], ks[0]), torch.where(wide, vs[1], vs[0])
+        return tuple(dequantize(*(t[layer, slots] for t in side.tensors()), self.bits, self.group, self.dtype)
+                     for side in self._sides())
 
     def roundtrip(self, layer, x):
         if self._is_dense(layer):
             return x
-        return dequantize(*quantize(x, self.recent_bits, self.group), self.recent_bits, self.group, x.dtype)
+        return self.packed.roundtrip(x)
 
     def write_range(self, layer, start, k, v):
         if self._is_dense(layer):
             self.dense.write_range(layer, start, k, v)
             return
-        b, end = self.recent_bits, start + k.shape[0]
-        for packed, x in ((self.k[b], k), (self.v[b], v)):
-            if x.is_cuda:  # the Triton store kernel quantizes on the way in, bit for bit as `quantize`
-                from ..kernels.triton_decode import store_kv
-                slots = torch.arange(start, end, device=x.device, dtype=torch.int32)[:, None].expand(-1, x.shape[1])
-                store_kv(x.contiguous(), slots, packed.codes[layer], packed.scale[layer], packed.bias[layer], b,
-                         self.group)
-                continue
-            for dst, src in zip(packed.tensors(), quantize(x, b, self.group)):
+        end = start + k.shape[0]
+        if k.is_cuda:  # the Triton store kernel quantizes on the way in, bit for bit as `quantize`
+            slots = torch.arange(start, end, device=k.device, dtype=torch.int32)[:, None].expand(-1, k.shape[1])
+            self.packed.store(layer, slots, k, v)
+            return
+        for side, x in zip(self._sides(), (k, v)):
+            for dst, src in zip(side.tensors(), quantize(x, self.bits, self.group)):
                 dst[layer, start:end] = src
-        self.width[layer, start:end] = b
 
     def write(self, layer, slots, k, v, heads=None):
         if self._is_dense(layer):
             self.dense.write(layer, slots, k, v, heads)
             return
-        b = self.recent_bits
-        for packed, x in ((self.k[b], k), (self.v[b], v)):
-            for dst, src in zip(packed.tensors(), quantize(x, b, self.group)):
+        for side, x in zip(self._sides(), (k, v)):
+            for dst, src in zip(side.tensors(), quantize(x, self.bits, self.group)):
                 dst[at(layer, slots, heads)] = src
-        self.width[at(layer, slots, heads)] = b
 
     def move(self, layer, heads, src, dst):
         if self._is_dense(layer):
             self.dense.move(layer, heads, src, dst)
             return
-        for packed in list(self.k.values()) + list(self.v.values()):
-            for t in packed.tensors():
-                t[layer, dst, heads] = t[layer, src, heads]
-        self.width[layer, dst, heads] = self.width[layer, src, heads]
+        for t in self.packed.tensors:
+            t[layer, dst, heads] = t[layer, src, heads]
 
     def kernel_args(self, layer):
-        """The packed pools for the fused kernel; None with mixed widths (one call reads one width)."""
+        """The packed pools for the fused kernel."""
         if self._is_dense(layer):
             return self.dense.kernel_args(layer)
-        if self.mixed:
-            return None
-        b = self.recent_bits
-        k, v = self.k[b], self.v[b]
-        quant = dict(bits=b, group=self.group, k_scale=k.scale[layer], k_bias=k.bias[layer],
-                     v_scale=v.scale[layer], v_bias=v.bias[layer])
-        return k.codes[layer], v.codes[layer], quant
+        return self.packed.kernel_args(layer)
 
     def slot_table(self, n):
-        return torch.arange(n, device=self.width.device, dtype=torch.int32)
+        return torch.arange(n, device=self.packed.k.codes.device, dtype=torch.int32)
 
     @property
     def capacity(self):
-        return self.width.shape[1]
+        return self.packed.k.codes.shape[1]
 
     def grow(self, slots):
         slots = max(slots, 2 * self.capacity)
 
         def pad(t):
             return torch.cat([t, t.new_zeros(t.shape[0], slots - t.shape[1], *t.shape[2:])], 1)
-        for packed in list(self.k.values()) + list(self.v.values()):
-            packed.codes, packed.scale, packed.bias = (pad(t) for t in packed.tensors())
-        self.width = torch.cat([self.width, self.width.new_full(
-            (self.width.shape[0], slots - self.width.shape[1], self.width.shape[2]), self.recent_bits)], 1)
+        for side in self._sides():
+            side.codes, side.scale, side.bias = (pad(t) for t in side.tensors())
+        self.packed.tensors = self.packed.k.tensors() + self.packed.v.tensors()
         if self.dense is not None:
             self.dense.grow(slots)
         return slots
@@ -272,36 +251,102 @@ class QuantizedStore:
     def release(self):
         pass
 
-    # --- called by the cache after each insert ------------------------------------------------
     def after_insert(self, layer, n, pos, newest):
-        """Quantize the dense prefix once the cache reaches `start` tokens; convert tokens that left the
-        recent window to the heavy width (mixed precision)."""
+        """Quantize the dense prefix once the cache reaches `start` tokens."""
         if self._is_dense(layer) and n >= self.start:
             k, v = self.dense.gather(layer, slice(0, n))
             self.dense_layers[layer] = False
             self.write_range(layer, 0, k, v)
             if not any(self.dense_layers):
                 self.dense = None
-        if not self.mixed or self._is_dense(layer):
-            return
-        p = pos[:n]
-        old = (p >= self.sink) & (p <= newest - self.recent_window) & (self.width[layer, :n] == self.recent_bits)
-        if not old.any():
-            return
-        slots, heads = old.nonzero(as_tuple=True)
-        src, dst = self.recent_bits, self.heavy_bits
-        for side in (self.k, self.v):
-            got = convert(*(t[layer, slots, heads] for t in side[src].tensors()), src, dst, self.group)
-            for t, val in zip(side[dst].tensors(), got):
-                t[layer, slots, heads] = val
-        self.width[layer, slots, heads] = dst
 
-    def bytes_per_token(self, bits: int | None = None):
-        """Bytes of one token in one layer (K and V, all heads) at `bits` (default: the width tokens are written at)."""
-        return 2 * self.width.shape[2] * self.k[bits or self.recent_bits].bytes_per_token_head()
+    def bytes_per_token(self):
+        """Bytes of one token in one layer (K and V, all heads)."""
+        return 2 * self.packed.k.codes.shape[2] * self.packed.k.bytes_per_token_head()
 
     def bytes_held(self, layer, live):
         if self._is_dense(layer):
             return self.dense.bytes_held(layer, live)
-        width = self.width[layer, :live.shape[0]][live]
-        return sum(2 * int((width == b).sum()) * self.k[b].bytes_per_token_head() for b in self.k)
+        return 2 * int(live.sum()) * self.packed.k.bytes_per_token_head()
+
+
+def check_mixed_policy(policy):
+    """Mixed widths keep a policy's recent window (and sinks) at 8-bit precision: an h2o policy's, one budget."""
+    if policy.name != "h2o" or policy.adapts:
+        raise KvboundError("--kv-bits heavy=4,recent=8 needs an h2o policy without adaptive budgets (its recent "
+                           f"window is what stays at 8 bits), got {policy.describe()}")
+
+
+class RecentResiduals:
+    """The recent window's extra precision under `--kv-bits heavy=4,recent=8`, for one cache: each token of
+    the window (and each sink) holds x - read_back_4bit(x) quantized to 4 bits again, in a ring indexed by
+    position (sink + recent + 1 entries per layer and head), so it reads back at about 8-bit precision while
+    its 4-bit codes live in the store. A token leaves the window by losing its residual.
+    `first`: the first position of the step being attended (the cache sets it). During a step, a cached token
+    reads its residual if it is a sink or among the `recent` tokens before `first`; the step's own tokens read
+    back at full mixed precision (`roundtrip`), and a decode step's token is written first."""
+
+    def __init__(self, layers, heads, head_dim, sink, recent, group_size, device):
+        check_group(head_dim, group_size)
+        self.sink, self.recent, self.group, self.first = sink, recent, group_size, 0
+        size = sink + recent + 1
+        self.k = _Packed(layers, size, heads, head_dim, 4, group_size, zeros_on(device))
+        self.v = _Packed(layers, size, heads, head_dim, 4, group_size, zeros_on(device))
+
+    def tensors(self):
+        return self.k.tensors() + self.v.tensors()
+
+    def index(self, pos):
+        return torch.where(pos < self.sink, pos, self.sink + pos % (self.recent + 1))
+
+    def held(self, pos, first=None):
+        """Which places (positions `pos`, -1 none) read their residual in the step from `first` (default: the
+        current step)."""
+        first = self.first if first is None else first
+        return (pos >= 0) & ((pos < self.sink) | (pos >= first - self.recent))
+
+    def _split(self, x):
+        """x -> (its 4-bit read-back in x's dtype, the packed residual)."""
+        main = dequantize(*quantize(x, 4, self.group), 4, self.group, x.dtype)
+        return main, quantize(x.float() - main.float(), 4, self.group)
+
+    def roundtrip(self, layer, x):
+        """What a token written now reads back as while in the window."""
+        main, res = self._split(x)
+        return (main.float() + dequantize(*res, 4, self.group)).to(x.dtype)
+
+    def write(self, layer, positions, k, v):
+        """The residuals of new tokens k, v [t, H, D] at `positions` [t] (ascending) that the window or the
+        sinks keep after them."""
+        keep = (positions < self.sink) | (positions >= positions[-1] - self.recent)
+        slot = self.index(positions[keep].long())
+        for side, x in ((self.k, k), (self.v, v)):
+            for dst, src in zip(side.tensors(), self._split(x[keep])[1]):
+                dst[layer, slot] = src
+
+    def add(self, layer, k, v, pos):
+        """K, V [..., M, H, D] read from the store at places whose positions are `pos` [..., M, H]: held places
+        get their residuals added."""
+        held = self.held(pos)[..., None]
+        slot = self.index(pos.clamp(min=0).long())
+        heads = torch.arange(pos.shape[-1], device=pos.device)
+        out = []
+        for side, x in ((self.k, k), (self.v, v)):
+            res = dequantize(*(t[layer, slot, heads] for t in side.tensors()), 4, self.group)
+            out.append(torch.where(held, (x.float() + res).to(x.dtype), x))
+        return out[0], out[1]
+
+    def bytes_held(self, pos, seen):
+        """Bytes of the residuals held for positions `pos` [M, H] of one layer after `seen` tokens."""
+        return 2 * int(self.held(pos, seen).sum()) * self.k.bytes_per_token_head()
+
+    def bytes_per_cache(self):
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def clone(self) -> "RecentResiduals":
+        """A copy with tensors of its own (a forked sequence writes its own window)."""
+        twin = copy(self)
+        twin.k, twin.v = copy(self.k), copy(self.v)
+        for side in (twin.k, twin.v):
+            side.codes, side.scale, side.bias = (t.clone() for t in side.tensors())
+        return twin

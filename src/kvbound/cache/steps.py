@@ -59,6 +59,13 @@ def piece_attention(q, k, v, policy, old: torch.Tensor | None, pos: torch.Tensor
     return out, rescored(policy, piece_fold(policy, scores, step, pos), k, pos)
 
 
+def read_kv(storage, layer, table, ring=None, pos=None):
+    """K, V at slots `table` [B, M] as attention reads them: with mixed widths (`ring`, a cache's
+    `quant.RecentResiduals`, and the places' positions `pos` [B, M, H]) the window's tokens with their residuals."""
+    k, v = storage.gather(layer, table)
+    return (k, v) if ring is None else ring.add(layer, k, v, pos)
+
+
 def kernel_reads(storage, layer, q, policy) -> tuple | None:
     """The storage's kernel arguments where the decode kernel can serve this step: it exports per-KV-head
     scores (not a layer's) and, on the GPU, takes power-of-two head sizes. None: gather, then attend."""
@@ -69,20 +76,21 @@ def kernel_reads(storage, layer, q, policy) -> tuple | None:
     return storage.kernel_args(layer)
 
 
-def table_attention(q, storage, layer, table, lens, policy=None, score=None, contiguous=False):
+def table_attention(q, storage, layer, table, lens, policy=None, score=None, contiguous=False, ring=None, pos=None):
     """One new query per sequence, q [B, Hq, D], over its keys at table[b, :lens[b]]. `score` [B, M, H]
     (a policy's, with the policy) folds in this step's probabilities of the valid keys. contiguous: key j is
-    at slot table[b, 0] + j, and only column 0 is read (virtual storage's stripes)."""
+    at slot table[b, 0] + j, and only column 0 is read (virtual storage's stripes). ring, pos: mixed widths'
+    residuals and the keys' positions (`read_kv`); no kernel reads those yet."""
     mode = None if score is None else policy.fold
     score = None if mode is None else score
-    args = kernel_reads(storage, layer, q, policy)
+    args = None if ring is not None else kernel_reads(storage, layer, q, policy)
     if args is not None:
         k_pool, v_pool, quant = args
         return decode_attention(q, k_pool, v_pool, table, lens, score=score, quant=quant, score_mode=mode,
                                 ema_decay=policy.fold_decay if policy is not None else 0.95, contiguous=contiguous)
     if contiguous:
         table = contiguous_slots(table, lens)
-    k, v = storage.gather(layer, table.long())
+    k, v = read_kv(storage, layer, table.long(), ring, pos)
     out, step = decode_with_scores(q, k, v, lens, mode)
     if step is not None:
         valid = torch.arange(table.shape[1], device=q.device)[None, :, None] < lens.to(q.device)[:, None, None]
@@ -99,29 +107,32 @@ def evict_one(pos, spare, score, rows, policy):
     spare[rows] = victim
 
 
-def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spare, score, policy):
+def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spare, score, policy, ring=None):
     """Steady-state decode of B bounded caches (each head holds `budget` tokens plus its spare slot): each
     head's new token goes into its spare slot, attends over all table.shape[1] slots in place while this
     step's probabilities fold into the scores, and the head's victim's slot becomes the next spare.
     Nothing else moves. On CUDA, a protection the kernel knows runs as five fused kernels
-    (`kernels.triton_decode.evict_decode`; packed pools are written quantized), the same steps as below."""
+    (`kernels.triton_decode.evict_decode`; packed pools are written quantized), the same steps as below.
+    ring: one cache's mixed-width residuals (`quant.RecentResiduals`), B = 1; the new token's goes in too."""
     fused = policy.fused_protection()
     args = kernel_reads(storage, layer, q, policy)
-    if q.is_cuda and fused is not None and args is not None:
+    if q.is_cuda and fused is not None and args is not None and ring is None:
         from ..kernels.triton_decode import evict_decode as fused_step
         return fused_step(q, k, v, args[0], args[1], table, lens, rows, positions, pos, spare, score, policy.fold,
                           policy.fold_decay, *fused, quant=args[2])
     r, heads = rows[:, None], torch.arange(k.shape[1], device=k.device)[None, :]
     slot = spare[rows]  # [B, H]: the local slot each head writes
     storage.write(layer, table.gather(1, slot).long(), k, v, EACH_HEAD)
+    if ring is not None:
+        ring.write(layer, positions, k, v)
     pos[r, slot, heads] = positions[:, None].to(pos.dtype)
     step_score = None
     if score is not None:
-        score[r, slot, heads] = fresh_scores(policy, k, score, storage, layer)
+        score[r, slot, heads] = fresh_scores(policy, k, score, ring or storage, layer)
         step_score = score[rows]
-    out = table_attention(q, storage, layer, table, lens, policy, step_score)
+    out = table_attention(q, storage, layer, table, lens, policy, step_score, ring=ring, pos=pos[rows])
     if score is not None:
-        score[rows] = rescored(policy, step_score, storage.gather(layer, table.long())[0], pos[rows])
+        score[rows] = rescored(policy, step_score, read_kv(storage, layer, table.long(), ring, pos[rows])[0], pos[rows])
     evict_one(pos, spare, score, rows, policy)
     return out
 
@@ -191,15 +202,17 @@ def shared_decode(q, k, v, storage, layer, table, rows, positions, owner, pos, s
     return out[:, 0]
 
 
-def chunk_attend(q, k, v, storage, layer, table, n, rows, positions, pos, score, policy):
+def chunk_attend(q, k, v, storage, layer, table, n, rows, positions, pos, score, policy, ring=None):
     """Prefill pieces of t tokens of B bounded caches holding n tokens each (slots table[:, :n]): each
     piece attends over its cache plus itself. Returns (out [B*t, Hq, D], and the n + t candidates of each
-    sequence: K and V [B, n + t, H, D] as the storage reads them back, positions, folded scores or None)."""
+    sequence: K and V [B, n + t, H, D] as the storage reads them back, positions, folded scores or None).
+    ring: one cache's mixed-width residuals (B = 1; `read_kv`)."""
     bsz = table.shape[0]
     q, k, v = (x.unflatten(0, (bsz, -1)) for x in (q, k, v))  # [B, t, H, D]
-    kc, vc = storage.gather(layer, table[:, :n].long())
-    cand_k = torch.cat([kc, storage.roundtrip(layer, k).to(kc.dtype)], 1)
-    cand_v = torch.cat([vc, storage.roundtrip(layer, v).to(vc.dtype)], 1)
+    kc, vc = read_kv(storage, layer, table[:, :n].long(), ring, pos[rows, :n])
+    back = ring or storage
+    cand_k = torch.cat([kc, back.roundtrip(layer, k).to(kc.dtype)], 1)
+    cand_v = torch.cat([vc, back.roundtrip(layer, v).to(vc.dtype)], 1)
     new_pos = positions.view(bsz, -1, 1).expand(-1, -1, k.shape[2]).to(pos.dtype)
     cand_pos = torch.cat([pos[rows, :n], new_pos], 1)
     out, cand_score = piece_attention(q, cand_k, cand_v, policy, None if score is None else score[rows, :n],

@@ -26,16 +26,17 @@ def engine_tokens(engine, ids, params, report):
               disable=len(ids) <= engine.scheduler.chunk) as bar:
         def on_step():
             held = engine.pool.num_blocks - engine.pool.num_free
-            report["kv_bytes"] = max(report["kv_bytes"], held * engine.pool.block_bytes)
+            ring = 0 if seq.cache is None or seq.cache.ring is None else seq.cache.ring.bytes_per_cache()
+            report["kv_bytes"] = max(report["kv_bytes"], held * engine.pool.block_bytes + ring)
             if seq.cache is not None:
                 bar.update(min(seq.cache.seen, len(ids)) - bar.n)
         yield from engine.stream(rid, on_step)
 
 
 def cmd_generate(args):
-    """Through the engine (LLMEngine) with one request, its pool packed with --kv-bits 8 / 4; mixed widths,
-    --quantized-kv-start, re-indexed positions and per-layer budgets (--pyramid-beta, pyramidkv) use a
-    single-sequence cache. Speeds and peak KV memory go to stderr."""
+    """Through the engine (LLMEngine) with one request, its pool packed with --kv-bits 8 / 4 / heavy=4,recent=8;
+    --quantized-kv-start and re-indexed positions use a single-sequence cache. Speeds and peak KV memory go to
+    stderr."""
     from ..cache import parse_kv_bits, sequence_cache
     from ..engine import LLMEngine, SamplingParams, generate_ids
     from ..models.tokenizer import StreamDecoder
@@ -53,7 +54,7 @@ def cmd_generate(args):
     if not args.reindex_positions:
         model.config.check_length(len(ids), args.max_tokens)
     report = {}
-    own_cache = isinstance(bits, dict) or args.quantized_kv_start or args.reindex_positions
+    own_cache = args.quantized_kv_start or args.reindex_positions
     if not own_cache:
         need = policy.capacity if policy.bounded else len(ids) + args.max_tokens
         engine = LLMEngine(model, tok, policy=policy, num_blocks=-(-need // 16), block_size=16,
@@ -139,24 +140,25 @@ def cmd_info(args):
         pool = int(args.kv_cache_memory * 2**30)
         widths = {"bf16": None}
         if args.kv_cache_dtype != "auto" or args.kv_bits is not None:
-            widths[args.kv_cache_dtype if args.kv_cache_dtype != "auto" else f"{args.kv_bits}-bit"] = engine_kv_bits(args)
+            b = engine_kv_bits(args)
+            name = ("4-bit (heavy=4,recent=8: each sequence's window residuals beside the pool)"
+                    if isinstance(b, dict) else args.kv_cache_dtype if args.kv_cache_dtype != "auto" else f"{b}-bit")
+            widths[name] = b
         held = [f"{pool // token_bytes(cfg, torch.bfloat16, b, args.kv_group_size):,} tokens at {name}"
                 for name, b in widths.items()]
         print(f"KV pool           {args.kv_cache_memory:g} GiB holds {' / '.join(held)}")
     bits = parse_kv_bits(args.kv_bits)
     policy = make_policy(args)
     cache = KVCache(cfg, policy, kv_bits=bits, kv_group_size=args.kv_group_size, dtype=torch.bfloat16)
-    widths = {} if bits is None else ({"recent": bits["recent"], "heavy": bits["heavy"]} if isinstance(bits, dict)
-                                      else {"recent": bits, "heavy": bits})
-    per = {role: cache.store.bytes_per_token(b) * cfg.num_layers for role, b in widths.items()}
-    for role, b in sorted(widths.items(), key=lambda rb: -rb[1]):
-        if role == "heavy" and b == widths["recent"]:
-            continue  # one width: one line
-        n = per[role]
-        who = "" if b == widths["heavy"] == widths["recent"] else (
-            " (recent and sink tokens)" if role == "recent" else " (older tokens)")
-        print(f"KV bytes/token    {n:,} at {b} bits{who}, group {args.kv_group_size} "
-              f"(data + scales + biases; {cfg.kv_bytes_per_token(2) / n:.3f}x smaller than bf16)")
+    per = {}
+    if bits is not None:
+        one = cache.store.bytes_per_token() * cfg.num_layers
+        per = {"recent": 2 * one if cache.ring is not None else one, "heavy": one}
+        lines = ([(per["recent"], "8-bit precision (recent and sink tokens: 4-bit codes and a 4-bit residual)"),
+                  (one, "4 bits (older tokens)")] if cache.ring is not None else [(one, f"{bits} bits")])
+        for n, what in lines:
+            print(f"KV bytes/token    {n:,} at {what}, group {args.kv_group_size} "
+                  f"(data + scales + biases; {cfg.kv_bytes_per_token(2) / n:.3f}x smaller than bf16)")
     if policy.bounded:
         meta = cfg.num_layers * cfg.num_kv_heads * (4 + (4 if policy.score else 0))  # int32 positions (+ fp32 scores)
         bf16 = cfg.kv_bytes_per_token(2)

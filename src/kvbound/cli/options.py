@@ -95,7 +95,8 @@ def add_cache_args(p, with_policy=True):
                    "heavy hitters fall with depth from 2-1/beta to 1/beta of their share, beta >= 1 (pyramidkv: 20)")
     g.add_argument("--pin-prefix", type=nonneg_int, default=0, help="never evict the first N prompt tokens")
     g.add_argument("--prefill-chunk", type=positive_int, default=512, help="prefill chunk length")
-    g.add_argument("--kv-bits", default=None, help="8 | 4 | heavy=8,recent=4 (quantized KV)")
+    g.add_argument("--kv-bits", default=None, help="8 | 4 | heavy=4,recent=8 (quantized KV; mixed: recent tokens and "
+                   "sinks at 8-bit precision, the rest at 4 bits)")
     g.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64, 128])
     g.add_argument("--quantized-kv-start", type=nonneg_int, default=0, help="with --kv-bits: keep full precision "
                    "until the cache holds N tokens")
@@ -174,8 +175,8 @@ def engine_policy(args):
 
 
 def engine_kv_bits(args) -> int | str | None:
-    """--kv-bits / --kv-cache-dtype for the engine's pool: one width (8, 4 or "fp8"); mixed widths and a
-    full-precision start run on a single-sequence cache (`kvbound generate` / `kvbound eval`)."""
+    """--kv-bits / --kv-cache-dtype for the engine: one width (8, 4 or "fp8"), or heavy=4,recent=8 (a 4-bit pool,
+    each sequence's window at 8-bit precision); a full-precision start runs on a single-sequence cache."""
     from ..cache import parse_kv_bits
     bits = parse_kv_bits(args.kv_bits)
     if getattr(args, "kv_cache_dtype", "auto") != "auto":
@@ -183,10 +184,9 @@ def engine_kv_bits(args) -> int | str | None:
             raise KvboundError(f"give --kv-bits ({args.kv_bits}) or --kv-cache-dtype ({args.kv_cache_dtype}), "
                                "not both")
         return "fp8"
-    if isinstance(bits, dict) or (bits is not None and getattr(args, "quantized_kv_start", 0)):
-        raise KvboundError(f"--kv-bits {args.kv_bits}: the engine's block pool packs one width (8 or 4) from the "
-                           "first token; mixed widths and --quantized-kv-start run through `kvbound generate` / "
-                           "`kvbound eval`")
+    if bits is not None and getattr(args, "quantized_kv_start", 0):
+        raise KvboundError(f"--kv-bits {args.kv_bits}: the engine's block pool packs from the first token; "
+                           "--quantized-kv-start runs through `kvbound generate` / `kvbound eval`")
     return bits
 
 
@@ -257,8 +257,10 @@ def make_engine(args, model, tok, dtype):
 
 
 def token_bytes(config, kv_dtype, kv_bits: int | None, group_size: int) -> int:
-    """Bytes of one token's K/V over all layers: at kv_dtype, or packed (codes plus an fp16 scale and bias per
-    group, `cache.quant.PackedKV`)."""
+    """Bytes of one token's K/V over all layers in the pool: at kv_dtype, or packed (codes plus an fp16 scale and
+    bias per group, `cache.quant.PackedKV`); mixed widths' pool is 4-bit (the windows' residuals are per sequence)."""
+    if isinstance(kv_bits, dict):
+        kv_bits = kv_bits["heavy"]
     if kv_bits is None:
         return config.kv_bytes_per_token(torch.finfo(kv_dtype).bits // 8)
     from ..cache.quant import packed_head_bytes

@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 
 from ..cache import BlockPool, FullPolicy, KVCache, sequence_cache
-from ..cache.quant import Fp8KV
+from ..cache.quant import MIXED, Fp8KV, check_mixed_policy
 from ..cache.stacked import StackedMeta, stackable
 from ..cache.store import PagedStore
 from ..errors import KvboundError
@@ -92,8 +92,11 @@ class PoolCaches:
     blocks, and a row of the policy's stacked metadata when one is free. The scheduler holds it, and it holds
     nothing of the engine's, so a dropped engine is freed at once (no reference cycle waiting for the gc)."""
 
-    def __init__(self, config, pool, device, kv_dtype, rows: int):
+    def __init__(self, config, pool, device, kv_dtype, rows: int, mixed=None):
+        """mixed: kv_bits heavy=4,recent=8 over a 4-bit pool; each cache keeps its window's residuals and runs
+        its own `attend` (no stacked rows)."""
         self.config, self.pool, self.device, self.kv_dtype, self.rows = config, pool, device, kv_dtype, rows
+        self.mixed = mixed
         self.stacked: dict = {}  # policy -> StackedMeta of its bounded caches
 
     def stacked_meta(self, policy) -> StackedMeta:
@@ -102,13 +105,17 @@ class PoolCaches:
                                                self.device)
         return self.stacked[policy]
 
+    def stacks(self, policy) -> bool:
+        return stackable(policy) and self.mixed is None
+
     def __call__(self, policy, hits: list[int]) -> KVCache:
         stacked = None
-        if stackable(policy):
+        if self.stacks(policy):
             row = self.stacked_meta(policy).take()
             stacked = None if row is None else (self.stacked[policy], row)
         return sequence_cache(self.config, policy, device=self.device, dtype=self.kv_dtype,
-                              store=PagedStore(self.pool, hits), stacked=stacked)
+                              store=PagedStore(self.pool, hits), stacked=stacked, kv_bits=self.mixed,
+                              kv_group_size=self.pool.packed.group if self.mixed else 64)
 
 
 class LLMEngine:
@@ -148,14 +155,21 @@ class LLMEngine:
         self.kv_dtype = kv_dtype or next(model.parameters()).dtype
         self.default_policy = policy or FullPolicy()
         num_blocks = num_blocks or max(1, kv_cache_tokens // block_size)
-        if kv_bits is not None and not isinstance(kv_bits, int) and kv_bits != "fp8":
-            raise KvboundError(f"kv_bits {kv_bits!r}: the paged pool packs one width, 8, 4 or 'fp8' (mixed widths "
-                               "run on a single-sequence cache)")
+        mixed = kv_bits if isinstance(kv_bits, dict) else None
+        if mixed is not None:
+            if mixed != MIXED:
+                raise KvboundError(f"kv_bits {kv_bits!r}: mixed widths are heavy=4,recent=8")
+            if policy is not None:
+                check_mixed_policy(policy)
+            kv_bits = mixed["heavy"]
+        if kv_bits is not None and kv_bits not in (8, 4, "fp8"):
+            raise KvboundError(f"kv_bits {kv_bits!r}: the paged pool packs 8, 4 or 'fp8', or heavy=4,recent=8")
+        self.mixed = mixed
         self.pool = BlockPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size,
                               self.device, self.kv_dtype, kv_bits, kv_group_size, kv_storage, max_seqs=max_num_seqs + 1,
                               max_seq_blocks=-(-cfg.max_position_embeddings // block_size),
                               offload_bytes=int(kv_offloading_size * 2**30))
-        self.caches = PoolCaches(cfg, self.pool, self.device, self.kv_dtype, max_num_seqs + 1)
+        self.caches = PoolCaches(cfg, self.pool, self.device, self.kv_dtype, max_num_seqs + 1, mixed)
         self.scheduler = Scheduler(self.pool, self.caches, max_num_batched_tokens, max_num_seqs, prefill_chunk,
                                    int(swap_space * 2**30))
         self.eos_ids = set(tokenizer.eos_ids) if tokenizer is not None else set()
@@ -167,7 +181,7 @@ class LLMEngine:
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.pool, max_num_seqs, graph_max_len, cfg.max_position_embeddings)
-            if stackable(self.default_policy):  # its evict graphs (AdaKV's "shared" ones), pre-warmed
+            if self.caches.stacks(self.default_policy):  # its evict graphs (AdaKV's "shared" ones), pre-warmed
                 self.graphs.capture_evict(self.caches.stacked_meta(self.default_policy),
                                           kind="shared" if self.default_policy.adapts else "evict")
 
@@ -176,6 +190,8 @@ class LLMEngine:
         p = self.pool
         width = ("fp8 e4m3" if isinstance(p.packed, Fp8KV) else f"{p.packed.bits}-bit packed"
                  if p.packed is not None else str(p.dtype).removeprefix("torch."))
+        if self.mixed is not None:
+            width += " (heavy=4,recent=8: each sequence's window and sinks keep 4-bit residuals of their own)"
         size = f"{p.num_blocks * p.block_bytes / 2**30:.2f} GiB"
         if p.pages is not None:
             size += f" at most, {p.committed_bytes / 2**30:.2f} GiB committed (virtual storage)"
@@ -224,6 +240,8 @@ class LLMEngine:
             raise KvboundError(f"request id {request_id!r} is already in use")
         if params.stop and self.tokenizer is None:
             raise KvboundError("stop strings need a tokenizer")
+        if self.mixed is not None:
+            check_mixed_policy(policy or self.default_policy)
         seq = Sequence(request_id, 0, prompt, params, policy or self.default_policy, arrival=time.perf_counter(),
                        seed=self._seed(params, 0))
         self.scheduler.add(seq)

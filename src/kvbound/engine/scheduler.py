@@ -380,6 +380,8 @@ class Scheduler:
         unbounded sequence (it only appends), the blocks of a bounded one's protected prefix."""
         bs, cache = self.pool.block_size, seq.cache
         limit = cache.seen if not seq.bounded else min(cache.seen, seq.policy.protected_prefix)
+        if cache.ring is not None:  # mixed widths: the sinks' residuals live in the cache, not in the blocks
+            limit = 0
         while (seq.published + 1) * bs <= limit:
             i = seq.published
             chunk = seq.token_slice(i * bs, (i + 1) * bs)

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from ..cache import MultiCache
 from ..errors import KvboundError
-from .strategies import CacheOptions, check_engine_strategies, engine_completions, make_cache
+from .strategies import CacheOptions, check_engine_strategies, engine_completions, kv_widths, make_cache
 
 
 def perplexity(model, samples, strategies: dict, options: CacheOptions, prefill: int, device="cpu",
@@ -94,7 +94,7 @@ def engine_perplexity(model, samples, strategies: dict, options: CacheOptions, p
     count = sum(len(x) - prefill for x in samples)
     bar = tqdm(total=count * len(names), desc="ppl (engine)", disable=not progress, unit="tok")
     runs, owner = [], []
-    for bits in dict.fromkeys(b for _, b in strategies.values()):  # one engine per width
+    for bits in kv_widths(b for _, b in strategies.values()):  # one engine per width
         for sample in samples:
             for s in [s for s in names if strategies[s][1] == bits]:
                 rest = sample[prefill:]

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import parse_kv_bits, parse_policy, sequence_cache
+from ..cache.quant import MIXED
 from ..errors import KvboundError
 
 DEFAULT_STRATEGIES = ["baseline", "window", "h2o-balanced", "h2o-heavy"]
-KV_SUFFIXES = {"kv8": 8, "kv4": 4, "kvmixed": {"heavy": 8, "recent": 4}, "kvmixed48": {"heavy": 4, "recent": 8}}
+KV_SUFFIXES = {"kv8": 8, "kv4": 4, "kvmixed": MIXED, "kvmixed48": MIXED}  # kvmixed48: its earlier name
 
 
 @dataclass
@@ -36,7 +37,7 @@ def split_strategies(text: str) -> list[str]:
 
 
 def parse_strategies(names: list[str], budget: int, options: CacheOptions, pinned=(), **policy_defaults) -> dict:
-    """name[+kv8|+kv4|+kvmixed] -> (policy, kv_bits). policy_defaults: score, ema_decay, granularity,
+    """name[+kv8|+kv4|+kvmixed (heavy=4,recent=8)] -> (policy, kv_bits). policy_defaults: score, ema_decay, granularity,
     evict_every for the named policies that take them."""
     out = {}
     for name in names:
@@ -61,13 +62,19 @@ def with_baseline(names):
 
 
 def check_engine_strategies(strategies: dict, options: CacheOptions):
-    """--engine runs every strategy in the serving engine's pool, one KV width per pool: per-token widths and
-    --quantized-kv-start stay on single-sequence caches."""
+    """--engine runs every strategy in the serving engine's pool, one KV width per pool: --quantized-kv-start
+    stays on single-sequence caches."""
     if options.quantized_kv_start:
         raise KvboundError("--quantized-kv-start runs on single-sequence caches; drop --engine")
-    for name, (_, bits) in strategies.items():
-        if isinstance(bits, dict):
-            raise KvboundError(f"strategy {name!r}: mixed widths run on single-sequence caches; drop --engine")
+
+
+def kv_widths(bits) -> list:
+    """The distinct KV widths among `bits`, in order of first use (mixed widths are a dict, so no set)."""
+    out = []
+    for b in bits:
+        if b not in out:
+            out.append(b)
+    return out
 
 
 def engine_completions(model, tok, runs, options: CacheOptions, sizing, done=None) -> list:
@@ -76,7 +83,7 @@ def engine_completions(model, tok, runs, options: CacheOptions, sizing, done=Non
     `sizing(runs of that width)` -> LLMEngine keyword arguments; done(index, completion) as each finishes."""
     from ..engine import LLMEngine
     out: list = [None] * len(runs)
-    for width in dict.fromkeys(bits for _, bits, _, _ in runs):
+    for width in kv_widths(bits for _, bits, _, _ in runs):
         mine = [j for j, run in enumerate(runs) if run[1] == width]
         engine = LLMEngine(model, tok, prefill_chunk=options.prefill_chunk, kv_dtype=options.kv_dtype, kv_bits=width,
                            kv_group_size=options.kv_group_size, **sizing([runs[j] for j in mine]))

@@ -42,12 +42,3 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
         return packed
     return torch.stack([packed & 0xF, packed >> 4], -1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
-
-def convert(codes, scale, bias, src_bits: int, dst_bits: int, group_size: int):
-    """Change a token's storage width once (see module docstring)."""
-    if src_bits == dst_bits:
-        return codes, scale, bias
-    if src_bits == 4 and dst_bits == 8:
-        q = unpack(codes, 4) * 17
-        return q, (scale.float() / 17).to(torch.float16), bias
-    return quantize(dequantize(codes, scale, bias, src_bits, group_size), dst_bits, group_size)
