@@ -576,10 +576,53 @@ def test_the_pool_describes_its_tokens_width_and_bytes(model32):
     assert "float32" in LLMEngine(model32, num_blocks=4).describe_pool()
 
 
-def test_mixed_widths_are_refused_by_the_pool(model32):
-    with pytest.raises(KvboundError, match="one width"):
-        LLMEngine(model32, kv_bits={"heavy": 4, "recent": 8})
-    with pytest.raises(KvboundError, match="8 or 4 bits"):
+MIXED_POLICIES = ["h2o:sink=2,heavy=10,recent=12", "h2o:sink=2,heavy=8,recent=14,score=ema,granularity=layer",
+                  "h2o:sink=2,heavy=9,recent=9,evict_every=3", "h2o:sink=1,heavy=10,recent=6,score=observed"]
+
+
+def mixed_width_requests():
+    """h2o policies only (mixed widths keep their recent windows at 8 bits), prompts under and over budget."""
+    return [(prompt(i, n), MIXED_POLICIES[i % 4]) for i, n in enumerate([5, 70, 33, 18, 51, 40])]
+
+
+def test_mixed_widths_in_the_engine_give_the_single_sequence_outputs(model32):
+    """heavy=4,recent=8 over a 4-bit pool: each sequence's greedy tokens equal its own mixed cache's, which
+    differ from plain 4-bit caches'; preemption under a tight pool (the residuals swapped with the blocks) and
+    a fork (its own residuals) change nothing."""
+    mixed = {"heavy": 4, "recent": 8}
+    reqs = mixed_width_requests()
+    got, engine = run_engine(model32, reqs, num_blocks=256, max_num_batched_tokens=48, kv_bits=mixed,
+                             kv_group_size=32)
+    assert "heavy=4,recent=8" in engine.describe_pool()
+    four = []
+    for (ids, pol), out in zip(reqs, got):
+        assert out == alone_quantized(model32, ids, parse_policy(pol), GREEDY, 16, mixed), pol
+        four.append(alone_quantized(model32, ids, parse_policy(pol), GREEDY, 16, 4))
+    assert four != got
+    tight, engine = run_engine(model32, reqs, num_blocks=14, block_size=8, max_num_batched_tokens=48, kv_bits=mixed,
+                               kv_group_size=32)
+    assert engine.scheduler.stats["preemptions"] > 0 and engine.scheduler.stats["swapped_out_blocks"] > 0
+    assert tight == got
+    llm = LLM(model32, num_blocks=64, block_size=8, kv_bits=mixed, kv_group_size=32,
+              policy=parse_policy(MIXED_POLICIES[0]))
+    ids = prompt(7, 30)
+    sampled = SamplingParams(max_tokens=12, n=2, temperature=1.0, seed=3, ignore_eos=True)
+    pair = llm.generate([ids], sampled, use_tqdm=False)[0].outputs
+    for i, completion in enumerate(pair):
+        cache = KVCache(model32.config, parse_policy(MIXED_POLICIES[0]), kv_bits=mixed, kv_group_size=32)
+        alone_params = SamplingParams(max_tokens=12, temperature=1.0, seed=3 + i, ignore_eos=True)
+        assert completion.token_ids == list(generate_ids(model32, ids, alone_params, cache, (), 16))
+
+
+def test_mixed_widths_need_h2o_policies(model32):
+    with pytest.raises(KvboundError, match="heavy=4,recent=8"):
+        LLMEngine(model32, kv_bits={"heavy": 8, "recent": 4})
+    with pytest.raises(KvboundError, match="needs an h2o policy"):
+        LLMEngine(model32, kv_bits={"heavy": 4, "recent": 8}, policy=parse_policy("window:budget=20,sink=2"))
+    engine = LLMEngine(model32, num_blocks=16, kv_bits={"heavy": 4, "recent": 8}, kv_group_size=32)
+    with pytest.raises(KvboundError, match="needs an h2o policy"):
+        engine.add_request(prompt(1, 8))  # the default full cache has no window
+    with pytest.raises(KvboundError, match="kv_bits 2: the paged pool packs 8, 4"):
         LLMEngine(model32, kv_bits=2)
 
 
