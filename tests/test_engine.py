@@ -61,9 +61,12 @@ def mixed_requests():
     return [(prompt(i, n), POLICIES[i % len(POLICIES)]) for i, n in enumerate(lengths)]
 
 
-def run_engine(model, requests, chunk=16, **kw):
+def run_engine(model, requests, chunk=16, shared_policies=False, **kw):
+    """shared_policies: requests with one spec share one policy object, so their bounded caches batch together."""
     llm = LLM(model, prefill_chunk=chunk, **kw)
-    pols = [parse_policy(p) if p else None for _, p in requests]
+    parsed = {}
+    pols = [(parsed.setdefault(p, parse_policy(p)) if shared_policies else parse_policy(p)) if p else None
+            for _, p in requests]
     outs = llm.generate([ids for ids, _ in requests], GREEDY, pols, use_tqdm=False)
     llm.engine.pool.check()
     pool = llm.engine.pool  # on CUDA the decode graphs keep a scratch block for good
@@ -582,17 +585,27 @@ MIXED_POLICIES = ["h2o:sink=2,heavy=10,recent=12", "h2o:sink=2,heavy=8,recent=14
 
 def mixed_width_requests():
     """h2o policies only (mixed widths keep their recent windows at 8 bits), prompts under and over budget."""
-    return [(prompt(i, n), MIXED_POLICIES[i % 4]) for i, n in enumerate([5, 70, 33, 18, 51, 40])]
+    return [(prompt(i, n), MIXED_POLICIES[i % 4]) for i, n in enumerate([5, 70, 33, 18, 5, 70, 51, 40])]
 
 
-def test_mixed_widths_in_the_engine_give_the_single_sequence_outputs(model32):
-    """heavy=4,recent=8 over a 4-bit pool: each sequence's greedy tokens equal its own mixed cache's, which
-    differ from plain 4-bit caches'; preemption under a tight pool (the residuals swapped with the blocks) and
-    a fork (its own residuals) change nothing."""
+def test_mixed_widths_in_the_engine_give_the_single_sequence_outputs(model32, monkeypatch):
+    """heavy=4,recent=8 over a 4-bit pool, the batched evict, chunk and fill rows reading the residuals in their
+    stacked rows: each sequence's greedy tokens equal its own mixed cache's, which differ from plain 4-bit caches';
+    preemption under a tight pool (the residuals swapped with the blocks) and a fork (its own residuals) change
+    nothing."""
+    from kvbound.engine.runner import ChunkGroup, EvictGroup, FillGroup
     mixed = {"heavy": 4, "recent": 8}
     reqs = mixed_width_requests()
+    batched = [group_sizes(monkeypatch, g) for g in (EvictGroup, ChunkGroup, FillGroup)]
     got, engine = run_engine(model32, reqs, num_blocks=256, max_num_batched_tokens=48, kv_bits=mixed,
-                             kv_group_size=32)
+                             kv_group_size=32, shared_policies=True)
+    assert max(batched[0]) > 1 and batched[1] and batched[2], batched
+    pol, long = parse_policy(MIXED_POLICIES[0]), [prompt(20 + i, 80) for i in range(4)]  # chunk rows together
+    llm = LLM(model32, num_blocks=128, block_size=8, prefill_chunk=16, max_num_batched_tokens=64, kv_bits=mixed,
+              kv_group_size=32)
+    for ids, out in zip(long, llm.generate(long, GREEDY, pol, use_tqdm=False)):
+        assert out.outputs[0].token_ids == alone_quantized(model32, ids, pol, GREEDY, 16, mixed)
+    assert max(batched[1]) > 1 and max(batched[2]) > 1, batched
     assert "heavy=4,recent=8" in engine.describe_pool()
     four = []
     for (ids, pol), out in zip(reqs, got):
@@ -600,7 +613,7 @@ def test_mixed_widths_in_the_engine_give_the_single_sequence_outputs(model32):
         four.append(alone_quantized(model32, ids, parse_policy(pol), GREEDY, 16, 4))
     assert four != got
     tight, engine = run_engine(model32, reqs, num_blocks=14, block_size=8, max_num_batched_tokens=48, kv_bits=mixed,
-                               kv_group_size=32)
+                               kv_group_size=32, shared_policies=True)
     assert engine.scheduler.stats["preemptions"] > 0 and engine.scheduler.stats["swapped_out_blocks"] > 0
     assert tight == got
     llm = LLM(model32, num_blocks=64, block_size=8, kv_bits=mixed, kv_group_size=32,

@@ -37,7 +37,7 @@ def test_roundtrip_error_bound(bits, group):
 def test_mixed_residual_reads_back_at_about_8_bit_precision():
     from kvbound.cache.quant import RecentResiduals
     x = torch.randn(20, 2, D)
-    ring = RecentResiduals(1, 2, D, sink=2, recent=4, group_size=32, device="cpu")
+    ring = RecentResiduals(1, 1, 2, D, sink=2, recent=4, group_size=32, device="cpu")
     err = (ring.roundtrip(0, x) - x).norm() / x.norm()
     err8 = (dequantize(*quantize(x, 8, 32), 8, 32) - x).norm() / x.norm()
     err4 = (dequantize(*quantize(x, 4, 32), 4, 32) - x).norm() / x.norm()
@@ -136,8 +136,8 @@ def test_mixed_widths_read_the_window_and_sinks_at_8_bit_precision_and_the_rest_
         if t == 1:
             torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
         kw, vw, live = _mixed_expected(c, (ks, vs), c.seen)
-        c.ring.first = c.seen  # as the next step reads them
-        got_k, got_v = read_kv(c.store, 0, torch.arange(live.shape[0])[None], c.ring, c.positions_held(0)[None])
+        got_k, got_v = read_kv(c.store, 0, torch.arange(live.shape[0])[None], (c.ring, c.one_row, c.seen),
+                               c.positions_held(0)[None])  # as the next step reads them
         torch.testing.assert_close(got_k[0][live], kw[live], atol=1e-5, rtol=0)
         torch.testing.assert_close(got_v[0][live], vw[live], atol=1e-5, rtol=0)
     held = c.nbytes()["held_bytes"]

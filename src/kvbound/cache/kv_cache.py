@@ -38,15 +38,13 @@ def make_store(layers, slots, heads, head_dim, device, dtype, kv_bits=None, grou
     return QuantizedStore(layers, slots, heads, head_dim, device, dtype, kv_bits, group_size, quantized_kv_start)
 
 
-def recent_residuals(config, policy, kv_bits, group_size, quantized_kv_start, device) -> RecentResiduals | None:
+def recent_residuals(config, policy, kv_bits, group_size, device, rows: int = 1) -> RecentResiduals | None:
     """Mixed widths (kv_bits heavy=4,recent=8): the residuals that keep the recent window at 8-bit precision
-    over a 4-bit store. None for one width."""
+    over a 4-bit store, for `rows` caches. None for one width."""
     if not isinstance(kv_bits, dict):
         return None
     check_mixed_policy(policy)
-    if quantized_kv_start:
-        raise KvboundError("--quantized-kv-start and mixed widths (--kv-bits heavy=4,recent=8): choose one")
-    return RecentResiduals(config.num_layers, config.num_kv_heads, config.head_dim, policy.sink, policy.recent,
+    return RecentResiduals(rows, config.num_layers, config.num_kv_heads, config.head_dim, policy.sink, policy.recent,
                            group_size, device)
 
 
@@ -77,8 +75,13 @@ class KVCache:
         self.budget = self.policy.budget
         layers, h = config.num_layers, config.num_kv_heads
         cap = self.policy.capacity if self.bounded else initial_slots
-        self.ring = recent_residuals(config, self.policy, kv_bits, kv_group_size, quantized_kv_start, device)
-        if self.ring is not None:
+        self.ring = None  # mixed widths' residuals: a one-row view (row 0 is this cache, as for pos and score)
+        if isinstance(kv_bits, dict):
+            if quantized_kv_start:
+                raise KvboundError("--quantized-kv-start and mixed widths (--kv-bits heavy=4,recent=8): choose one")
+            ring = stacked[0].ring if stacked is not None and self.bounded else None
+            self.ring = (ring.row(stacked[1]) if ring is not None
+                         else recent_residuals(config, self.policy, kv_bits, kv_group_size, device))
             kv_bits = kv_bits["heavy"]
         if store is not None:
             if kv_bits is not None and self.ring is None:
@@ -238,8 +241,6 @@ class KVCache:
         if self.has_spare[layer] and t > 1:
             self._densify(layer)
         storage, meta, ring = self.store.storage, self._layer_meta(layer), self.ring
-        if ring is not None:
-            ring.first = self.seen
         if self.has_spare[layer]:  # steady-state decode: the new token takes the evicted token's slot
             table = self.store.slot_table(self.capacity)[None]
             lens = torch.full((1,), self.capacity, dtype=torch.int32, device=q.device)
@@ -249,10 +250,10 @@ class KVCache:
             self.store.write_range(layer, n, k, v)
             self.pos[layer, n:n + t] = positions[:, None].to(self.pos.dtype)
             if ring is not None and t == 1:  # a decode step's token reads its residual in place
-                ring.write(layer, positions, k, v)
+                ring.write(layer, self.one_row, positions[None], k[None], v[None])
             out = self._attend_new(layer, q, k, v, n + t)
             if ring is not None and t > 1:
-                ring.write(layer, positions, k, v)
+                ring.write(layer, self.one_row, positions[None], k[None], v[None])
             self.n[layer] = n + t
             if self.bounded and n + t >= self.policy.capacity:  # over budget + evict_every - 1 tokens
                 if n + t == self.budget + 1:
@@ -270,7 +271,7 @@ class KVCache:
             else:
                 self._evict_and_write(layer, k, v, cand[2][0], None if cand[3] is None else cand[3][0])
             if ring is not None:
-                ring.write(layer, positions, k, v)
+                ring.write(layer, self.one_row, positions[None], k[None], v[None])
             self.n[layer] = self.budget
         self.store.after_insert(layer, self._slots_used(layer), self.pos[layer], int(positions[-1]))
         if self.rotate_keys is not None:
@@ -303,6 +304,7 @@ class KVCache:
         last T (causal mask); the new tokens' scores start at the policy's (`fresh_scores`), then every slot's
         score takes this step's probabilities."""
         t, ring, pos = q.shape[0], self.ring, self.pos[layer, :total][None]
+        read = None if ring is None else (ring, self.one_row, self.seen)
         score = None if self.score is None else self.score[layer, :total]
         table = self.store.slot_table(total)[None]
         if t == 1:
@@ -310,15 +312,15 @@ class KVCache:
                 score[total - t:] = fresh_scores(self.policy, k, score, ring or self.store.storage, layer)
             lens = torch.full((1,), total, dtype=torch.int32, device=q.device)
             out = table_attention(q, self.store.storage, layer, table, lens, self.policy,
-                                  None if score is None else score[None], ring=ring, pos=pos)
+                                  None if score is None else score[None], ring=read, pos=pos)
             if score is not None and self.policy.rescores:
-                kc = read_kv(self.store.storage, layer, table.long(), ring, pos)[0]
+                kc = read_kv(self.store.storage, layer, table.long(), read, pos)[0]
                 score.copy_(rescored(self.policy, score[None], kc, pos)[0])
             return out
         kc, vc = self.store.storage.gather(layer, table.long())
         if ring is not None:  # the cached tokens as the window holds them, the step's own at mixed precision
-            kc, vc = (torch.cat([c, ring.roundtrip(layer, x).to(c.dtype)[None]], 1) for c, x in
-                      zip(ring.add(layer, kc[:, :total - t], vc[:, :total - t], pos[:, :total - t]), (k, v)))
+            cached = ring.add(layer, self.one_row, kc[:, :total - t], vc[:, :total - t], pos[:, :total - t], self.seen)
+            kc, vc = (torch.cat([c, ring.roundtrip(layer, x).to(c.dtype)[None]], 1) for c, x in zip(cached, (k, v)))
         out, scores = piece_attention(q[None], kc, vc, self.policy, None if score is None else score[None, :total - t],
                                       self.pos[layer, :total][None])
         if score is not None:

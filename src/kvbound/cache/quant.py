@@ -278,31 +278,44 @@ def check_mixed_policy(policy):
 
 
 class RecentResiduals:
-    """The recent window's extra precision under `--kv-bits heavy=4,recent=8`, for one cache: each token of
-    the window (and each sink) holds x - read_back_4bit(x) quantized to 4 bits again, in a ring indexed by
-    position (sink + recent + 1 entries per layer and head), so it reads back at about 8-bit precision while
-    its 4-bit codes live in the store. A token leaves the window by losing its residual.
-    `first`: the first position of the step being attended (the cache sets it). During a step, a cached token
-    reads its residual if it is a sink or among the `recent` tokens before `first`; the step's own tokens read
-    back at full mixed precision (`roundtrip`), and a decode step's token is written first."""
+    """The recent window's extra precision under `--kv-bits heavy=4,recent=8`, for `rows` caches (one row each,
+    indexed like their positions and scores): each token of the window (and each sink) holds x - read_back_4bit(x)
+    quantized to 4 bits again, in a ring indexed by position (sink + recent + 1 entries per layer and head), so it
+    reads back at about 8-bit precision while its 4-bit codes live in the store. A token leaves the window by
+    losing its residual.
+    During a step whose first position is `first`, a cached token reads its residual if it is a sink or among the
+    `recent` tokens before `first`; the step's own tokens read back at full mixed precision (`roundtrip`), and a
+    decode step's token is written before it attends."""
 
-    def __init__(self, layers, heads, head_dim, sink, recent, group_size, device):
+    def __init__(self, rows, layers, heads, head_dim, sink, recent, group_size, device):
         check_group(head_dim, group_size)
-        self.sink, self.recent, self.group, self.first = sink, recent, group_size, 0
-        size = sink + recent + 1
-        self.k = _Packed(layers, size, heads, head_dim, 4, group_size, zeros_on(device))
-        self.v = _Packed(layers, size, heads, head_dim, 4, group_size, zeros_on(device))
+        self.sink, self.recent, self.group = sink, recent, group_size
+        shape = (rows, layers * (sink + recent + 1), heads, head_dim)  # _Packed's [layers, slots, ...] layout
+        self.size = sink + recent + 1
+        zeros = zeros_on(device)
+        self.k = _Packed(*shape, 4, group_size, zeros)
+        self.v = _Packed(*shape, 4, group_size, zeros)
 
     def tensors(self):
         return self.k.tensors() + self.v.tensors()
 
-    def index(self, pos):
-        return torch.where(pos < self.sink, pos, self.sink + pos % (self.recent + 1))
+    def row(self, r: int) -> "RecentResiduals":
+        """Row r alone, as a one-row view of the same memory (a stacked cache's own steps)."""
+        view = copy(self)
+        view.k, view.v = copy(self.k), copy(self.v)
+        for side in (view.k, view.v):
+            side.codes, side.scale, side.bias = (t[r:r + 1] for t in side.tensors())
+        return view
 
-    def held(self, pos, first=None):
-        """Which places (positions `pos`, -1 none) read their residual in the step from `first` (default: the
-        current step)."""
-        first = self.first if first is None else first
+    def _entry(self, layer, pos):
+        """Ring entries of positions `pos` in `layer`: sinks by position, the window by position modulo its size."""
+        w = self.recent + 1
+        return layer * self.size + torch.where(pos < self.sink, pos, self.sink + pos % w)
+
+    def held(self, pos, first):
+        """Which places (positions `pos` [B, ...], -1 none) read their residual in a step from `first` (an int or
+        [B])."""
+        first = torch.as_tensor(first, device=pos.device).reshape(-1, *[1] * (pos.dim() - 1))
         return (pos >= 0) & ((pos < self.sink) | (pos >= first - self.recent))
 
     def _split(self, x):
@@ -315,33 +328,37 @@ class RecentResiduals:
         main, res = self._split(x)
         return (main.float() + dequantize(*res, 4, self.group)).to(x.dtype)
 
-    def write(self, layer, positions, k, v):
-        """The residuals of new tokens k, v [t, H, D] at `positions` [t] (ascending) that the window or the
-        sinks keep after them."""
-        keep = (positions < self.sink) | (positions >= positions[-1] - self.recent)
-        slot = self.index(positions[keep].long())
+    def write(self, layer, rows, positions, k, v):
+        """The residuals of new tokens k, v [B, t, H, D] at `positions` [B, t] (ascending) of rows `rows` [B] that
+        the window or the sinks keep after them. One token a row (a decode step) takes no host sync."""
+        if positions.shape[1] == 1:
+            r, at = rows[:, None], self._entry(layer, positions.long())
+        else:
+            keep = (positions < self.sink) | (positions >= positions[:, -1:] - self.recent)
+            b, t = keep.nonzero(as_tuple=True)
+            r, at, k, v = rows[b], self._entry(layer, positions[b, t].long()), k[b, t], v[b, t]
         for side, x in ((self.k, k), (self.v, v)):
-            for dst, src in zip(side.tensors(), self._split(x[keep])[1]):
-                dst[layer, slot] = src
+            for dst, src in zip(side.tensors(), self._split(x)[1]):
+                dst[r, at] = src
 
-    def add(self, layer, k, v, pos):
-        """K, V [..., M, H, D] read from the store at places whose positions are `pos` [..., M, H]: held places
-        get their residuals added."""
-        held = self.held(pos)[..., None]
-        slot = self.index(pos.clamp(min=0).long())
+    def add(self, layer, rows, k, v, pos, first):
+        """K, V [B, M, H, D] read from the store at places whose positions are `pos` [B, M, H] in rows `rows` [B]:
+        the places that hold residuals in a step from `first` get them added."""
+        held = self.held(pos, first)[..., None]
+        at = self._entry(layer, pos.clamp(min=0).long())
         heads = torch.arange(pos.shape[-1], device=pos.device)
         out = []
         for side, x in ((self.k, k), (self.v, v)):
-            res = dequantize(*(t[layer, slot, heads] for t in side.tensors()), 4, self.group)
+            res = dequantize(*(t[rows[:, None, None], at, heads] for t in side.tensors()), 4, self.group)
             out.append(torch.where(held, (x.float() + res).to(x.dtype), x))
         return out[0], out[1]
 
     def bytes_held(self, pos, seen):
-        """Bytes of the residuals held for positions `pos` [M, H] of one layer after `seen` tokens."""
-        return 2 * int(self.held(pos, seen).sum()) * self.k.bytes_per_token_head()
+        """Bytes of the residuals held for positions `pos` [M, H] of one layer of a cache after `seen` tokens."""
+        return 2 * int(self.held(pos[None], seen).sum()) * self.k.bytes_per_token_head()
 
-    def bytes_per_cache(self):
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+    def bytes_per_row(self):
+        return sum(t[0].numel() * t.element_size() for t in self.tensors())
 
     def clone(self) -> "RecentResiduals":
         """A copy with tensors of its own (a forked sequence writes its own window)."""

@@ -25,9 +25,10 @@ def release(cache):
 
 
 class StackedMeta:
-    def __init__(self, policy, layers: int, heads: int, rows: int, device):
+    def __init__(self, policy, layers: int, heads: int, rows: int, device, ring=None):
+        """ring: mixed widths' residuals (`quant.RecentResiduals`) of rows + 1 rows, or None."""
         cap = policy.capacity
-        self.policy = policy
+        self.policy, self.ring = policy, ring
         self.pos = torch.full((rows + 1, layers, cap, heads), -1, dtype=torch.int32, device=device)
         self.score = torch.zeros((rows + 1, layers, cap, heads), device=device) if policy.score else None
         self.spare = torch.zeros((rows + 1, layers, heads), dtype=torch.long, device=device)

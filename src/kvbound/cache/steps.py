@@ -60,10 +60,14 @@ def piece_attention(q, k, v, policy, old: torch.Tensor | None, pos: torch.Tensor
 
 
 def read_kv(storage, layer, table, ring=None, pos=None):
-    """K, V at slots `table` [B, M] as attention reads them: with mixed widths (`ring`, a cache's
-    `quant.RecentResiduals`, and the places' positions `pos` [B, M, H]) the window's tokens with their residuals."""
+    """K, V at slots `table` [B, M] as attention reads them: with mixed widths, ring = (`quant.RecentResiduals`,
+    the caches' rows [B], the step's first positions [B]) and the places' positions `pos` [B, M, H], the window's
+    tokens with their residuals."""
     k, v = storage.gather(layer, table)
-    return (k, v) if ring is None else ring.add(layer, k, v, pos)
+    if ring is None:
+        return k, v
+    residuals, rows, first = ring
+    return residuals.add(layer, rows, k, v, pos, first)
 
 
 def kernel_reads(storage, layer, q, policy) -> tuple | None:
@@ -113,7 +117,7 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
     step's probabilities fold into the scores, and the head's victim's slot becomes the next spare.
     Nothing else moves. On CUDA, a protection the kernel knows runs as five fused kernels
     (`kernels.triton_decode.evict_decode`; packed pools are written quantized), the same steps as below.
-    ring: one cache's mixed-width residuals (`quant.RecentResiduals`), B = 1; the new token's goes in too."""
+    ring: the caches' mixed-width residuals (`quant.RecentResiduals`, rows `rows`); the new token's goes in first."""
     fused = policy.fused_protection()
     args = kernel_reads(storage, layer, q, policy)
     if q.is_cuda and fused is not None and args is not None and ring is None:
@@ -123,16 +127,18 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
     r, heads = rows[:, None], torch.arange(k.shape[1], device=k.device)[None, :]
     slot = spare[rows]  # [B, H]: the local slot each head writes
     storage.write(layer, table.gather(1, slot).long(), k, v, EACH_HEAD)
+    read = None
     if ring is not None:
-        ring.write(layer, positions, k, v)
+        ring.write(layer, rows, positions[:, None], k[:, None], v[:, None])
+        read = (ring, rows, positions)
     pos[r, slot, heads] = positions[:, None].to(pos.dtype)
     step_score = None
     if score is not None:
         score[r, slot, heads] = fresh_scores(policy, k, score, ring or storage, layer)
         step_score = score[rows]
-    out = table_attention(q, storage, layer, table, lens, policy, step_score, ring=ring, pos=pos[rows])
+    out = table_attention(q, storage, layer, table, lens, policy, step_score, ring=read, pos=pos[rows])
     if score is not None:
-        score[rows] = rescored(policy, step_score, read_kv(storage, layer, table.long(), ring, pos[rows])[0], pos[rows])
+        score[rows] = rescored(policy, step_score, read_kv(storage, layer, table.long(), read, pos[rows])[0], pos[rows])
     evict_one(pos, spare, score, rows, policy)
     return out
 
@@ -206,10 +212,11 @@ def chunk_attend(q, k, v, storage, layer, table, n, rows, positions, pos, score,
     """Prefill pieces of t tokens of B bounded caches holding n tokens each (slots table[:, :n]): each
     piece attends over its cache plus itself. Returns (out [B*t, Hq, D], and the n + t candidates of each
     sequence: K and V [B, n + t, H, D] as the storage reads them back, positions, folded scores or None).
-    ring: one cache's mixed-width residuals (B = 1; `read_kv`)."""
+    ring: the caches' mixed-width residuals (rows `rows`; `read_kv`)."""
     bsz = table.shape[0]
     q, k, v = (x.unflatten(0, (bsz, -1)) for x in (q, k, v))  # [B, t, H, D]
-    kc, vc = read_kv(storage, layer, table[:, :n].long(), ring, pos[rows, :n])
+    read = None if ring is None else (ring, rows, positions.view(bsz, -1)[:, 0])
+    kc, vc = read_kv(storage, layer, table[:, :n].long(), read, pos[rows, :n])
     back = ring or storage
     cand_k = torch.cat([kc, back.roundtrip(layer, k).to(kc.dtype)], 1)
     cand_v = torch.cat([vc, back.roundtrip(layer, v).to(vc.dtype)], 1)

@@ -26,7 +26,7 @@ def engine_tokens(engine, ids, params, report):
               disable=len(ids) <= engine.scheduler.chunk) as bar:
         def on_step():
             held = engine.pool.num_blocks - engine.pool.num_free
-            ring = 0 if seq.cache is None or seq.cache.ring is None else seq.cache.ring.bytes_per_cache()
+            ring = 0 if seq.cache is None or seq.cache.ring is None else seq.cache.ring.bytes_per_row()
             report["kv_bytes"] = max(report["kv_bytes"], held * engine.pool.block_bytes + ring)
             if seq.cache is not None:
                 bar.update(min(seq.cache.seen, len(ids)) - bar.n)

@@ -14,6 +14,7 @@ from typing import Iterator
 import torch
 
 from ..cache import BlockPool, FullPolicy, KVCache, sequence_cache
+from ..cache.kv_cache import recent_residuals
 from ..cache.quant import MIXED, Fp8KV, check_mixed_policy
 from ..cache.stacked import StackedMeta, stackable
 from ..cache.store import PagedStore
@@ -93,24 +94,23 @@ class PoolCaches:
     nothing of the engine's, so a dropped engine is freed at once (no reference cycle waiting for the gc)."""
 
     def __init__(self, config, pool, device, kv_dtype, rows: int, mixed=None):
-        """mixed: kv_bits heavy=4,recent=8 over a 4-bit pool; each cache keeps its window's residuals and runs
-        its own `attend` (no stacked rows)."""
+        """mixed: kv_bits heavy=4,recent=8 over a 4-bit pool; the caches' windows keep residuals beside it, in
+        their stacked rows (or a row of their own)."""
         self.config, self.pool, self.device, self.kv_dtype, self.rows = config, pool, device, kv_dtype, rows
         self.mixed = mixed
         self.stacked: dict = {}  # policy -> StackedMeta of its bounded caches
 
     def stacked_meta(self, policy) -> StackedMeta:
         if policy not in self.stacked:
+            ring = recent_residuals(self.config, policy, self.mixed, self.pool.packed.group, self.device,
+                                    self.rows + 1) if self.mixed else None
             self.stacked[policy] = StackedMeta(policy, self.config.num_layers, self.config.num_kv_heads, self.rows,
-                                               self.device)
+                                               self.device, ring)
         return self.stacked[policy]
-
-    def stacks(self, policy) -> bool:
-        return stackable(policy) and self.mixed is None
 
     def __call__(self, policy, hits: list[int]) -> KVCache:
         stacked = None
-        if self.stacks(policy):
+        if stackable(policy):
             row = self.stacked_meta(policy).take()
             stacked = None if row is None else (self.stacked[policy], row)
         return sequence_cache(self.config, policy, device=self.device, dtype=self.kv_dtype,
@@ -181,7 +181,7 @@ class LLMEngine:
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.pool, max_num_seqs, graph_max_len, cfg.max_position_embeddings)
-            if self.caches.stacks(self.default_policy):  # its evict graphs (AdaKV's "shared" ones), pre-warmed
+            if stackable(self.default_policy):  # its evict graphs (AdaKV's "shared" ones), pre-warmed
                 self.graphs.capture_evict(self.caches.stacked_meta(self.default_policy),
                                           kind="shared" if self.default_policy.adapts else "evict")
 

@@ -116,7 +116,7 @@ class EvictGroup:
     def attend(self, layer, q, k, v, positions):
         m = self.meta
         return evict_decode(q, k, v, self.pool, layer, self.table, self.lens, self.rows, positions, m.pos[:, layer],
-                            m.spare[:, layer], None if m.score is None else m.score[:, layer], m.policy)
+                            m.spare[:, layer], None if m.score is None else m.score[:, layer], m.policy, ring=m.ring)
 
 
 class SharedGroup:
@@ -180,9 +180,12 @@ class ChunkGroup:
     def attend(self, layer, q, k, v, positions):
         m, b = self.meta, self.meta.policy.budget
         pos, score = m.pos[:, layer], None if m.score is None else m.score[:, layer]
-        out, *cand = chunk_attend(q, k, v, self.pool, layer, self.table, b, self.rows, positions, pos, score, m.policy)
-        keep_and_rewrite(self.pool, layer, self.table, b, self.rows, pos, score, m.policy, *cand,
-                         new=(k.unflatten(0, (self.rows.shape[0], -1)), v.unflatten(0, (self.rows.shape[0], -1))))
+        out, *cand = chunk_attend(q, k, v, self.pool, layer, self.table, b, self.rows, positions, pos, score, m.policy,
+                                  ring=m.ring)
+        new = (k.unflatten(0, (self.rows.shape[0], -1)), v.unflatten(0, (self.rows.shape[0], -1)))
+        keep_and_rewrite(self.pool, layer, self.table, b, self.rows, pos, score, m.policy, *cand, new=new)
+        if m.ring is not None:
+            m.ring.write(layer, self.rows, positions.view(self.rows.shape[0], -1), *new)
         return out
 
 
@@ -200,11 +203,17 @@ class FillGroup:
         pos = m.pos[:, layer]
         pos[rows, n:n + t] = positions.view(bsz, t, 1).to(pos.dtype)
         kc, vc = self.pool.gather(layer, self.table)
+        if m.ring is not None:  # the cached tokens as the window holds them, the piece's own at mixed precision
+            first, new = positions.view(bsz, t)[:, 0], (k.view(bsz, t, *k.shape[1:]), v.view(bsz, t, *v.shape[1:]))
+            cached = m.ring.add(layer, rows, kc[:, :n], vc[:, :n], pos[rows, :n], first)
+            kc, vc = (torch.cat([c, m.ring.roundtrip(layer, x).to(c.dtype)], 1) for c, x in zip(cached, new))
         score = None if m.score is None else m.score[:, layer]
         out, scores = piece_attention(q.unflatten(0, (bsz, t)), kc, vc, m.policy,
                                       None if score is None else score[rows, :n], pos[rows, :n + t])
         if score is not None:
             score[rows, :n + t] = scores
+        if m.ring is not None:
+            m.ring.write(layer, rows, positions.view(bsz, t), *new)
         return out.flatten(0, 1)
 
 
