@@ -272,8 +272,8 @@ def main():
     ap.add_argument("--max-bounded-seqs", type=int, default=256, help="run at most this many of those that fit")
     ap.add_argument("--policies", default="full,h2o", help="policies of the bounded comparison (names or specs)")
     ap.add_argument("--budget", type=int, default=256, help="KV budget of the named bounded policies")
-    ap.add_argument("--kv-formats", default="bf16", help="pool formats of the bounded comparison: bf16, 8, 4, fp8 "
-                    "(issue #17: --kv-formats bf16,8,4,fp8)")
+    ap.add_argument("--kv-formats", default="bf16", help="pool formats of the bounded comparison: bf16, 8, 4, fp8, "
+                    "mixed (heavy=4,recent=8; h2o policies) (issue #17: --kv-formats bf16,8,4,fp8,mixed)")
     ap.add_argument("--kv-storage", default="paged", help="pool storage of the bounded comparison: paged, "
                     "virtual, or both (issue #20: paged,virtual)")
     ap.add_argument("--page-mib", default=str(block_pool.POOL_PAGE_BYTES >> 20),
@@ -320,14 +320,22 @@ def main():
     del hf
     torch.cuda.empty_cache()
     if args.bounded:
+        from kvbound.cache.quant import MIXED, packed_head_bytes
         from kvbound.cli.options import token_bytes
         cfg = ours.config
         res["bounded"] = {"kv_gib": args.kv_gib, "context": args.context}
         for fmt in args.kv_formats.split(","):
-            bits = None if fmt == "bf16" else ("fp8" if fmt == "fp8" else int(fmt))
-            blocks = int(args.kv_gib * 2**30 // (token_bytes(cfg, torch.bfloat16, bits, 64) * 16))
+            named = {"bf16": None, "fp8": "fp8", "mixed": MIXED}
+            bits = named[fmt] if fmt in named else int(fmt)
+            block_bytes = token_bytes(cfg, torch.bfloat16, bits, 64) * 16
             for name in args.policies.split(","):
                 pol = parse_policy(name, args.budget)
+                blocks = int(args.kv_gib * 2**30 // block_bytes)
+                if fmt == "mixed":  # each sequence's window residuals come out of the same bytes
+                    need = -(-(pol.budget + 1) // 16)
+                    ring = 2 * cfg.num_layers * (pol.sink + pol.recent + 1) * cfg.num_kv_heads * packed_head_bytes(
+                        cfg.head_dim, 4, 64)
+                    blocks = int(args.kv_gib * 2**30 // (need * block_bytes + ring)) * need
                 label = name if fmt == "bf16" and args.kv_formats == "bf16" else f"{name}, {fmt}"
                 caps = [args.max_bounded_seqs]
                 bf16 = res["bounded"].get(f"{name}, bf16")

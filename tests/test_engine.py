@@ -690,6 +690,26 @@ def test_packed_pools_on_cuda_batched_equal_alone(model32, bits, monkeypatch):
         model32.cpu()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="mixed widths' evict steps in CUDA graphs")
+def test_mixed_widths_on_cuda_in_graphs_equal_alone(model32):
+    """heavy=4,recent=8 on CUDA: the batched evict steps (PyTorch route, residuals in the stacked rows) replay
+    in CUDA graphs; greedy tokens equal eager steps' and each sequence's own mixed cache's."""
+    gpu, mixed = model32.cuda(), {"heavy": 4, "recent": 8}
+    try:
+        reqs = mixed_width_requests()
+        got, engine = run_engine(gpu, reqs, num_blocks=256, max_num_batched_tokens=48, kv_bits=mixed,
+                                 kv_group_size=32, shared_policies=True)
+        assert any(key.kind == "evict" for key, *_ in engine.graphs.graphs), "no evict graph ran"
+        eager, _ = run_engine(gpu, reqs, num_blocks=256, max_num_batched_tokens=48, kv_bits=mixed, kv_group_size=32,
+                              shared_policies=True, cuda_graphs=False)
+        assert got == eager
+        for (ids, pol), out in zip(reqs, got):
+            cache = KVCache(gpu.config, parse_policy(pol), device="cuda", kv_bits=mixed, kv_group_size=32)
+            assert out == list(generate_ids(gpu, ids, GREEDY, cache, (), 16)), pol
+    finally:
+        model32.cpu()
+
+
 # --- virtual storage (kv_storage="virtual") ---------------------------------------------------------------
 
 

@@ -86,6 +86,48 @@ def test_decode_attention_quantized_matches_dequantize_then_attend(bits, d, grou
     torch.testing.assert_close(score.double(), want_score, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("d, group", [(64, 32), (128, 64)])
+def test_decode_attention_adds_mixed_widths_residuals_as_the_reference(d, group):
+    """heavy=4,recent=8 over a 4-bit pool: keys that are sinks or in the window before each sequence's `first` add
+    their ring residuals (positions out of order, a free place, rows of a larger ring, layer 1 of 2); output and
+    scores equal the reference's, and differ without the residuals."""
+    from kvbound.cache.quant import RecentResiduals
+    from kvbound.kernels import paged_decode_attention
+    lens, hkv = [45, 129], 2
+    q, k, v, table, n = _case(40 + d, 2, 6, hkv, d, lens)
+    (kc, *ks), (vc, *vs) = quantize(k, 4, group), quantize(v, 4, group)
+    ring = RecentResiduals(4, 2, hkv, d, sink=3, recent=20, group_size=group, device="cpu")
+    gen = torch.Generator().manual_seed(d)
+    for side in (ring.k, ring.v):
+        side.codes.copy_(torch.randint(0, 256, side.codes.shape, generator=gen))
+        side.scale.copy_(torch.rand(side.scale.shape, generator=gen) * 0.02)
+        side.bias.copy_(-torch.rand(side.bias.shape, generator=gen) * 0.1)
+    rows, first = torch.tensor([3, 1]), torch.tensor([200, 140])
+    pos = torch.full((4, 129, hkv), -1, dtype=torch.int32)
+    for b, (row, ln) in enumerate(zip(rows.tolist(), lens)):
+        for h in range(hkv):
+            pos[row, :ln, h] = (torch.randperm(ln, generator=gen) + int(first[b]) - ln).int()
+            pos[row, h:3 + h, h] = torch.arange(3, dtype=torch.int32)  # the sinks
+        pos[row, 7] = -1
+    outs = []
+    for kernel in (decode_attention, paged_decode_attention, decode_attention):
+        resid = None if len(outs) == 2 else ring.kernel_args(1, rows.to(DEV), first.to(DEV), pos.to(DEV))
+        dev = [t.to(DEV) for t in (q, kc, vc, table, n)]
+        quant = dict(bits=4, group=group, k_scale=ks[0].to(DEV), k_bias=ks[1].to(DEV), v_scale=vs[0].to(DEV),
+                     v_bias=vs[1].to(DEV))
+        if kernel is paged_decode_attention:
+            dev, quant = [t.cpu() for t in dev], {x: t.cpu() if torch.is_tensor(t) else t for x, t in quant.items()}
+            resid = ring.kernel_args(1, rows, first, pos)
+        score = torch.zeros(2, 129, hkv, device=dev[0].device)
+        extra = dict(split=64, block_n=32) if kernel is decode_attention else {}
+        outs.append((kernel(*dev, score=score, score_mode="cumulative", quant=quant, resid=resid, **extra).cpu(),
+                     score.cpu()))
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-4, rtol=1e-4)
+    for b, ln in enumerate(lens):
+        torch.testing.assert_close(outs[0][1][b, :ln], outs[1][1][b, :ln], atol=1e-5, rtol=1e-4)
+    assert (outs[2][0] - outs[0][0]).abs().max() > 1e-3
+
+
 def test_a_table_far_wider_than_the_contexts_gives_the_trimmed_tables_result():
     """A CUDA graph's table is as wide as its bucket: each sequence shares its own length among the grid's splits."""
     q, k, v, table, n = _case(21, 2, 4, 2, 32, [200, 3], slots=300)

@@ -116,7 +116,7 @@ def test_mixed_widths_read_the_window_and_sinks_at_8_bit_precision_and_the_rest_
     """heavy=4,recent=8: after every step each held token reads back as its mixed round trip while it is a sink
     or among the `recent` newest tokens, and as its 4-bit quantization once it left; a decode step attends over
     exactly the values held before it plus its own token's round trip."""
-    from kvbound.cache.steps import read_kv
+    from kvbound.cache.steps import WindowRead, read_kv
     pol = H2OPolicy(sink=2, heavy=6, recent=4)
     c = KVCache(cfg(), pol, kv_bits=parse_kv_bits("heavy=4,recent=8"), kv_group_size=32)
     ks, vs = torch.empty(0, 2, D), torch.empty(0, 2, D)
@@ -136,8 +136,8 @@ def test_mixed_widths_read_the_window_and_sinks_at_8_bit_precision_and_the_rest_
         if t == 1:
             torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
         kw, vw, live = _mixed_expected(c, (ks, vs), c.seen)
-        got_k, got_v = read_kv(c.store, 0, torch.arange(live.shape[0])[None], (c.ring, c.one_row, c.seen),
-                               c.positions_held(0)[None])  # as the next step reads them
+        read = WindowRead(c.ring, c.one_row, torch.tensor([c.seen]), c.positions_held(0)[None])
+        got_k, got_v = read_kv(c.store, 0, torch.arange(live.shape[0])[None], read)  # as the next step reads them
         torch.testing.assert_close(got_k[0][live], kw[live], atol=1e-5, rtol=0)
         torch.testing.assert_close(got_v[0][live], vw[live], atol=1e-5, rtol=0)
     held = c.nbytes()["held_bytes"]

@@ -25,8 +25,8 @@ from .adaptive_cache import AdaptiveKVCache
 from .policies import FullPolicy
 from .quant import QuantizedStore, RecentResiduals, check_mixed_policy
 from .stacked import StackedMeta, release
-from .steps import (chunk_attend, evict_decode, evict_one, fresh_scores, keep_and_rewrite, piece_attention, read_kv,
-                    rescored, table_attention)
+from .steps import (WindowRead, chunk_attend, evict_decode, evict_one, fresh_scores, keep_and_rewrite,
+                    piece_attention, read_kv, rescored, table_attention)
 from .store import DenseStore
 
 
@@ -304,7 +304,8 @@ class KVCache:
         last T (causal mask); the new tokens' scores start at the policy's (`fresh_scores`), then every slot's
         score takes this step's probabilities."""
         t, ring, pos = q.shape[0], self.ring, self.pos[layer, :total][None]
-        read = None if ring is None else (ring, self.one_row, self.seen)
+        first = torch.full((1,), self.seen, device=q.device)
+        read = None if ring is None else WindowRead(ring, self.one_row, first, self.pos[layer][None])
         score = None if self.score is None else self.score[layer, :total]
         table = self.store.slot_table(total)[None]
         if t == 1:
@@ -312,9 +313,9 @@ class KVCache:
                 score[total - t:] = fresh_scores(self.policy, k, score, ring or self.store.storage, layer)
             lens = torch.full((1,), total, dtype=torch.int32, device=q.device)
             out = table_attention(q, self.store.storage, layer, table, lens, self.policy,
-                                  None if score is None else score[None], ring=read, pos=pos)
+                                  None if score is None else score[None], ring=read)
             if score is not None and self.policy.rescores:
-                kc = read_kv(self.store.storage, layer, table.long(), read, pos)[0]
+                kc = read_kv(self.store.storage, layer, table.long(), read)[0]
                 score.copy_(rescored(self.policy, score[None], kc, pos)[0])
             return out
         kc, vc = self.store.storage.gather(layer, table.long())

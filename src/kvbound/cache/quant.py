@@ -353,6 +353,14 @@ class RecentResiduals:
             out.append(torch.where(held, (x.float() + res).to(x.dtype), x))
         return out[0], out[1]
 
+    def kernel_args(self, layer, rows, first, pos):
+        """The decode kernel's `resid` (`kernels.decode_attention`): this layer's ring entries, read at rows
+        `rows` [B] (of the ring and of the positions `pos` [R, cap, H]) for a step from `first` [B]."""
+        at = slice(layer * self.size, (layer + 1) * self.size)
+        return dict(pos=pos, rows=rows, first=first, k=[t[:, at] for t in self.k.tensors()],
+                    v=[t[:, at] for t in self.v.tensors()], sink=self.sink, recent=self.recent,
+                    row_entries=self.k.codes.shape[1])
+
     def bytes_held(self, pos, seen):
         """Bytes of the residuals held for positions `pos` [M, H] of one layer of a cache after `seen` tokens."""
         return 2 * int(self.held(pos[None], seen).sum()) * self.k.bytes_per_token_head()

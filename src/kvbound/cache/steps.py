@@ -8,6 +8,8 @@ updates the layer's metadata: stream positions and scores [R, cap, H] and spare 
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..kernels import causal_attention_batch, contiguous_slots, decode_attention, decode_with_scores, fold_scores
@@ -59,15 +61,25 @@ def piece_attention(q, k, v, policy, old: torch.Tensor | None, pos: torch.Tensor
     return out, rescored(policy, piece_fold(policy, scores, step, pos), k, pos)
 
 
-def read_kv(storage, layer, table, ring=None, pos=None):
-    """K, V at slots `table` [B, M] as attention reads them: with mixed widths, ring = (`quant.RecentResiduals`,
-    the caches' rows [B], the step's first positions [B]) and the places' positions `pos` [B, M, H], the window's
-    tokens with their residuals."""
+class WindowRead(NamedTuple):
+    """What a step reads of mixed widths' residuals: the `quant.RecentResiduals`, the caches' rows [B] (of it and
+    of `pos`), the step's first positions [B], and the layer's positions [R, cap, H]."""
+    residuals: object
+    rows: torch.Tensor
+    first: torch.Tensor
+    pos: torch.Tensor
+
+    def kernel_args(self, layer):
+        return self.residuals.kernel_args(layer, self.rows, self.first, self.pos)
+
+
+def read_kv(storage, layer, table, ring: WindowRead | None = None):
+    """K, V at slots `table` [B, M] (local slots [0, M)) as attention reads them: with mixed widths (`ring`) the
+    window's tokens and the sinks with their residuals."""
     k, v = storage.gather(layer, table)
     if ring is None:
         return k, v
-    residuals, rows, first = ring
-    return residuals.add(layer, rows, k, v, pos, first)
+    return ring.residuals.add(layer, ring.rows, k, v, ring.pos[ring.rows, :table.shape[1]], ring.first)
 
 
 def kernel_reads(storage, layer, q, policy) -> tuple | None:
@@ -80,21 +92,23 @@ def kernel_reads(storage, layer, q, policy) -> tuple | None:
     return storage.kernel_args(layer)
 
 
-def table_attention(q, storage, layer, table, lens, policy=None, score=None, contiguous=False, ring=None, pos=None):
+def table_attention(q, storage, layer, table, lens, policy=None, score=None, contiguous=False,
+                    ring: WindowRead | None = None):
     """One new query per sequence, q [B, Hq, D], over its keys at table[b, :lens[b]]. `score` [B, M, H]
     (a policy's, with the policy) folds in this step's probabilities of the valid keys. contiguous: key j is
-    at slot table[b, 0] + j, and only column 0 is read (virtual storage's stripes). ring, pos: mixed widths'
-    residuals and the keys' positions (`read_kv`); no kernel reads those yet."""
+    at slot table[b, 0] + j, and only column 0 is read (virtual storage's stripes). ring: mixed widths' residuals
+    (`read_kv`), which the kernel reads too."""
     mode = None if score is None else policy.fold
     score = None if mode is None else score
-    args = None if ring is not None else kernel_reads(storage, layer, q, policy)
+    args = kernel_reads(storage, layer, q, policy)
     if args is not None:
         k_pool, v_pool, quant = args
         return decode_attention(q, k_pool, v_pool, table, lens, score=score, quant=quant, score_mode=mode,
-                                ema_decay=policy.fold_decay if policy is not None else 0.95, contiguous=contiguous)
+                                ema_decay=policy.fold_decay if policy is not None else 0.95, contiguous=contiguous,
+                                resid=None if ring is None else ring.kernel_args(layer))
     if contiguous:
         table = contiguous_slots(table, lens)
-    k, v = read_kv(storage, layer, table.long(), ring, pos)
+    k, v = read_kv(storage, layer, table.long(), ring)
     out, step = decode_with_scores(q, k, v, lens, mode)
     if step is not None:
         valid = torch.arange(table.shape[1], device=q.device)[None, :, None] < lens.to(q.device)[:, None, None]
@@ -120,25 +134,26 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
     ring: the caches' mixed-width residuals (`quant.RecentResiduals`, rows `rows`); the new token's goes in first."""
     fused = policy.fused_protection()
     args = kernel_reads(storage, layer, q, policy)
-    if q.is_cuda and fused is not None and args is not None and ring is None:
-        from ..kernels.triton_decode import evict_decode as fused_step
-        return fused_step(q, k, v, args[0], args[1], table, lens, rows, positions, pos, spare, score, policy.fold,
-                          policy.fold_decay, *fused, quant=args[2])
-    r, heads = rows[:, None], torch.arange(k.shape[1], device=k.device)[None, :]
-    slot = spare[rows]  # [B, H]: the local slot each head writes
-    storage.write(layer, table.gather(1, slot).long(), k, v, EACH_HEAD)
     read = None
     if ring is not None:
         ring.write(layer, rows, positions[:, None], k[:, None], v[:, None])
-        read = (ring, rows, positions)
+        read = WindowRead(ring, rows, positions, pos)
+    if q.is_cuda and fused is not None and args is not None:
+        from ..kernels.triton_decode import evict_decode as fused_step
+        return fused_step(q, k, v, args[0], args[1], table, lens, rows, positions, pos, spare, score, policy.fold,
+                          policy.fold_decay, *fused, quant=args[2],
+                          resid=None if read is None else read.kernel_args(layer))
+    r, heads = rows[:, None], torch.arange(k.shape[1], device=k.device)[None, :]
+    slot = spare[rows]  # [B, H]: the local slot each head writes
+    storage.write(layer, table.gather(1, slot).long(), k, v, EACH_HEAD)
     pos[r, slot, heads] = positions[:, None].to(pos.dtype)
     step_score = None
     if score is not None:
         score[r, slot, heads] = fresh_scores(policy, k, score, ring or storage, layer)
         step_score = score[rows]
-    out = table_attention(q, storage, layer, table, lens, policy, step_score, ring=read, pos=pos[rows])
+    out = table_attention(q, storage, layer, table, lens, policy, step_score, ring=read)
     if score is not None:
-        score[rows] = rescored(policy, step_score, read_kv(storage, layer, table.long(), read, pos[rows])[0], pos[rows])
+        score[rows] = rescored(policy, step_score, read_kv(storage, layer, table.long(), read)[0], pos[rows])
     evict_one(pos, spare, score, rows, policy)
     return out
 
@@ -215,8 +230,8 @@ def chunk_attend(q, k, v, storage, layer, table, n, rows, positions, pos, score,
     ring: the caches' mixed-width residuals (rows `rows`; `read_kv`)."""
     bsz = table.shape[0]
     q, k, v = (x.unflatten(0, (bsz, -1)) for x in (q, k, v))  # [B, t, H, D]
-    read = None if ring is None else (ring, rows, positions.view(bsz, -1)[:, 0])
-    kc, vc = read_kv(storage, layer, table[:, :n].long(), read, pos[rows, :n])
+    read = None if ring is None else WindowRead(ring, rows, positions.view(bsz, -1)[:, 0], pos)
+    kc, vc = read_kv(storage, layer, table[:, :n].long(), read)
     back = ring or storage
     cand_k = torch.cat([kc, back.roundtrip(layer, k).to(kc.dtype)], 1)
     cand_v = torch.cat([vc, back.roundtrip(layer, v).to(vc.dtype)], 1)

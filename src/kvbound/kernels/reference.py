@@ -177,13 +177,30 @@ def contiguous_slots(slot_table, ctx_lens) -> torch.Tensor:
     return slot_table[:, :1] + torch.where(j < ctx_lens.to(slot_table.device)[:, None], j, 0)
 
 
+def add_residuals(k, v, resid, group):
+    """The reference of the kernel's residual reads (`decode_attention(resid=)`): keys [B, M, H, D] of local slots
+    [0, M) whose positions (resid["pos"] at resid["rows"]) are sinks or in the window before resid["first"] add
+    their 4-bit residuals from the ring entry of that position."""
+    from .packing import dequantize
+    rows = resid["rows"].long()
+    p = resid["pos"][rows, :k.shape[1]].long()
+    first = resid["first"].long().reshape(-1, 1, 1)
+    sink, recent = resid["sink"], resid["recent"]
+    held = (p >= 0) & ((p < sink) | (p >= first - recent))
+    entry = torch.where(p < sink, p, sink + p % (recent + 1)).clamp(min=0)
+    at = (rows[:, None, None], entry, torch.arange(p.shape[-1], device=p.device))
+    return [torch.where(held[..., None], x.float() + dequantize(*(t[at] for t in ring), 4, group), x.float())
+            for x, ring in ((k, resid["k"]), (v, resid["v"]))]
+
+
 def paged_decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, score=None, score_mode=None,
-                           ema_decay=0.95, quant=None, contiguous=False):
+                           ema_decay=0.95, quant=None, contiguous=False, resid=None):
     """The reference of the Triton decode kernel (same arguments): one query per sequence over the keys at
     slot_table[b, :ctx_lens[b]] of the pools, GQA; `score` [B, max_len, Hkv] folds in this step's
     probabilities (`fold_scores`) for the valid keys only. Packed pools (quant=dict(bits=, group=,
     k_scale=, k_bias=, v_scale=, v_bias=), or bits="fp8" with k_scale, v_scale) are dequantized first.
-    contiguous: key j of sequence b is at slot_table[b, 0] + j. Returns out [B, Hq, D] in q's dtype."""
+    contiguous: key j of sequence b is at slot_table[b, 0] + j. resid: mixed widths' residuals (`add_residuals`).
+    Returns out [B, Hq, D] in q's dtype."""
     idx = contiguous_slots(slot_table, ctx_lens).long() if contiguous else slot_table.long()
     if quant is None:
         k, v = k_pool[idx], v_pool[idx]  # [B, M, Hkv, D]
@@ -195,6 +212,8 @@ def paged_decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, score=None, 
         bits, group = quant["bits"], quant["group"]
         k = dequantize(k_pool[idx], quant["k_scale"][idx], quant["k_bias"][idx], bits, group)
         v = dequantize(v_pool[idx], quant["v_scale"][idx], quant["v_bias"][idx], bits, group)
+        if resid is not None:
+            k, v = add_residuals(k, v, resid, group)
     out, step = decode_with_scores(q, k, v, ctx_lens, score_mode)
     if step is not None:
         valid = torch.arange(idx.shape[1], device=q.device)[None, :, None] < ctx_lens.to(q.device)[:, None, None]

@@ -50,9 +50,12 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                   stride_qb, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb,
                   stride_ob, stride_oh, stride_os, stride_mb, stride_mh, stride_eb, stride_eh, stride_xb, stride_xh,
                   scale, split,
+                  RPos, RRows, RFirst, RK, RKS, RKB, RV, RVS, RVB, stride_rpr, stride_rpj, stride_rks, stride_rkh,
+                  stride_rss, stride_rsh, ring_row_entries,
                   G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                   BITS: tl.constexpr, GS: tl.constexpr, EXPORT: tl.constexpr, IEEE: tl.constexpr,
-                  VDOT: tl.constexpr, FP8: tl.constexpr, CONTIG: tl.constexpr):
+                  VDOT: tl.constexpr, FP8: tl.constexpr, CONTIG: tl.constexpr,
+                  RESID: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -80,6 +83,9 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                 acc_hi_odd = tl.zeros([G_PAD, W], tl.float32)
     else:
         acc = tl.zeros([G_PAD, D], tl.float32)
+    if RESID:  # mixed widths: the window's and sinks' residuals, by position (`cache.quant.RecentResiduals`)
+        ring_row = tl.load(RRows + b).to(tl.int64)
+        first = tl.load(RFirst + b).to(tl.int64)
     for j0 in range(start, end, BLOCK_N):
         offs_n = j0 + tl.arange(0, BLOCK_N)
         valid = offs_n < end
@@ -97,6 +103,13 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
         else:
             qk = _packed_qk(Q, K, KS, KB, slot, h, valid, q_row, stride_ks, stride_kh, stride_ss, stride_sh, scale,
                             G_PAD, BLOCK_N, D, BITS, GS, IEEE)
+        if RESID:
+            p_key = tl.load(RPos + ring_row * stride_rpr + offs_n * stride_rpj + h, mask=valid, other=-1).to(tl.int64)
+            held = valid & (p_key >= 0) & ((p_key < SINK) | (p_key >= first - RECENT))
+            entry = tl.where(p_key < SINK, p_key, SINK + p_key % (RECENT + 1))
+            rslot = ring_row * ring_row_entries + tl.where(held, entry, 0)
+            qk += _packed_qk(Q, RK, RKS, RKB, rslot, h, held, q_row, stride_rks, stride_rkh, stride_rss, stride_rsh,
+                             scale, G_PAD, BLOCK_N, D, 4, GS, IEEE)
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
         alpha = tl.exp(m - m_new)
@@ -132,6 +145,9 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
             else:
                 v = _dequant(V, VS, VB, slot, h, valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS,
                              IEEE)
+                if RESID:
+                    v += _dequant(RV, RVS, RVB, rslot, h, held, stride_rks, stride_rkh, stride_rss, stride_rsh, D, 4,
+                                  GS, IEEE)
             acc = acc * alpha[:, None] + _dot(p, v, IEEE)
         m = m_new
     o_ptr = PartO + b * stride_ob + heads[:, None] * stride_oh + s * stride_os
@@ -382,9 +398,22 @@ def _quant_args(quant, k_pool, d):
     return quant["bits"], quant["group"], False, [quant[f"{s}_{x}"] for s in "kv" for x in ("scale", "bias")]
 
 
+def _resid_args(resid, dummy):
+    """The split kernel's residual arguments: pointers and strides (`RecentResiduals.kernel_args`), or placeholders."""
+    if resid is None:
+        return dict(args=[dummy] * 9 + [0] * 7, sink=0, recent=0)
+    pos, (kc, ks, kb), (vc, vs, vb) = resid["pos"], resid["k"], resid["v"]
+    if pos.stride(-1) != 1 or kc.stride() != vc.stride() or ks.stride() != vs.stride():
+        raise ValueError("residuals: positions need their heads contiguous, and K's and V's tensors one layout")
+    return dict(args=[pos, resid["rows"], resid["first"], kc, ks, kb, vc, vs, vb, pos.stride(0), pos.stride(1),
+                      kc.stride(1), kc.stride(2), ks.stride(1), ks.stride(2), resid["row_entries"]],
+                sink=resid["sink"], recent=resid["recent"])
+
+
 def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=None, score_mode=None,
                      ema_decay=0.95, quant=None, split=None, block_n=None, out=None, programs_per_sm=None,
-                     num_warps=None, rows=None, victim=None, num_stages=None, value_dot=None, contiguous=False):
+                     num_warps=None, rows=None, victim=None, num_stages=None, value_dot=None, contiguous=False,
+                     resid=None):
     """q: [B, Hq, D]; k_pool/v_pool: [slots, Hkv, D] (or packed codes [slots, Hkv, D*bits/8] with
     quant=dict(bits=, group=, k_scale=, k_bias=, v_scale=, v_bias=) of [slots, Hkv, D/group]; or float8 e4m3
     codes [slots, Hkv, D] with quant=dict(bits="fp8", k_scale=, v_scale=) of [slots, Hkv, 1]);
@@ -397,6 +426,8 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     dequantized; None picks what measured faster on the H100: on at d=128 with two groups, off at d=64.
     contiguous: each sequence's keys lie in slots slot_table[b, 0] + j (a per-sequence buffer, as virtual
     storage gives): only column 0 is read, so the table may be a [B, 1] column expanded to [B, max_len].
+    resid: mixed widths over a 4-bit pool, `cache.quant.RecentResiduals.kernel_args`: each key that is a sink or
+    among the window before the step's first position adds its 4-bit residual to its codes (values dequantized).
     Returns out [B, Hq, D] in q's dtype."""
     bsz, hq, d = q.shape
     if d & (d - 1):
@@ -453,20 +484,26 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         e = m_blk = part_m
     if out is None:
         out = torch.empty_like(q)
+    if resid is not None and bits != 4:
+        raise ValueError(f"residuals add to a 4-bit pool, got {bits} bits")
     if value_dot is None:  # results/tune_quant_q8_d128_h100.log, tune_quant_q4_d128_h100.log
-        value_dot = bits in (8, 4) and d == 128 and d // gs == 2
+        value_dot = bits in (8, 4) and d == 128 and d // gs == 2 and resid is None
     if value_dot and not (bits in (8, 4) and d // gs <= 2 and gs * bits // 8 >= 16):
         raise ValueError(f"value_dot needs packed values of one or two groups per head of at least 16 code "
                          f"bytes, got {bits} bits, head_dim {d}, group {gs}")
     ss = (0, 0) if quant is None else (scales[0].stride(0), scales[0].stride(1))
+    if value_dot and resid is not None:
+        raise ValueError("residuals read values dequantized (value_dot=False)")
     ieee = q.dtype == torch.float32 or not q.is_cuda
+    rt = _resid_args(resid, part_m)
     _split_kernel[(bsz, hkv, num_splits)](
         q, k_pool, v_pool, *scales, slot_table, ctx_lens, part_o, part_m, part_l, e, m_blk,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), ss[0], ss[1], slot_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
-        e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), scale, min_split,
+        e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), scale, min_split, *rt["args"],
         G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee, VDOT=value_dot,
-        FP8=fp8, CONTIG=bool(contiguous), num_warps=num_warps,
+        FP8=fp8, CONTIG=bool(contiguous), RESID=resid is not None, SINK=rt["sink"], RECENT=rt["recent"],
+        num_warps=num_warps,
         **({} if num_stages is None else dict(num_stages=num_stages)))
     _merge_kernel[(bsz, hkv)](
         part_o, part_m, part_l, out, ctx_lens,
@@ -520,13 +557,14 @@ def _evict_store_kernel(KN, VN, KP, VP, KS, KB, VS, VB, Table, Rows, Spare, Pos,
 
 
 def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spare, score, score_mode, ema_decay,
-                 prefix: int, recent: int, quant=None):
+                 prefix: int, recent: int, quant=None, resid=None):
     """One layer of the engine's steady-state bounded decode, fused: each head's new token into its spare
     slot, attention with score export over the `table` slots, and each head's next victim, which becomes
     its spare slot. pos/score/spare are the layer's stacked metadata [R, cap, H] / [R, H], read at
     rows[b]. Same result as the PyTorch route of `cache.steps.evict_decode` for policies whose protected
     tokens are a prefix of positions plus the `recent` newest. With `quant` (a packed pool, as for
-    `decode_attention`) the new K/V are quantized into the spare slots."""
+    `decode_attention`) the new K/V are quantized into the spare slots; `resid` as for `decode_attention` (the
+    new token's residual written beforehand)."""
     bsz, hkv, d = k.shape
     sc = score if score is not None else pos
     bits, gs, fp8, scales = _quant_args(quant, k_pool, d)
@@ -537,7 +575,7 @@ def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spa
         HAS_SCORE=score is not None, BITS=bits, GS=gs, FP8=fp8)
     return decode_attention(q, k_pool, v_pool, table, lens, score=score, score_mode=score_mode, ema_decay=ema_decay,
                             quant=quant, rows=rows, victim=dict(pos=pos, spare=spare, positions=positions, prefix=prefix,
-                                                   recent=recent, by_score=score is not None))
+                                                   recent=recent, by_score=score is not None), resid=resid)
 
 
 @triton.jit
