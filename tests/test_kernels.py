@@ -109,16 +109,16 @@ def test_decode_attention_adds_mixed_widths_residuals_as_the_reference(d, group)
             pos[row, :ln, h] = (torch.randperm(ln, generator=gen) + int(first[b]) - ln).int()
             pos[row, h:3 + h, h] = torch.arange(3, dtype=torch.int32)  # the sinks
         pos[row, 7] = -1
+    def on(args, device):  # a kernel-arguments dict on `device`
+        return {x: t.to(device) if torch.is_tensor(t) else [u.to(device) for u in t] if isinstance(t, list) else t
+                for x, t in args.items()}
     outs = []
     for kernel in (decode_attention, paged_decode_attention, decode_attention):
-        resid = None if len(outs) == 2 else ring.kernel_args(1, rows.to(DEV), first.to(DEV), pos.to(DEV))
-        dev = [t.to(DEV) for t in (q, kc, vc, table, n)]
-        quant = dict(bits=4, group=group, k_scale=ks[0].to(DEV), k_bias=ks[1].to(DEV), v_scale=vs[0].to(DEV),
-                     v_bias=vs[1].to(DEV))
-        if kernel is paged_decode_attention:
-            dev, quant = [t.cpu() for t in dev], {x: t.cpu() if torch.is_tensor(t) else t for x, t in quant.items()}
-            resid = ring.kernel_args(1, rows, first, pos)
-        score = torch.zeros(2, 129, hkv, device=dev[0].device)
+        device = "cpu" if kernel is paged_decode_attention else DEV
+        resid = None if len(outs) == 2 else on(ring.kernel_args(1, rows, first, pos), device)
+        dev = [t.to(device) for t in (q, kc, vc, table, n)]
+        quant = on(dict(bits=4, group=group, k_scale=ks[0], k_bias=ks[1], v_scale=vs[0], v_bias=vs[1]), device)
+        score = torch.zeros(2, 129, hkv, device=device)
         extra = dict(split=64, block_n=32) if kernel is decode_attention else {}
         outs.append((kernel(*dev, score=score, score_mode="cumulative", quant=quant, resid=resid, **extra).cpu(),
                      score.cpu()))
@@ -403,16 +403,26 @@ def test_evict_decode_matches_torch_path(spec):
         torch.testing.assert_close(score.cpu(), ref_meta.score[:, layer], atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, "mixed"])
 def test_fused_evict_decode_on_packed_pools_matches_torch_path(bits):
     """Packed pools (8/4-bit codes, group 32): the fused store quantizes the new token into each head's spare
-    slot bit for bit as the pool's PyTorch packer, and attention and victims follow."""
+    slot bit for bit as the pool's PyTorch packer, and attention and victims follow. Mixed widths (a 4-bit pool
+    and the window's residuals in the stacked rows): the store writes the new token's residuals, and attention
+    adds every held residual, as the PyTorch steps do."""
     from kvbound.cache.block_pool import BlockPool
     from kvbound.cache.policies import parse_policy
+    from kvbound.cache.quant import RecentResiduals
     from kvbound.kernels.triton_decode import evict_decode
     pol = parse_policy("h2o:sink=2,heavy=5,recent=3")
-    meta, dense, table, rows, step = _evict_state(pol, 11 + bits)
+    meta, dense, table, rows, step = _evict_state(pol, 11 + (0 if bits == "mixed" else bits))
     layers, slots, heads, d = dense.k.shape
+    if bits == "mixed":
+        meta.ring = RecentResiduals(meta.pos.shape[0], layers, heads, d, pol.sink, pol.recent, 32, "cpu")
+        gen = torch.Generator().manual_seed(5)
+        for t in meta.ring.tensors():
+            t.copy_(torch.randint(0, 256, t.shape, generator=gen) if t.dtype == torch.uint8 else
+                    torch.rand(t.shape, generator=gen) * 0.05)
+        bits = 4
     pool = BlockPool(layers, heads, d, slots, 1, kv_bits=bits, group_size=32)
     for layer in range(layers):
         pool.write(layer, torch.arange(slots), dense.k[layer], dense.v[layer])
@@ -424,12 +434,21 @@ def test_fused_evict_decode_on_packed_pools_matches_torch_path(bits):
     quant = dict(quant, k_scale=raw[1], k_bias=raw[2], v_scale=raw[4], v_bias=raw[5])
     pos, spare = dev(meta.pos[:, layer]), dev(meta.spare[:, layer])
     score = dev(meta.score[:, layer])
+    ring = None
+    if meta.ring is not None:
+        ring = RecentResiduals(*meta.pos.shape[:2], heads, d, pol.sink, pol.recent, 32, DEV)
+        for dst, src in zip(ring.tensors(), meta.ring.tensors()):
+            dst.copy_(src)
     got = evict_decode(dev(step["q"]), dev(step["k"]), dev(step["v"]), raw[0], raw[3], dev(table), dev(lens),
                        dev(rows), dev(step["positions"]), pos, spare, score, pol.score, pol.ema_decay,
-                       *pol.fused_protection(), quant=quant)
+                       *pol.fused_protection(), quant=quant,
+                       resid=None if ring is None else ring.kernel_args(layer, dev(rows), dev(step["positions"]), pos))
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
     for got_t, want_t in zip(raw, ref_pool.raw):
         assert torch.equal(got_t.cpu(), want_t[layer])
+    if ring is not None:
+        for got_t, want_t in zip(ring.tensors(), ref_meta.ring.tensors()):
+            assert torch.equal(got_t.cpu(), want_t)
     assert torch.equal(pos.cpu(), ref_meta.pos[:, layer]) and torch.equal(spare.cpu(), ref_meta.spare[:, layer])
     torch.testing.assert_close(score.cpu(), ref_meta.score[:, layer], atol=1e-6, rtol=1e-5)
 

@@ -134,15 +134,14 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
     ring: the caches' mixed-width residuals (`quant.RecentResiduals`, rows `rows`); the new token's goes in first."""
     fused = policy.fused_protection()
     args = kernel_reads(storage, layer, q, policy)
-    read = None
-    if ring is not None:
-        ring.write(layer, rows, positions[:, None], k[:, None], v[:, None])
-        read = WindowRead(ring, rows, positions, pos)
-    if q.is_cuda and fused is not None and args is not None:
+    read = None if ring is None else WindowRead(ring, rows, positions, pos)
+    if q.is_cuda and fused is not None and args is not None:  # the store kernel writes the residuals too
         from ..kernels.triton_decode import evict_decode as fused_step
         return fused_step(q, k, v, args[0], args[1], table, lens, rows, positions, pos, spare, score, policy.fold,
                           policy.fold_decay, *fused, quant=args[2],
                           resid=None if read is None else read.kernel_args(layer))
+    if ring is not None:
+        ring.write(layer, rows, positions[:, None], k[:, None], v[:, None])
     r, heads = rows[:, None], torch.arange(k.shape[1], device=k.device)[None, :]
     slot = spare[rows]  # [B, H]: the local slot each head writes
     storage.write(layer, table.gather(1, slot).long(), k, v, EACH_HEAD)

@@ -540,10 +540,14 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
 @triton.jit
 def _evict_store_kernel(KN, VN, KP, VP, KS, KB, VS, VB, Table, Rows, Spare, Pos, Score, Positions, stride_nt,
                         stride_nh, stride_ps, stride_ph, stride_ss, stride_sh, stride_tb, stride_spr, stride_pr,
-                        stride_pj, stride_sr, stride_sj, D: tl.constexpr, DP: tl.constexpr, HAS_SCORE: tl.constexpr,
-                        BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr):
+                        stride_pj, stride_sr, stride_sj,
+                        RK, RKS, RKB, RV, RVS, RVB, stride_rks, stride_rkh, stride_rss, stride_rsh, ring_row_entries,
+                        D: tl.constexpr, DP: tl.constexpr, HAS_SCORE: tl.constexpr,
+                        BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr,
+                        RESID: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr):
     """Sequence b, KV head h: the new token goes into the head's spare slot (K, V, position, score 0); packed
-    pools (BITS 8/4, or FP8) take it quantized, as `store_kv` writes it."""
+    pools (BITS 8/4, or FP8) take it quantized, as `store_kv` writes it; with RESID (mixed widths) its residuals
+    go into its ring entry."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.load(Rows + b)
@@ -551,7 +555,16 @@ def _evict_store_kernel(KN, VN, KP, VP, KS, KB, VS, VB, Table, Rows, Spare, Pos,
     slot = tl.load(Table + b * stride_tb + j).to(tl.int64)
     _store_token(KN, VN, KP, VP, KS, KB, VS, VB, b, h, slot, h, stride_nt, stride_nh, stride_ps, stride_ph, stride_ss,
                  stride_sh, D, DP, BITS, GS, FP8)
-    tl.store(Pos + row * stride_pr + j * stride_pj + h, tl.load(Positions + b).to(tl.int32))
+    p = tl.load(Positions + b)
+    if RESID:
+        entry = tl.where(p < SINK, p, SINK + p % (RECENT + 1))
+        rslot = row.to(tl.int64) * ring_row_entries + entry
+        offs = tl.arange(0, D)
+        _put_residual(tl.load(KN + b * stride_nt + h * stride_nh + offs), RK, RKS, RKB, rslot, h, stride_rks,
+                      stride_rkh, stride_rss, stride_rsh, D, GS)
+        _put_residual(tl.load(VN + b * stride_nt + h * stride_nh + offs), RV, RVS, RVB, rslot, h, stride_rks,
+                      stride_rkh, stride_rss, stride_rsh, D, GS)
+    tl.store(Pos + row * stride_pr + j * stride_pj + h, p.to(tl.int32))
     if HAS_SCORE:
         tl.store(Score + row * stride_sr + j * stride_sj + h, 0.0)
 
@@ -563,16 +576,20 @@ def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spa
     its spare slot. pos/score/spare are the layer's stacked metadata [R, cap, H] / [R, H], read at
     rows[b]. Same result as the PyTorch route of `cache.steps.evict_decode` for policies whose protected
     tokens are a prefix of positions plus the `recent` newest. With `quant` (a packed pool, as for
-    `decode_attention`) the new K/V are quantized into the spare slots; `resid` as for `decode_attention` (the
-    new token's residual written beforehand)."""
+    `decode_attention`) the new K/V are quantized into the spare slots; `resid` as for `decode_attention`, the new
+    token's residuals written into its ring entry first."""
     bsz, hkv, d = k.shape
     sc = score if score is not None else pos
     bits, gs, fp8, scales = _quant_args(quant, k_pool, d)
+    ring = _resid_args(resid, pos)["args"]
+    rt = ring[3:9] + ring[11:]  # the ring's tensors and strides
     _evict_store_kernel[(bsz, hkv)](
         k, v, k_pool, v_pool, *scales, table, rows, spare, pos, sc, positions, k.stride(0), k.stride(1),
         k_pool.stride(0), k_pool.stride(1), scales[0].stride(0), scales[0].stride(1), table.stride(0),
-        spare.stride(0), pos.stride(0), pos.stride(1), sc.stride(0), sc.stride(1), D=d, DP=triton.next_power_of_2(d),
-        HAS_SCORE=score is not None, BITS=bits, GS=gs, FP8=fp8)
+        spare.stride(0), pos.stride(0), pos.stride(1), sc.stride(0), sc.stride(1), *rt,
+        D=d, DP=triton.next_power_of_2(d), HAS_SCORE=score is not None, BITS=bits, GS=gs, FP8=fp8,
+        RESID=resid is not None, SINK=0 if resid is None else resid["sink"],
+        RECENT=0 if resid is None else resid["recent"])
     return decode_attention(q, k_pool, v_pool, table, lens, score=score, score_mode=score_mode, ema_decay=ema_decay,
                             quant=quant, rows=rows, victim=dict(pos=pos, spare=spare, positions=positions, prefix=prefix,
                                                    recent=recent, by_score=score is not None), resid=resid)
@@ -627,17 +644,7 @@ def _put(x, P, PS, PB, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D: t
         tl.store(P + slot * stride_ps + h * stride_ph + offs_d, x.to(P.dtype.element_ty))
     else:
         NG: tl.constexpr = D // GS
-        xg = tl.reshape(x.to(tl.float32), [NG, GS])
-        lo = tl.min(xg, 1)
-        hi = tl.max(xg, 1)
-        levels: tl.constexpr = (1 << BITS) - 1
-        sc = ((hi - lo) / levels).to(tl.float16)
-        bi = lo.to(tl.float16)
-        scf = tl.maximum(sc.to(tl.float32), 1e-8)
-        codes = (xg - bi.to(tl.float32)[:, None]) / scf[:, None]
-        codes = tl.minimum(tl.maximum(codes, 0.0), levels)
-        r = tl.floor(codes + 0.5)  # round half to even, as torch.round does
-        codes = tl.where(((r - codes) == 0.5) & ((r % 2) == 1), r - 1.0, r)
+        codes, sc, bi = _group_codes(x, D, BITS, GS)
         codes = tl.reshape(codes.to(tl.uint8), [D])
         offs_g = tl.arange(0, NG)
         tl.store(PS + slot * stride_ss + h * stride_sh + offs_g, sc)
@@ -648,6 +655,36 @@ def _put(x, P, PS, PB, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D: t
             pairs = tl.reshape(codes, [D // 2, 2])
             even, odd = tl.split(pairs)
             tl.store(P + slot * stride_ps + h * stride_ph + tl.arange(0, D // 2), even | (odd << 4))
+
+
+@triton.jit
+def _group_codes(x, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr):
+    """x [D] -> (codes [D / GS, GS] as rounded floats, fp16 scales, fp16 biases), as `packing.quantize`."""
+    NG: tl.constexpr = D // GS
+    xg = tl.reshape(x.to(tl.float32), [NG, GS])
+    lo = tl.min(xg, 1)
+    hi = tl.max(xg, 1)
+    levels: tl.constexpr = (1 << BITS) - 1
+    sc = ((hi - lo) / levels).to(tl.float16)
+    bi = lo.to(tl.float16)
+    scf = tl.maximum(sc.to(tl.float32), 1e-8)
+    codes = (xg - bi.to(tl.float32)[:, None]) / scf[:, None]
+    codes = tl.minimum(tl.maximum(codes, 0.0), levels)
+    r = tl.floor(codes + 0.5)  # round half to even, as torch.round does
+    return tl.where(((r - codes) == 0.5) & ((r % 2) == 1), r - 1.0, r), sc, bi
+
+
+@triton.jit
+def _put_residual(x, P, PS, PB, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D: tl.constexpr,
+                  GS: tl.constexpr):
+    """Mixed widths: x [D] minus its 4-bit read-back (in x's dtype), quantized to 4 bits into ring entry `slot`,
+    as `cache.quant.RecentResiduals` writes it."""
+    NG: tl.constexpr = D // GS
+    codes, sc, bi = _group_codes(x, D, 4, GS)
+    main = codes * sc.to(tl.float32)[:, None]
+    main = (main + bi.to(tl.float32)[:, None]).to(x.dtype).to(tl.float32)
+    res = x.to(tl.float32) - tl.reshape(main, [D])
+    _put(res, P, PS, PB, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D, 4, GS, False)
 
 
 def store_kv(x, slots, pool, scale=None, bias=None, bits=16, group=64):
