@@ -358,8 +358,7 @@ class RecentResiduals:
         `rows` [B] (of the ring and of the positions `pos` [R, cap, H]) for a step from `first` [B]."""
         at = slice(layer * self.size, (layer + 1) * self.size)
         return dict(pos=pos, rows=rows, first=first, k=[t[:, at] for t in self.k.tensors()],
-                    v=[t[:, at] for t in self.v.tensors()], sink=self.sink, recent=self.recent,
-                    row_entries=self.k.codes.shape[1])
+                    v=[t[:, at] for t in self.v.tensors()], sink=self.sink, recent=self.recent)
 
     def bytes_held(self, pos, seen):
         """Bytes of the residuals held for positions `pos` [M, H] of one layer of a cache after `seen` tokens."""

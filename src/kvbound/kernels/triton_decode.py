@@ -403,10 +403,14 @@ def _resid_args(resid, dummy):
     if resid is None:
         return dict(args=[dummy] * 9 + [0] * 7, sink=0, recent=0)
     pos, (kc, ks, kb), (vc, vs, vb) = resid["pos"], resid["k"], resid["v"]
-    if pos.stride(-1) != 1 or kc.stride() != vc.stride() or ks.stride() != vs.stride():
+    if pos.stride(-1) != 1 or kc.stride() != vc.stride() or ks.stride() != vs.stride() or kb.stride() != ks.stride():
         raise ValueError("residuals: positions need their heads contiguous, and K's and V's tensors one layout")
+    row_entries = kc.stride(0) // kc.stride(1)  # a row is this many entries on: the kernel adds row * that
+    if kc.stride(0) % kc.stride(1) or ks.stride(0) != row_entries * ks.stride(1):
+        raise ValueError(f"residuals: a row must span whole entries in codes and scales alike, got strides "
+                         f"{kc.stride()} and {ks.stride()}")
     return dict(args=[pos, resid["rows"], resid["first"], kc, ks, kb, vc, vs, vb, pos.stride(0), pos.stride(1),
-                      kc.stride(1), kc.stride(2), ks.stride(1), ks.stride(2), resid["row_entries"]],
+                      kc.stride(1), kc.stride(2), ks.stride(1), ks.stride(2), row_entries],
                 sink=resid["sink"], recent=resid["recent"])
 
 
