@@ -162,7 +162,7 @@ def cmd_info(args):
     if policy.bounded:
         meta = cfg.num_layers * cfg.num_kv_heads * (4 + (4 if policy.score else 0))  # int32 positions (+ fp32 scores)
         bf16 = cfg.kv_bytes_per_token(2)
-        young = min(policy.budget, policy.sink + policy.recent)  # the widths of mixed KV: young tokens stay narrow
+        young = min(policy.budget, policy.sink + policy.recent)  # mixed widths: young tokens hold residuals too
         held = (young * per.get("recent", bf16) + (policy.budget - young) * per.get("heavy", bf16)
                 + policy.budget * meta)
         print(f"KV bytes held     {held:,} at most per sequence under {policy.describe()} "
