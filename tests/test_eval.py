@@ -284,3 +284,4 @@ def test_perplexity_through_the_engine_equals_the_harness(tiny):
     want = perplexity(model, samples, mixed, args, 8, progress=False)["h2o-heavy+kvmixed"]
     assert got["ppl"] == pytest.approx(want["ppl"], rel=1e-4)
     assert harness["h2o-heavy+kv4"]["ppl"] != want["ppl"] != harness["h2o-heavy+kv8"]["ppl"]
+    assert engine["h2o-heavy+kv4"]["kv_held_bytes"] < got["kv_held_bytes"]  # the window's residuals count

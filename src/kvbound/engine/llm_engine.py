@@ -31,7 +31,8 @@ class CompletionOutput:
     """token_ids grows while the request runs; text is set when the request is done. logprobs: one
     {"logprob": ..., "top": [(token, logprob), ...]} per token when the request asked (`SamplingParams.logprobs`).
     tokens_evicted (tokens processed but no longer held, per layer) and peak_kv_bytes (the most pool blocks its
-    cache held at once, shared prefix blocks included) are set when it finishes."""
+    cache held at once, shared prefix blocks included, plus mixed widths' window residuals) are set when it
+    finishes."""
     index: int
     token_ids: list[int]
     text: str
@@ -466,7 +467,7 @@ class LLMEngine:
         outs = [CompletionOutput(s.index, s.output, (s.text if s.text is not None else self.tokenizer.decode(s.output))
                                  if done and self.tokenizer else "", s.finish_reason,
                                  s.logprobs if s.params.logprobs is not None else None, s.tokens_evicted,
-                                 s.peak_blocks * self.pool.block_bytes) for s in seqs]
+                                 s.peak_blocks * self.pool.block_bytes + s.ring_bytes) for s in seqs]
         first = seqs[0]
         out = RequestOutput(request_id, first.prompt, outs, done, first.arrival, first.first_token_time,
                             first.token_times, first.cached_tokens or 0)

@@ -49,6 +49,7 @@ class Sequence:
     hit_tokens: int = 0  # prompt tokens found in the prefix cache at the last admission
     cached_tokens: int | None = None  # prompt tokens found in the prefix cache at the first admission
     peak_blocks: int = 0  # the most pool blocks its cache held at once
+    ring_bytes: int = 0  # mixed widths: its window residuals' bytes, beside the pool
     tokens_evicted: int = 0  # tokens processed but no longer held (per layer), when its cache was last dropped
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -79,6 +80,7 @@ class Sequence:
     def drop_cache(self):
         """Give the cache's blocks back (finished, preempted, or not admitted this step)."""
         self.peak_blocks = max(self.peak_blocks, len(self.cache.store.blocks))
+        self.ring_bytes = 0 if self.cache.ring is None else self.cache.ring.bytes_per_row()
         self.tokens_evicted = self.cache.seen - len(self.cache)
         self.cache.release()
         self.cache = None
