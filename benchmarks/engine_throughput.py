@@ -320,7 +320,7 @@ def main():
     del hf
     torch.cuda.empty_cache()
     if args.bounded:
-        from kvbound.cache.quant import MIXED, packed_head_bytes
+        from kvbound.cache.quant import MIXED, ring_bytes
         from kvbound.cli.options import token_bytes
         cfg = ours.config
         res["bounded"] = {"kv_gib": args.kv_gib, "context": args.context}
@@ -333,9 +333,7 @@ def main():
                 blocks = int(args.kv_gib * 2**30 // block_bytes)
                 if fmt == "mixed":  # each sequence's window residuals come out of the same bytes
                     need = -(-(pol.budget + 1) // 16)
-                    ring = 2 * cfg.num_layers * (pol.sink + pol.recent + 1) * cfg.num_kv_heads * packed_head_bytes(
-                        cfg.head_dim, 4, 64)
-                    blocks = int(args.kv_gib * 2**30 // (need * block_bytes + ring)) * need
+                    blocks = int(args.kv_gib * 2**30 // (need * block_bytes + ring_bytes(cfg, pol, 64))) * need
                 label = name if fmt == "bf16" and args.kv_formats == "bf16" else f"{name}, {fmt}"
                 caps = [args.max_bounded_seqs]
                 bf16 = res["bounded"].get(f"{name}, bf16")

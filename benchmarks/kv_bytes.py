@@ -21,7 +21,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--budget", type=int, default=256)
     args = ap.parse_args()
-    names = ["baseline", "window", "h2o-heavy", "h2o-heavy+kv8", "h2o-heavy+kvmixed", "h2o-heavy+kvmixed48",
+    names = ["baseline", "window", "h2o-heavy", "h2o-heavy+kv8", "h2o-heavy+kvmixed",
              "h2o-heavy+kv4", "window+kv8"]
     cfg = SMOLLM2
     torch.manual_seed(0)

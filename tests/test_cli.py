@@ -153,8 +153,30 @@ def test_info_reports_each_width_of_mixed_kv():
     assert "12,960 at 8-bit precision (recent and sink tokens" in r.stdout and "6,480 at 4 bits (older" in r.stdout
     # 128 young tokens with residuals, 128 older at 4 bits, int32 positions and fp32 scores, 30 layers x 3 heads
     assert f"KV bytes held     {128 * 12960 + 128 * 6480 + 256 * 30 * 3 * 8:,}" in r.stdout
+    # the ring: 4 sinks + 124 recent + 1 entries, 30 layers x 3 heads, K and V of 32 code bytes + 4 of scales
+    assert f"KV residual ring  {129 * 30 * 3 * 2 * 36:,} bytes per sequence" in r.stdout
     r = run("info", "--policy", "h2o", "--budget", "256", "--kv-bits", "heavy=8,recent=4")
     assert r.returncode == 2 and "heavy=4,recent=8" in r.stderr
+
+
+def test_mixed_widths_pool_bytes_include_each_sequences_window_residuals(capsys):
+    """--kv-cache-memory with heavy=4,recent=8: the residual rings of --max-num-seqs sequences (+1 spare row) come
+    out of the budget before the 4-bit blocks are counted."""
+    import torch
+    from kvbound.cache.policies import parse_policy
+    from kvbound.cache.quant import ring_bytes
+    from kvbound.cli.main import build_parser
+    from kvbound.cli.options import pool_blocks, token_bytes
+    from kvbound.models import ModelConfig
+    cfg = ModelConfig(arch="LlamaForCausalLM", vocab_size=100, hidden_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=64, intermediate_size=64, rope_theta=10000.0, rms_norm_eps=1e-5,
+                      max_position_embeddings=4096)
+    args = build_parser().parse_args(["bench", "throughput", "--kv-bits", "heavy=4,recent=8", "--kv-cache-memory",
+                                      "0.01", "--policy", "h2o", "--budget", "64", "--max-num-seqs", "8"])
+    rings = 9 * ring_bytes(cfg, parse_policy("h2o", 64), 64)
+    block = 16 * token_bytes(cfg, torch.bfloat16, 4, 64)
+    assert pool_blocks(args, cfg, torch.bfloat16) == (int(0.01 * 2**30) - rings) // block
+    assert "go to the window residuals of 8 sequences" in capsys.readouterr().err
 
 
 def test_help_shows_defaults():

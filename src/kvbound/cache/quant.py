@@ -277,6 +277,13 @@ def check_mixed_policy(policy):
                            f"window is what stays at 8 bits), got {policy.describe()}")
 
 
+def ring_bytes(config, policy, group_size: int) -> int:
+    """Bytes of one sequence's residual ring under mixed widths (`RecentResiduals`): K and V, every layer and KV
+    head, sink + recent + 1 entries of 4-bit codes with an fp16 scale and bias per group."""
+    entries = policy.sink + policy.recent + 1
+    return 2 * config.num_layers * entries * config.num_kv_heads * packed_head_bytes(config.head_dim, 4, group_size)
+
+
 class RecentResiduals:
     """The recent window's extra precision under `--kv-bits heavy=4,recent=8`, for `rows` caches (one row each,
     indexed like their positions and scores): each token of the window (and each sink) holds x - read_back_4bit(x)

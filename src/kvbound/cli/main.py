@@ -159,6 +159,9 @@ def cmd_info(args):
         for n, what in lines:
             print(f"KV bytes/token    {n:,} at {what}, group {args.kv_group_size} "
                   f"(data + scales + biases; {cfg.kv_bytes_per_token(2) / n:.3f}x smaller than bf16)")
+        if cache.ring is not None:
+            print(f"KV residual ring  {cache.ring.bytes_per_row():,} bytes per sequence (sink + recent + 1 entries "
+                  "per layer and KV head, beside the engine's pool)")
     if policy.bounded:
         meta = cfg.num_layers * cfg.num_kv_heads * (4 + (4 if policy.score else 0))  # int32 positions (+ fp32 scores)
         bf16 = cfg.kv_bytes_per_token(2)

@@ -197,8 +197,18 @@ def pool_blocks(args, config, kv_dtype) -> int | None:
     gib = utilization_kv_gib(args, config) if getattr(args, "gpu_memory_utilization", None) else args.kv_cache_memory
     if gib is None:
         return args.num_blocks
-    per_block = args.block_size * token_bytes(config, kv_dtype, engine_kv_bits(args), args.kv_group_size)
-    blocks = int(gib * 2**30) // per_block
+    bits = engine_kv_bits(args)
+    per_block = args.block_size * token_bytes(config, kv_dtype, bits, args.kv_group_size)
+    budget = int(gib * 2**30)
+    if isinstance(bits, dict):  # mixed widths: each sequence's window residuals come out of the same bytes
+        from ..cache.quant import check_mixed_policy, ring_bytes
+        policy = engine_policy(args)
+        check_mixed_policy(policy)
+        rings = ring_bytes(config, policy, args.kv_group_size) * (args.max_num_seqs + 1)
+        budget -= rings
+        print(f"KV pool: {rings / 2**30:.2f} GiB of {gib:.3g} go to the window residuals of {args.max_num_seqs} "
+              "sequences (--max-num-seqs)", file=sys.stderr)
+    blocks = budget // per_block
     if blocks < 1:
         raise KvboundError(f"--kv-cache-memory {gib:.3g} GiB holds no block of {per_block:,} bytes")
     return blocks
