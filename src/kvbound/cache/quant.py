@@ -360,6 +360,12 @@ class RecentResiduals:
             out.append(torch.where(held, (x.float() + res).to(x.dtype), x))
         return out[0], out[1]
 
+    def with_piece(self, layer, rows, kc, vc, pos, first, k, v):
+        """K, V a prefill piece attends over: the cached places kc, vc [B, n, H, D] (positions `pos` [B, n, H]) with
+        their residuals in a step from `first` [B], then the piece's own k, v [B, t, H, D] at mixed precision."""
+        cached = self.add(layer, rows, kc, vc, pos, first)
+        return tuple(torch.cat([c, self.roundtrip(layer, x).to(c.dtype)], 1) for c, x in zip(cached, (k, v)))
+
     def kernel_args(self, layer, rows, first, pos):
         """The decode kernel's `resid` (`kernels.decode_attention`): this layer's ring entries, read at rows
         `rows` [B] (of the ring and of the positions `pos` [R, cap, H]) for a step from `first` [B]."""

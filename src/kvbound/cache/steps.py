@@ -8,12 +8,15 @@ updates the layer's metadata: stream positions and scores [R, cap, H] and spare 
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from ..kernels import causal_attention_batch, contiguous_slots, decode_attention, decode_with_scores, fold_scores
 from .store import EACH_HEAD
+
+if TYPE_CHECKING:
+    from .quant import RecentResiduals
 
 
 def _per_layer(policy, step: torch.Tensor) -> torch.Tensor:
@@ -64,7 +67,7 @@ def piece_attention(q, k, v, policy, old: torch.Tensor | None, pos: torch.Tensor
 class WindowRead(NamedTuple):
     """What a step reads of mixed widths' residuals: the `quant.RecentResiduals`, the caches' rows [B] (of it and
     of `pos`), the step's first positions [B], and the layer's positions [R, cap, H]."""
-    residuals: object
+    residuals: RecentResiduals
     rows: torch.Tensor
     first: torch.Tensor
     pos: torch.Tensor

@@ -204,9 +204,9 @@ class FillGroup:
         pos[rows, n:n + t] = positions.view(bsz, t, 1).to(pos.dtype)
         kc, vc = self.pool.gather(layer, self.table)
         if m.ring is not None:  # the cached tokens as the window holds them, the piece's own at mixed precision
-            first, new = positions.view(bsz, t)[:, 0], (k.view(bsz, t, *k.shape[1:]), v.view(bsz, t, *v.shape[1:]))
-            cached = m.ring.add(layer, rows, kc[:, :n], vc[:, :n], pos[rows, :n], first)
-            kc, vc = (torch.cat([c, m.ring.roundtrip(layer, x).to(c.dtype)], 1) for c, x in zip(cached, new))
+            new = (k.view(bsz, t, *k.shape[1:]), v.view(bsz, t, *v.shape[1:]))
+            kc, vc = m.ring.with_piece(layer, rows, kc[:, :n], vc[:, :n], pos[rows, :n], positions.view(bsz, t)[:, 0],
+                                       *new)
         score = None if m.score is None else m.score[:, layer]
         out, scores = piece_attention(q.unflatten(0, (bsz, t)), kc, vc, m.policy,
                                       None if score is None else score[rows, :n], pos[rows, :n + t])
