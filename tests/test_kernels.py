@@ -128,6 +128,26 @@ def test_decode_attention_adds_mixed_widths_residuals_as_the_reference(d, group)
     assert (outs[2][0] - outs[0][0]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_store_kernel_writes_what_pytorch_writes(dtype):
+    """Mixed widths' prefill write: the Triton store puts each kept token's residual (the window's last recent + 1
+    and the sinks; a piece longer than that skips the rest) in its ring entry bit for bit as the PyTorch route,
+    and touches nothing else."""
+    from kvbound.cache.quant import RecentResiduals
+    gen = torch.Generator().manual_seed(3)
+    rows, positions = torch.tensor([2, 0]), torch.tensor([list(range(12)), list(range(20, 32))])
+    k, v = (torch.randn(2, 12, 2, 64, generator=gen).to(dtype) for _ in range(2))
+    rings = [RecentResiduals(3, 2, 2, 64, sink=2, recent=5, group_size=32, device=dev) for dev in ("cpu", DEV)]
+    for ring in rings:
+        for t in ring.tensors():
+            t.fill_(7)
+    rings[0].write(1, rows, positions, k, v, kernel=False)
+    rings[1].write(1, rows.to(DEV), positions.to(DEV), k.to(DEV), v.to(DEV), kernel=True)
+    for want, got in zip(rings[0].tensors(), rings[1].tensors()):
+        assert torch.equal(got.cpu(), want)
+    assert (rings[0].k.codes[2, 8:16] != 7).any() and (rings[0].k.codes[1] == 7).all()
+
+
 def test_a_table_far_wider_than_the_contexts_gives_the_trimmed_tables_result():
     """A CUDA graph's table is as wide as its bucket: each sequence shares its own length among the grid's splits."""
     q, k, v, table, n = _case(21, 2, 4, 2, 32, [200, 3], slots=300)

@@ -335,9 +335,19 @@ class RecentResiduals:
         main, res = self._split(x)
         return (main.float() + dequantize(*res, 4, self.group)).to(x.dtype)
 
-    def write(self, layer, rows, positions, k, v):
+    def write(self, layer, rows, positions, k, v, kernel=None):
         """The residuals of new tokens k, v [B, t, H, D] at `positions` [B, t] (ascending) of rows `rows` [B] that
-        the window or the sinks keep after them. One token a row (a decode step) takes no host sync."""
+        the window or the sinks keep after them. kernel: the Triton store (default on CUDA: no host sync);
+        otherwise PyTorch, where one token a row (a decode step) takes no host sync."""
+        if k.is_cuda if kernel is None else kernel:  # skipped tokens get entry -1
+            keep = (positions < self.sink) | (positions >= positions[:, -1:] - self.recent)
+            flat = rows[:, None] * self.k.codes.shape[1] + self._entry(layer, positions.long())
+            entries = torch.where(keep, flat, -1).reshape(-1)
+            from ..kernels.triton_decode import store_residuals
+            for side, x in ((self.k, k), (self.v, v)):
+                store_residuals(x.reshape(-1, *x.shape[2:]).contiguous(), entries,
+                                *(t.view(-1, *t.shape[2:]) for t in side.tensors()), self.group)
+            return
         if positions.shape[1] == 1:
             r, at = rows[:, None], self._entry(layer, positions.long())
         else:

@@ -686,9 +686,35 @@ def _put_residual(x, P, PS, PB, slot, h, stride_ps, stride_ph, stride_ss, stride
     NG: tl.constexpr = D // GS
     codes, sc, bi = _group_codes(x, D, 4, GS)
     main = codes * sc.to(tl.float32)[:, None]
-    main = (main + bi.to(tl.float32)[:, None]).to(x.dtype).to(tl.float32)
+    main = main + bi.to(tl.float32)[:, None]
+    if x.dtype == tl.bfloat16:  # rounded to bf16 as PyTorch rounds (to nearest, ties to even), in integer ops
+        bits = main.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        main = bits.to(tl.float32, bitcast=True)
+    elif x.dtype != tl.float32:
+        main = main.to(x.dtype).to(tl.float32)
     res = x.to(tl.float32) - tl.reshape(main, [D])
     _put(res, P, PS, PB, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D, 4, GS, False)
+
+
+@triton.jit
+def _residual_store_kernel(X, Entry, P, PS, PB, stride_xt, stride_xh, stride_ps, stride_ph, stride_ss, stride_sh,
+                           D: tl.constexpr, GS: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    entry = tl.load(Entry + t).to(tl.int64)
+    if entry < 0:
+        return
+    x = tl.load(X + t * stride_xt + h * stride_xh + tl.arange(0, D))
+    _put_residual(x, P, PS, PB, entry, h, stride_ps, stride_ph, stride_ss, stride_sh, D, GS)
+
+
+def store_residuals(x, entries, codes, scale, bias, group):
+    """Mixed widths: each token of x [T, H, D] minus its 4-bit read-back, quantized to 4 bits into ring entry
+    entries[t] of codes / scale / bias [entries, H, ...] (-1 skips), as `cache.quant.RecentResiduals.write`."""
+    t, h, d = x.shape
+    _residual_store_kernel[(t, h)](x, entries, codes, scale, bias, x.stride(0), x.stride(1), codes.stride(0),
+                                   codes.stride(1), scale.stride(0), scale.stride(1), D=d, GS=group)
 
 
 def store_kv(x, slots, pool, scale=None, bias=None, bits=16, group=64):
