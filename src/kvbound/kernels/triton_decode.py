@@ -43,10 +43,6 @@ MODE_IDS = {mode: i for i, mode in enumerate(SCORE_MODES)}  # 0: no export, 1 cu
 PACKED_TILES = {(8, 128): (64, 4, 2), (4, 128): (128, 2, 2), (8, 64): (128, 4, 2), (4, 64): (256, 4, 2)}
 # ... and where a call has fewer than SHORT_KEYS keys in all (batch x context), which few large tiles serve badly
 PACKED_TILES_SHORT, SHORT_KEYS = {(4, 128): (32, 4, 3)}, 32768
-# ... and at d=64 under MEDIUM_KEYS (43 x 4k keys: 0.058 ms against 0.083 (8-bit) and 0.064 (4-bit) with the tiles
-# above, bf16 0.055; results/tune_quant_medium_h100.log), where 64 x 8k and 16 x 32k keep the tiles above. Keys
-# count the table's width, which a CUDA graph's bucket doubles (43 x 8k for 4k contexts)
-PACKED_TILES_MEDIUM, MEDIUM_KEYS = {(8, 64): (128, 2, 2), (4, 64): (128, 2, 2)}, 64 * 8192
 
 
 @triton.jit
@@ -456,8 +452,6 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         tile = (64, 4, 1)
     if bits != 16 and q.is_cuda:
         tile = PACKED_TILES.get((bits, d), (64, 2, 2))
-        if bsz * max_len < MEDIUM_KEYS:
-            tile = PACKED_TILES_MEDIUM.get((bits, d), tile)
         if bsz * max_len < SHORT_KEYS:
             tile = PACKED_TILES_SHORT.get((bits, d), tile)
     block_n = block_n or tile[0]
