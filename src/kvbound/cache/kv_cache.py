@@ -320,8 +320,8 @@ class KVCache:
             return out
         kc, vc = self.store.storage.gather(layer, table.long())
         if ring is not None:  # the cached tokens as the window holds them, the step's own at mixed precision
-            kc, vc = ring.with_piece(layer, self.one_row, kc[:, :total - t], vc[:, :total - t], pos[:, :total - t],
-                                     first, k[None], v[None])
+            kc, vc = ring.with_piece(layer, self.one_row, kc[:, :total - t], vc[:, :total - t], read.pos, first,
+                                     k[None], v[None])
         out, scores = piece_attention(q[None], kc, vc, self.policy, None if score is None else score[None, :total - t],
                                       self.pos[layer, :total][None])
         if score is not None:

@@ -17,6 +17,7 @@ import torch
 
 from ..errors import KvboundError
 from ..kernels.packing import dequantize, quantize
+from ..kernels.reference import add_residuals, ring_entry, ring_held
 from .store import DenseStore, at
 
 
@@ -306,24 +307,29 @@ class RecentResiduals:
     def tensors(self):
         return self.k.tensors() + self.v.tensors()
 
+    def _mapped(self, fn) -> "RecentResiduals":
+        """A twin whose tensors are fn(tensor)."""
+        twin = copy(self)
+        twin.k, twin.v = copy(self.k), copy(self.v)
+        for side in (twin.k, twin.v):
+            side.codes, side.scale, side.bias = (fn(t) for t in side.tensors())
+        return twin
+
     def row(self, r: int) -> "RecentResiduals":
         """Row r alone, as a one-row view of the same memory (a stacked cache's own steps)."""
-        view = copy(self)
-        view.k, view.v = copy(self.k), copy(self.v)
-        for side in (view.k, view.v):
-            side.codes, side.scale, side.bias = (t[r:r + 1] for t in side.tensors())
-        return view
+        return self._mapped(lambda t: t[r:r + 1])
+
+    def clone(self) -> "RecentResiduals":
+        """A copy with tensors of its own (a forked sequence writes its own window)."""
+        return self._mapped(torch.clone)
 
     def _entry(self, layer, pos):
-        """Ring entries of positions `pos` in `layer`: sinks by position, the window by position modulo its size."""
-        w = self.recent + 1
-        return layer * self.size + torch.where(pos < self.sink, pos, self.sink + pos % w)
+        """Entries of positions `pos` in `layer`'s part of a row."""
+        return layer * self.size + ring_entry(pos, self.sink, self.recent)
 
-    def held(self, pos, first):
-        """Which places (positions `pos` [B, ...], -1 none) read their residual in a step from `first` (an int or
-        [B])."""
-        first = torch.as_tensor(first, device=pos.device).reshape(-1, *[1] * (pos.dim() - 1))
-        return (pos >= 0) & ((pos < self.sink) | (pos >= first - self.recent))
+    def _kept(self, positions):
+        """Which of a step's new positions [B, t] (ascending) hold a residual after it."""
+        return (positions < self.sink) | (positions >= positions[:, -1:] - self.recent)
 
     def _split(self, x):
         """x -> (its 4-bit read-back in x's dtype, the packed residual)."""
@@ -340,9 +346,8 @@ class RecentResiduals:
         the window or the sinks keep after them. kernel: the Triton store (default on CUDA: no host sync);
         otherwise PyTorch, where one token a row (a decode step) takes no host sync."""
         if k.is_cuda if kernel is None else kernel:  # skipped tokens get entry -1
-            keep = (positions < self.sink) | (positions >= positions[:, -1:] - self.recent)
             flat = rows[:, None] * self.k.codes.shape[1] + self._entry(layer, positions.long())
-            entries = torch.where(keep, flat, -1).reshape(-1)
+            entries = torch.where(self._kept(positions), flat, -1).reshape(-1)
             from ..kernels.triton_decode import store_residuals
             for side, x in ((self.k, k), (self.v, v)):
                 store_residuals(x.reshape(-1, *x.shape[2:]).contiguous(), entries,
@@ -351,28 +356,21 @@ class RecentResiduals:
         if positions.shape[1] == 1:
             r, at = rows[:, None], self._entry(layer, positions.long())
         else:
-            keep = (positions < self.sink) | (positions >= positions[:, -1:] - self.recent)
-            b, t = keep.nonzero(as_tuple=True)
+            b, t = self._kept(positions).nonzero(as_tuple=True)
             r, at, k, v = rows[b], self._entry(layer, positions[b, t].long()), k[b, t], v[b, t]
         for side, x in ((self.k, k), (self.v, v)):
             for dst, src in zip(side.tensors(), self._split(x)[1]):
                 dst[r, at] = src
 
     def add(self, layer, rows, k, v, pos, first):
-        """K, V [B, M, H, D] read from the store at places whose positions are `pos` [B, M, H] in rows `rows` [B]:
-        the places that hold residuals in a step from `first` get them added."""
-        held = self.held(pos, first)[..., None]
-        at = self._entry(layer, pos.clamp(min=0).long())
-        heads = torch.arange(pos.shape[-1], device=pos.device)
-        out = []
-        for side, x in ((self.k, k), (self.v, v)):
-            res = dequantize(*(t[rows[:, None, None], at, heads] for t in side.tensors()), 4, self.group)
-            out.append(torch.where(held, (x.float() + res).to(x.dtype), x))
-        return out[0], out[1]
+        """K, V [B, M, H, D] read from the store at local slots [0, M) of rows `rows` [B], whose positions are
+        pos[rows] ([R, cap, H]): the places that hold residuals in a step from `first` get them added."""
+        return tuple(add_residuals(k, v, self.kernel_args(layer, rows, first, pos), self.group))
 
     def with_piece(self, layer, rows, kc, vc, pos, first, k, v):
-        """K, V a prefill piece attends over: the cached places kc, vc [B, n, H, D] (positions `pos` [B, n, H]) with
-        their residuals in a step from `first` [B], then the piece's own k, v [B, t, H, D] at mixed precision."""
+        """K, V a prefill piece attends over: the cached places kc, vc [B, n, H, D] (local slots [0, n), positions
+        pos[rows]) with their residuals in a step from `first` [B], then the piece's own k, v [B, t, H, D] at mixed
+        precision."""
         cached = self.add(layer, rows, kc, vc, pos, first)
         return tuple(torch.cat([c, self.roundtrip(layer, x).to(c.dtype)], 1) for c, x in zip(cached, (k, v)))
 
@@ -385,15 +383,8 @@ class RecentResiduals:
 
     def bytes_held(self, pos, seen):
         """Bytes of the residuals held for positions `pos` [M, H] of one layer of a cache after `seen` tokens."""
-        return 2 * int(self.held(pos[None], seen).sum()) * self.k.bytes_per_token_head()
+        return 2 * int(ring_held(pos[None], seen, self.sink, self.recent).sum()) * self.k.bytes_per_token_head()
 
     def bytes_per_row(self):
         return sum(t[0].numel() * t.element_size() for t in self.tensors())
 
-    def clone(self) -> "RecentResiduals":
-        """A copy with tensors of its own (a forked sequence writes its own window)."""
-        twin = copy(self)
-        twin.k, twin.v = copy(self.k), copy(self.v)
-        for side in (twin.k, twin.v):
-            side.codes, side.scale, side.bias = (t.clone() for t in side.tensors())
-        return twin

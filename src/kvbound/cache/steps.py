@@ -82,7 +82,7 @@ def read_kv(storage, layer, table, ring: WindowRead | None = None):
     k, v = storage.gather(layer, table)
     if ring is None:
         return k, v
-    return ring.residuals.add(layer, ring.rows, k, v, ring.pos[ring.rows, :table.shape[1]], ring.first)
+    return ring.residuals.add(layer, ring.rows, k, v, ring.pos, ring.first)
 
 
 def kernel_reads(storage, layer, q, policy) -> tuple | None:

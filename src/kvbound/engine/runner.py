@@ -205,8 +205,7 @@ class FillGroup:
         kc, vc = self.pool.gather(layer, self.table)
         if m.ring is not None:  # the cached tokens as the window holds them, the piece's own at mixed precision
             new = (k.view(bsz, t, *k.shape[1:]), v.view(bsz, t, *v.shape[1:]))
-            kc, vc = m.ring.with_piece(layer, rows, kc[:, :n], vc[:, :n], pos[rows, :n], positions.view(bsz, t)[:, 0],
-                                       *new)
+            kc, vc = m.ring.with_piece(layer, rows, kc[:, :n], vc[:, :n], pos, positions.view(bsz, t)[:, 0], *new)
         score = None if m.score is None else m.score[:, layer]
         out, scores = piece_attention(q.unflatten(0, (bsz, t)), kc, vc, m.policy,
                                       None if score is None else score[rows, :n], pos[rows, :n + t])

@@ -177,19 +177,28 @@ def contiguous_slots(slot_table, ctx_lens) -> torch.Tensor:
     return slot_table[:, :1] + torch.where(j < ctx_lens.to(slot_table.device)[:, None], j, 0)
 
 
+def ring_entry(pos, sink: int, recent: int):
+    """Mixed widths' ring entry of each position: sinks by position, the window by position modulo recent + 1."""
+    return torch.where(pos < sink, pos, sink + pos % (recent + 1))
+
+
+def ring_held(pos, first, sink: int, recent: int):
+    """Which positions `pos` [B, ...] (-1: none) read their residual in a step from `first` (an int or [B]): the
+    sinks and the `recent` positions before `first`."""
+    first = torch.as_tensor(first, device=pos.device).reshape(-1, *[1] * (pos.dim() - 1))
+    return (pos >= 0) & ((pos < sink) | (pos >= first - recent))
+
+
 def add_residuals(k, v, resid, group):
-    """The reference of the kernel's residual reads (`decode_attention(resid=)`): keys [B, M, H, D] of local slots
-    [0, M) whose positions (resid["pos"] at resid["rows"]) are sinks or in the window before resid["first"] add
-    their 4-bit residuals from the ring entry of that position."""
+    """Residual reads (`decode_attention(resid=)`; the PyTorch route's too): keys and values [B, M, H, D] of local
+    slots [0, M) whose positions (resid["pos"] at resid["rows"]) hold a residual add it from its ring entry."""
     from .packing import dequantize
     rows = resid["rows"].long()
     p = resid["pos"][rows, :k.shape[1]].long()
-    first = resid["first"].long().reshape(-1, 1, 1)
-    sink, recent = resid["sink"], resid["recent"]
-    held = (p >= 0) & ((p < sink) | (p >= first - recent))
-    entry = torch.where(p < sink, p, sink + p % (recent + 1)).clamp(min=0)
-    at = (rows[:, None, None], entry, torch.arange(p.shape[-1], device=p.device))
-    return [torch.where(held[..., None], x.float() + dequantize(*(t[at] for t in ring), 4, group), x.float())
+    held = ring_held(p, resid["first"], resid["sink"], resid["recent"])[..., None]
+    at = (rows[:, None, None], ring_entry(p.clamp(min=0), resid["sink"], resid["recent"]),
+          torch.arange(p.shape[-1], device=p.device))
+    return [torch.where(held, (x.float() + dequantize(*(t[at] for t in ring), 4, group)).to(x.dtype), x)
             for x, ring in ((k, resid["k"]), (v, resid["v"]))]
 
 

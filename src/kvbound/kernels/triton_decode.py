@@ -50,8 +50,8 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                   stride_qb, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb,
                   stride_ob, stride_oh, stride_os, stride_mb, stride_mh, stride_eb, stride_eh, stride_xb, stride_xh,
                   scale, split,
-                  RPos, RRows, RFirst, RK, RKS, RKB, RV, RVS, RVB, stride_rpr, stride_rpj, stride_rks, stride_rkh,
-                  stride_rss, stride_rsh, ring_row_entries,
+                  RPos, RRows, RFirst, stride_rpr, stride_rpj,
+                  RK, RKS, RKB, RV, RVS, RVB, stride_rks, stride_rkh, stride_rss, stride_rsh, ring_row_entries,
                   G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                   BITS: tl.constexpr, GS: tl.constexpr, EXPORT: tl.constexpr, IEEE: tl.constexpr,
                   VDOT: tl.constexpr, FP8: tl.constexpr, CONTIG: tl.constexpr,
@@ -106,8 +106,7 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
         if RESID:
             p_key = tl.load(RPos + ring_row * stride_rpr + offs_n * stride_rpj + h, mask=valid, other=-1).to(tl.int64)
             held = valid & (p_key >= 0) & ((p_key < SINK) | (p_key >= first - RECENT))
-            entry = tl.where(p_key < SINK, p_key, SINK + p_key % (RECENT + 1))
-            rslot = ring_row * ring_row_entries + tl.where(held, entry, 0)
+            rslot = ring_row * ring_row_entries + tl.where(held, _ring_entry(p_key, SINK, RECENT), 0)
             qk += _packed_qk(Q, RK, RKS, RKB, rslot, h, held, q_row, stride_rks, stride_rkh, stride_rss, stride_rsh,
                              scale, G_PAD, BLOCK_N, D, 4, GS, IEEE)
         qk = tl.where(valid[None, :], qk, float("-inf"))
@@ -164,6 +163,12 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
         tl.store(o_ptr + offs_d[None, :], acc, mask=gmask[:, None])
     tl.store(PartM + b * stride_mb + heads * stride_mh + s, m, mask=gmask)
     tl.store(PartL + b * stride_mb + heads * stride_mh + s, l, mask=gmask)
+
+
+@triton.jit
+def _ring_entry(p, SINK: tl.constexpr, RECENT: tl.constexpr):
+    """Mixed widths' ring entry of position p, as `reference.ring_entry`."""
+    return tl.where(p < SINK, p, SINK + p % (RECENT + 1))
 
 
 PV_SCALE: tl.constexpr = tl.constexpr(64.0)  # keeps p * v_scale clear of fp16 subnormals; exact (a power of 2)
@@ -399,9 +404,11 @@ def _quant_args(quant, k_pool, d):
 
 
 def _resid_args(resid, dummy):
-    """The split kernel's residual arguments: pointers and strides (`RecentResiduals.kernel_args`), or placeholders."""
+    """The kernels' residual arguments (`RecentResiduals.kernel_args`), or placeholders: "reads" (positions, rows,
+    first positions and the positions' strides; the split kernel's), "ring" (the ring's six tensors and their
+    strides; both kernels'), sink and recent."""
     if resid is None:
-        return dict(args=[dummy] * 9 + [0] * 7, sink=0, recent=0)
+        return dict(reads=[dummy] * 3 + [0] * 2, ring=[dummy] * 6 + [0] * 5, sink=0, recent=0)
     pos, (kc, ks, kb), (vc, vs, vb) = resid["pos"], resid["k"], resid["v"]
     if pos.stride(-1) != 1 or kc.stride() != vc.stride() or ks.stride() != vs.stride() or kb.stride() != ks.stride():
         raise ValueError("residuals: positions need their heads contiguous, and K's and V's tensors one layout")
@@ -409,8 +416,8 @@ def _resid_args(resid, dummy):
     if kc.stride(0) % kc.stride(1) or ks.stride(0) != row_entries * ks.stride(1):
         raise ValueError(f"residuals: a row must span whole entries in codes and scales alike, got strides "
                          f"{kc.stride()} and {ks.stride()}")
-    return dict(args=[pos, resid["rows"], resid["first"], kc, ks, kb, vc, vs, vb, pos.stride(0), pos.stride(1),
-                      kc.stride(1), kc.stride(2), ks.stride(1), ks.stride(2), row_entries],
+    return dict(reads=[pos, resid["rows"], resid["first"], pos.stride(0), pos.stride(1)],
+                ring=[kc, ks, kb, vc, vs, vb, kc.stride(1), kc.stride(2), ks.stride(1), ks.stride(2), row_entries],
                 sink=resid["sink"], recent=resid["recent"])
 
 
@@ -504,7 +511,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         q, k_pool, v_pool, *scales, slot_table, ctx_lens, part_o, part_m, part_l, e, m_blk,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), ss[0], ss[1], slot_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
-        e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), scale, min_split, *rt["args"],
+        e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), scale, min_split, *rt["reads"], *rt["ring"],
         G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee, VDOT=value_dot,
         FP8=fp8, CONTIG=bool(contiguous), RESID=resid is not None, SINK=rt["sink"], RECENT=rt["recent"],
         num_warps=num_warps,
@@ -561,8 +568,7 @@ def _evict_store_kernel(KN, VN, KP, VP, KS, KB, VS, VB, Table, Rows, Spare, Pos,
                  stride_sh, D, DP, BITS, GS, FP8)
     p = tl.load(Positions + b)
     if RESID:
-        entry = tl.where(p < SINK, p, SINK + p % (RECENT + 1))
-        rslot = row.to(tl.int64) * ring_row_entries + entry
+        rslot = row.to(tl.int64) * ring_row_entries + _ring_entry(p, SINK, RECENT)
         offs = tl.arange(0, D)
         _put_residual(tl.load(KN + b * stride_nt + h * stride_nh + offs), RK, RKS, RKB, rslot, h, stride_rks,
                       stride_rkh, stride_rss, stride_rsh, D, GS)
@@ -585,15 +591,13 @@ def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spa
     bsz, hkv, d = k.shape
     sc = score if score is not None else pos
     bits, gs, fp8, scales = _quant_args(quant, k_pool, d)
-    ring = _resid_args(resid, pos)["args"]
-    rt = ring[3:9] + ring[11:]  # the ring's tensors and strides
+    rt = _resid_args(resid, pos)
     _evict_store_kernel[(bsz, hkv)](
         k, v, k_pool, v_pool, *scales, table, rows, spare, pos, sc, positions, k.stride(0), k.stride(1),
         k_pool.stride(0), k_pool.stride(1), scales[0].stride(0), scales[0].stride(1), table.stride(0),
-        spare.stride(0), pos.stride(0), pos.stride(1), sc.stride(0), sc.stride(1), *rt,
+        spare.stride(0), pos.stride(0), pos.stride(1), sc.stride(0), sc.stride(1), *rt["ring"],
         D=d, DP=triton.next_power_of_2(d), HAS_SCORE=score is not None, BITS=bits, GS=gs, FP8=fp8,
-        RESID=resid is not None, SINK=0 if resid is None else resid["sink"],
-        RECENT=0 if resid is None else resid["recent"])
+        RESID=resid is not None, SINK=rt["sink"], RECENT=rt["recent"])
     return decode_attention(q, k_pool, v_pool, table, lens, score=score, score_mode=score_mode, ema_decay=ema_decay,
                             quant=quant, rows=rows, victim=dict(pos=pos, spare=spare, positions=positions, prefix=prefix,
                                                    recent=recent, by_score=score is not None), resid=resid)
