@@ -75,6 +75,8 @@ def run(args):
     data = json.load(open(args.prompts))
     if args.first is not None:
         data["prompts"] = [p for p in data["prompts"] if p["sample"] < args.first]
+    # instance by instance across the tasks, so a run cut short holds the first N instances of every task
+    data["prompts"].sort(key=lambda p: p["sample"])
     models = {}
     out, start = [], time.time()
     presses = args.presses.split(",")
@@ -86,7 +88,9 @@ def run(args):
                     os.path.dirname(args.model), gguf_file=os.path.basename(args.model),
                     dtype=getattr(torch, args.dtype), attn_implementation=attn).to(args.device).eval()
             model = models[attn]
-            for p in data["prompts"]:
+            for i, p in enumerate(data["prompts"]):
+                if i and p["sample"] != data["prompts"][i - 1]["sample"]:  # an instance of every task done
+                    _write(args.out, data["context"], out)
                 cache = DynamicCache()
                 pressed = p["context_ids"] + (p["question_ids"] if args.query_aware else [])
                 at = len(pressed)  # positions count the tokens processed, not the compressed cache's
