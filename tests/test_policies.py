@@ -44,6 +44,8 @@ class Reference:
         contrib = [dict() for _ in range(HKV)]
         g = HQ // HKV
         window = p.window if isinstance(p, SnapKVPolicy) and t > 1 else t  # queries that score keys
+        if isinstance(p, TOVAPolicy):  # the current step: a piece's last query
+            window = 1
         for h in range(HKV):
             for i in range(t):
                 visible = self.kept[h] + new[:i + 1]

@@ -395,12 +395,17 @@ class H2OPolicy(Policy):
 
 @dataclass(frozen=True)
 class TOVAPolicy(H2OPolicy):
-    """TOVA: keep the tokens the current step attends to most (each step's attention replaces the last;
-    in a prefill piece, the piece's queries together). No recent window unless asked for."""
+    """TOVA: keep the tokens the current step attends to most (each step's attention replaces the last; in a
+    prefill piece, the attention of its last query, as TOVA's own token-by-token rule would leave it and as
+    kvpress's press scores). No recent window unless asked for."""
     recent: int = 0
     score: str = "last"
     name: str = "tova"
     score_choices = ("last",)
+
+    @property
+    def score_window(self) -> int:
+        return 1
 
 
 @dataclass(frozen=True)
