@@ -220,6 +220,9 @@ def test_parse_policy_specs_and_errors():
     assert parse_policy("h2o-balanced", 256).heavy == 64 and parse_policy("h2o-balanced", 256).recent == 188
     assert parse_policy("h2o-heavy", 256).heavy == 128 and parse_policy("h2o-heavy", 256).recent == 124
     assert parse_policy("window", 100).budget == 100
+    keydiff = parse_policy("keydiff", 1024)  # SnapKV's window, the rest ranked
+    assert (keydiff.sink, keydiff.heavy, keydiff.recent) == (4, 988, 32)
+    assert parse_policy("keydiff", 1024) == parse_policy("keydiff:sink=4,heavy=988,recent=32")
     with pytest.raises(KvboundError, match="unknown policy"):
         parse_policy("lru", 64)
     with pytest.raises(KvboundError, match="!= budget"):
