@@ -21,6 +21,12 @@ python benchmarks/peer_kvpress.py export --out prompts.json
     --model SmolLM2.gguf --out results/peer_kvpress_replies.json
 python benchmarks/peer_kvpress.py report --replies results/peer_kvpress_replies.json [more reply files] \\
     --kvbound results/ruler_smollm2_1k.json results/ruler_smollm2_1k_onepiece.json
+
+On a GPU machine `gpu` does export, every press and kvbound's policies at both fractions in one call, each in a
+process of its own (kvpress's packages only on KVPRESS_SITE, kvbound's on PYTHONPATH), and merges the replies:
+
+PYTHONPATH=src python benchmarks/peer_kvpress.py gpu --model model.gguf --kvpress-site /tmp/site \\
+    --context 4096 --samples 20 --query-aware --out-dir runs/
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ import argparse
 import json
 import os
 import random
+import subprocess
 import sys
 import time
 import zlib
@@ -57,8 +64,23 @@ def export(args):
     print(f"{len(rows)} prompts of {args.context} tokens -> {args.out}")
 
 
-def make_press(name, ratio):
+def import_kvpress():
+    """kvpress 0.5 imports `datasets` and `fire` at the top for presses and a CLI this script never uses; where they
+    are missing (the GPU machine), stand-ins that raise when called let the rest import."""
+    import importlib.util
+    import types
+    for name, attr in (("datasets", "load_dataset"), ("fire", "Fire")):
+        if name not in sys.modules and importlib.util.find_spec(name) is None:
+            def missing(*args, _name=name, **kwargs):
+                raise ImportError(f"{_name} is not installed")
+            sys.modules[name] = types.ModuleType(name)
+            setattr(sys.modules[name], attr, missing)
     import kvpress
+    return kvpress
+
+
+def make_press(name, ratio):
+    kvpress = import_kvpress()
     return {"streaming_llm": lambda: kvpress.StreamingLLMPress(compression_ratio=ratio),
             "snapkv": lambda: kvpress.SnapKVPress(compression_ratio=ratio),
             "observed_attention": lambda: kvpress.ObservedAttentionPress(compression_ratio=ratio),
@@ -120,9 +142,49 @@ def run(args):
 
 
 def _write(path, context, replies):
-    import kvpress
+    kvpress = import_kvpress()
     with open(path, "w") as f:
         json.dump({"kvpress": getattr(kvpress, "__version__", "0.5"), "context": context, "replies": replies}, f)
+
+
+def gpu(args):
+    """Both sides on one GPU machine: a process per press (AdaKV's, the slowest, one per keep) and per kvbound
+    fraction, all at once; what a press finished before the deadline is kept, its replies merged into one file."""
+    os.makedirs(args.out_dir, exist_ok=True)
+    prompts, script = os.path.join(args.out_dir, "prompts.json"), [sys.executable, os.path.abspath(__file__)]
+    subprocess.run(script + ["export", "--model", args.model, "--context", str(args.context),
+                             "--samples", str(args.samples), "--out", prompts], check=True)
+    aware = ["--query-aware"] if args.query_aware else []
+    one_piece = ["--prefill-chunk", str(args.context)] if args.query_aware else []
+    tag = "_qa" if args.query_aware else ""
+    jobs, parts = [], []
+    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    for name in args.presses.split(","):
+        for keep in args.keep.split(",") if name.startswith("adakv") else [args.keep]:
+            parts.append(os.path.join(args.out_dir, f"press_{name}_{keep}{tag}.json"))
+            jobs.append((script + ["run", "--prompts", prompts, "--model", args.model, "--device", args.device,
+                                   "--dtype", dtype, "--keep", keep, "--presses", name, "--out", parts[-1]]
+                         + aware, args.kvpress_site, parts[-1]))
+    for frac in args.keep.split(","):
+        out = os.path.join(args.out_dir, f"kvbound_{frac}{tag}.json")
+        jobs.append(([sys.executable, "-m", "kvbound", "eval", "ruler", "--model", args.model, "--device", args.device,
+                      "--context", str(args.context), "--samples", str(args.samples), "--budget-frac", frac,
+                      "--strategies", args.strategies, "--engine", "--json", out] + one_piece,
+                     os.environ.get("PYTHONPATH", ""), out))
+    procs = [subprocess.Popen(cmd, stdout=open(out + ".log", "w"), stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"})
+             for cmd, path, out in jobs]
+    deadline = time.time() + args.deadline
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+    replies = [r for part in parts if os.path.exists(part) for r in json.load(open(part))["replies"]]
+    kvpress_version = next((json.load(open(part))["kvpress"] for part in parts if os.path.exists(part)), None)
+    with open(os.path.join(args.out_dir, f"peer_kvpress_replies{tag}.json"), "w") as f:
+        json.dump({"kvpress": kvpress_version, "context": args.context, "replies": replies}, f)
+    print(f"{len(replies)} kvpress replies; exit codes {[proc.returncode for proc in procs]}")
 
 
 def report(args):
@@ -172,13 +234,25 @@ def main():
     r.add_argument("--query-aware", action="store_true", help="the question compressed with the context (kvpress's "
                    "query-aware setting); keep then counts the whole prompt")
     r.add_argument("--out", required=True)
+    g = sub.add_parser("gpu")
+    g.add_argument("--model", required=True)
+    g.add_argument("--kvpress-site", required=True, help="the PYTHONPATH that holds kvpress and transformers < 5.3")
+    g.add_argument("--device", default="cuda")
+    g.add_argument("--presses", default=",".join(PRESSES))
+    g.add_argument("--context", type=int, default=4096)
+    g.add_argument("--samples", type=int, default=20)
+    g.add_argument("--keep", default="0.25,0.5")
+    g.add_argument("--strategies", default="window,h2o-heavy,observed,tova,snapkv,knorm,keydiff,adakv")
+    g.add_argument("--query-aware", action="store_true", help="presses see the question; kvbound prefills in one piece")
+    g.add_argument("--deadline", type=float, default=540, help="seconds before unfinished processes are stopped")
+    g.add_argument("--out-dir", required=True)
     p = sub.add_parser("report")
     p.add_argument("--model", default=None)
     p.add_argument("--replies", required=True, nargs="+", help="reply files of `run` (several runs' presses merge)")
     p.add_argument("--kvbound", nargs="*")
     p.add_argument("--first", type=int, default=None, help="only the first N instances of each task, both sides")
     args = ap.parse_args()
-    {"export": export, "run": run, "report": report}[args.cmd](args)
+    {"export": export, "run": run, "gpu": gpu, "report": report}[args.cmd](args)
 
 
 if __name__ == "__main__":
