@@ -82,6 +82,12 @@ def test_bench_bad_input(args, needle):
     (["generate", "hi", "--quantized-kv-start", "-5"], "must be >= 0, got -5"),
     (["generate", "hi", "--quantized-kv-start", "5"], "has no effect without --kv-bits"),
     (["eval", "needle", "--pin-prefix", "4"], "--pin-prefix has no effect"),
+    (["eval", "ruler", "--budget-frac", "0"], "--budget-frac must be in (0, 1], got 0"),
+    (["eval", "ruler", "--budget-frac", "0.25,1.5"], "--budget-frac must be in (0, 1], got 1.5"),
+    (["eval", "needle", "--budget-frac", "-0.5"], "--budget-frac must be in (0, 1], got -0.5"),
+    (["eval", "ruler", "--budget-frac", ","], "expected comma-separated numbers, got ','"),
+    (["eval", "ruler", "--haystack", "/no/such/haystack"], "--haystack: no such file or directory: /no/such/haystack"),
+    (["eval", "needle", "--haystack", "/no/such/haystack"], "--haystack: no such file or directory: /no/such/haystack"),
 ])
 def test_bad_input_names_the_value(args, needle):
     r = run(*args)

@@ -525,7 +525,7 @@ def named_policy(name: str, budget: int | None, pinned=()):
         return TOVAPolicy(sink=4, heavy=budget - 4, recent=0, pinned=pinned)
     if name in ("snapkv", "adakv", "pyramidkv", "keydiff"):
         # KeyDiff too: with half its budget in the window it kept 41% on Qwen RULER at 4k, keep 0.5, with
-        # SnapKV's 32-token window 55% (results/ruler_qwen_4k_h100_05_tova_keydiff_onepiece.log)
+        # SnapKV's 32-token window 55% (results/ruler_qwen_4k_h100_05_onepiece.log)
         window = max(1, min(32, (budget - 4) // 4))
         recent = max(0, min(window, budget - pins))
         if name == "keydiff":

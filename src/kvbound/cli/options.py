@@ -52,7 +52,10 @@ def int_list(s):
 
 def float_list(s):
     try:
-        return [float(x) for x in s.split(",") if x]
+        values = [float(x) for x in s.split(",") if x]
+        if not values:
+            raise ValueError(s)
+        return values
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
 

@@ -12,14 +12,15 @@ from ..errors import KvboundError
 PACKAGE_TEXT = Path(__file__).parent / "data"
 
 
-def text_files(paths) -> list[Path]:
-    """*.txt files under each path, round-robin across the top-level sources so samples mix corpora."""
+def text_files(paths, flag: str = "--text") -> list[Path]:
+    """*.txt files under each path, round-robin across the top-level sources so samples mix corpora; errors name
+    `flag`, the option the paths came from."""
     if not paths:
         paths = [PACKAGE_TEXT]
     groups = []
     for p in map(Path, paths):
         if not p.exists():
-            raise KvboundError(f"--text: no such file or directory: {p}")
+            raise KvboundError(f"{flag}: no such file or directory: {p}")
         if p.is_file():
             groups.append([p])
             continue
@@ -31,11 +32,11 @@ def text_files(paths) -> list[Path]:
     for i in range(max((len(g) for g in groups), default=0)):
         out += [g[i] for g in groups if i < len(g)]
     if not out:
-        raise KvboundError(f"--text: no .txt files under {', '.join(map(str, paths))}")
+        raise KvboundError(f"{flag}: no .txt files under {', '.join(map(str, paths))}")
     return out
 
 
-def read_text(path: Path) -> str:
+def read_text(path: Path, flag: str = "--text") -> str:
     """A file's text; binary input is refused rather than scored."""
     data = path.read_bytes()
     try:
@@ -43,12 +44,12 @@ def read_text(path: Path) -> str:
             raise UnicodeDecodeError("utf-8", data, 0, 1, "NUL byte")
         return data.decode("utf-8")
     except UnicodeDecodeError:
-        raise KvboundError(f"--text: {path} is not a UTF-8 text file") from None
+        raise KvboundError(f"{flag}: {path} is not a UTF-8 text file") from None
 
 
-def joined_text(paths=None) -> str:
+def joined_text(paths=None, flag: str = "--text") -> str:
     """The text of every file under `paths` (default: the package's), one after another."""
-    return " ".join(read_text(f) for f in text_files(paths))
+    return " ".join(read_text(f, flag) for f in text_files(paths, flag))
 
 
 def sentence_end(ids: list[int], at: int, period: int, reach: int = 64) -> int:

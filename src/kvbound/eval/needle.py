@@ -8,7 +8,7 @@ from tqdm import tqdm
 from ..engine import SamplingParams, generate_ids
 from ..errors import KvboundError
 from .data import chat_frame, read_text, sentence_end, text_files
-from .strategies import CacheOptions, make_cache, parse_strategies
+from .strategies import CacheOptions, fraction_budget, make_cache, parse_strategies
 
 NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
 QUESTION = "What is the best thing to do in San Francisco?"
@@ -41,8 +41,8 @@ def needle_prompt(tok, context: int, depth: float, haystack=None, needle: Needle
     default the package's text) with the needle at `depth`, then the question again. Returns (ids, length
     of the instruction span to pin)."""
     text_ids: list[int] = []
-    for f in text_files(haystack):
-        text_ids += tok.encode(read_text(f))
+    for f in text_files(haystack, "--haystack"):
+        text_ids += tok.encode(read_text(f, "--haystack"))
         if len(text_ids) > context:
             break
     head, end = chat_frame(tok)
@@ -76,7 +76,7 @@ def needle_runs(model, tok, names, contexts, depths, budget_fracs, options: Cach
             for depth in depths:
                 ids, pin_len = needle_prompt(tok, context, depth, haystack, needle)
                 for pin in variants:
-                    strategies = parse_strategies(names, max(16, int(frac * context)), options,
+                    strategies = parse_strategies(names, fraction_budget(frac, context), options,
                                                   pinned=((0, pin_len),) if pin else (), **policy_defaults)
                     jobs += [(context, depth, frac, pin, name, pol, bits, ids)
                              for name, (pol, bits) in strategies.items() if pol.bounded or not pin]

@@ -22,7 +22,8 @@ from tqdm import tqdm
 from ..engine import SamplingParams, generate_ids
 from ..errors import KvboundError
 from .data import chat_frame, joined_text, sentence_end
-from .strategies import CacheOptions, check_engine_strategies, engine_completions, make_cache, parse_strategies
+from .strategies import (CacheOptions, check_engine_strategies, engine_completions, fraction_budget,
+                         make_cache, parse_strategies)
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 WORDS = ("apple river stone cloud maple tiger silver garden candle harbor violet meadow falcon copper lantern "
@@ -137,7 +138,7 @@ def haystack_ids(tok, haystack, need: int) -> list[int]:
     if haystack == ["noise"]:
         text = NOISE * (need // 8 + 2)
     else:
-        text = joined_text(haystack)
+        text = joined_text(haystack, "--haystack")
     ids = tok.encode(text)
     if not ids:
         raise KvboundError("ruler: the haystack is empty")
@@ -213,7 +214,7 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
                 rng = random.Random(zlib.crc32(f"{seed}/{task}/{context}/{i}".encode()))  # same in every run
                 sample, ids = sized_prompt(tok, task, context, query, rng, filler)
                 for frac in budget_fracs:
-                    strategies = parse_strategies(names, max(16, int(frac * context)), options, **policy_defaults)
+                    strategies = parse_strategies(names, fraction_budget(frac, context), options, **policy_defaults)
                     if engine:
                         check_engine_strategies(strategies, options)
                     jobs += [(context, task, i, frac, name, pol, bits, ids, sample)

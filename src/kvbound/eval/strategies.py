@@ -36,6 +36,14 @@ def split_strategies(text: str) -> list[str]:
     return out
 
 
+def fraction_budget(frac: float, context: int) -> int:
+    """The budget that keeps `frac` of a `context`-token prompt (at least 16 tokens); a fraction outside (0, 1]
+    would keep nothing or more than the prompt, so it is refused."""
+    if not 0 < frac <= 1:
+        raise KvboundError(f"--budget-frac must be in (0, 1], got {frac:g}")
+    return max(16, int(frac * context))
+
+
 def parse_strategies(names: list[str], budget: int, options: CacheOptions, pinned=(), **policy_defaults) -> dict:
     """name[+kv8|+kv4|+kvmixed (heavy=4,recent=8)] -> (policy, kv_bits). policy_defaults: score, ema_decay, granularity,
     evict_every for the named policies that take them."""
