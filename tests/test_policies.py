@@ -229,6 +229,25 @@ def test_parse_policy_specs_and_errors():
         parse_policy("h2o:sink=8,heavy=0,recent=8,budget=10")
 
 
+def test_a_spec_of_options_alone_takes_the_named_shape_at_the_budget():
+    """'snapkv:window=16' with --budget 256 is snapkv at 256 with that window; budget=N in the spec does the same;
+    with no budget anywhere the error says so (before: a TypeError about sink and heavy)."""
+    snap = parse_policy("snapkv:window=16", 256)  # the window kept whole as the recent tokens, the total unchanged
+    assert snap == replace(parse_policy("snapkv", 256), window=16, recent=16, heavy=236)
+    assert parse_policy("snapkv:budget=10,window=3") == SnapKVPolicy(sink=4, heavy=3, recent=3, window=3)
+    assert parse_policy("keydiff:budget=1024") == parse_policy("keydiff", 1024)
+    assert parse_policy("tova:granularity=layer", 64) == replace(parse_policy("tova", 64), granularity="layer")
+    assert parse_policy("h2o:score=observed", 256) == parse_policy("observed", 256)
+    assert parse_policy("h2o:sink=4,heavy=8,recent=4", 256).budget == 16  # a given shape ignores --budget
+    for spec in ("snapkv:window=16", "h2o:heavy=100"):
+        with pytest.raises(KvboundError, match="needs a budget: add --budget N or budget=N"):
+            parse_policy(spec)
+    with pytest.raises(KvboundError, match="window must be >= 1"):
+        parse_policy("snapkv:window=0", 256)
+    with pytest.raises(KvboundError, match="cannot fit budget 16"):
+        parse_policy("snapkv:window=32", 16)
+
+
 @pytest.mark.parametrize("policy", [WindowPolicy(budget=9, sink=2, pinned=((4, 6),)),
                                     H2OPolicy(sink=2, heavy=4, recent=3), H2OPolicy(sink=0, heavy=8, recent=1)])
 def test_victim_fast_path_equals_keep_mask_with_ties(policy):
@@ -397,4 +416,5 @@ def test_shared_budget_errors():
                                                                              pinned=((3, 5),)))
     with pytest.raises(KvboundError, match="unquantized"):
         sequence_cache(tiny_config(), parse_policy("adakv", 32), kv_bits=8)
-    assert parse_policy("pyramidkv:budget=64,beta=4").head_budgets(0, 2) == (4 + 32 + 49,) * 2  # heavy 28: 49 and 7
+    pyramid_64 = parse_policy("pyramidkv:sink=4,heavy=28,recent=32,beta=4")
+    assert pyramid_64.head_budgets(0, 2) == (4 + 32 + 49,) * 2  # heavy 28: 49 and 7

@@ -11,7 +11,7 @@ rank (AdaKV), or deeper layers get less of it (PyramidKV), the total unchanged (
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -579,6 +579,17 @@ def parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
             return WindowPolicy(pinned=pinned, **{k: v for k, v in kw.items() if k in ("budget", "sink", "evict_every")})
         if kind in SCORED:
             kw = {k: v for k, v in kw.items() if k in SPEC_KEYS[kind]}
+            if not {"sink", "heavy", "recent"} & kw.keys() and kw.get("budget", budget) is not None:
+                # options alone ('snapkv:window=16'): the named strategy's shape at the budget, then the options;
+                # a SnapKV window given is kept whole as the recent tokens, as in a spec with sink and heavy
+                base = named_policy(kind, kw.pop("budget", budget), pinned)
+                if isinstance(base, SnapKVPolicy) and "window" in kw:
+                    kw["recent"] = kw["window"]
+                    kw["heavy"] = base.heavy + base.recent - kw["window"]
+                    if kw["heavy"] < 0:
+                        raise KvboundError(f"{kind}: sink ({base.sink}) + window ({kw['window']}) cannot fit budget "
+                                           f"{base.budget}")
+                return replace(base, **kw) if kw else base
             if issubclass(SCORED[kind], SnapKVPolicy) and "recent" not in kw:  # the observation window stays
                 kw["recent"] = kw.get("window", SnapKVPolicy.window)
             if "budget" in kw:
@@ -598,13 +609,15 @@ def parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
                                        f"cannot fit budget {b}")
             return SCORED[kind](pinned=pinned, **kw)
     except TypeError as e:
+        if "missing" in str(e):  # neither a budget nor the shape's sizes
+            raise KvboundError(f"policy spec {spec!r} needs a budget: add --budget N or budget=N, or give its shape "
+                               "as sink=..,heavy=..[,recent=..]") from None
         raise KvboundError(f"policy spec {spec!r}: {e}") from None
     raise KvboundError(f"unknown policy {kind!r} in {spec!r} (choose from {', '.join(SPEC_KEYS)})")
 
 
 def _with(pol, defaults):
     """Apply CLI-wide option defaults (score, granularity, ...) to a named policy that accepts them."""
-    from dataclasses import replace
     accepts = SPEC_KEYS.get(getattr(pol, "name", None), ())  # the options its spec takes
     ok = {k: v for k, v in defaults.items() if v is not None and k in accepts}
     return replace(pol, **ok) if ok else pol
