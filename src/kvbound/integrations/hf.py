@@ -76,7 +76,8 @@ def reset_eviction_scores(model):
 
 class KVBoundCache(DynamicCache):
     """A `DynamicCache` whose full-attention layers evict under `policy` (the arguments of
-    `install_kv_eviction`), for passing as `past_key_values=`; it prepares `model` to export scores to it."""
+    `install_kv_eviction`), for passing as `past_key_values=` (or `cache=`, its name from transformers 5.24); it
+    prepares `model` to export scores to it."""
 
     def __init__(self, model, policy="h2o", budget: int | None = None, n_sink: int = 4, n_recent: int | None = None,
                  evict_every: int = 1, granularity: str = "kv-head", score: str = "cumulative"):
@@ -272,7 +273,7 @@ def kvbound_attention(module, query, key, value, attention_mask, dropout: float 
 
 def _capture(module, args, kwargs):
     """Before each attention call: remember the cache it will use, and put its layer under the policy."""
-    cache = kwargs.get("past_key_values")
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5.24 renamed it for attention modules
     module._kvbound_cache = None if cache is None else weakref.ref(cache)
     policy = getattr(module, "_kvbound_policy", None)
     if cache is None or policy is None or getattr(module, "is_sliding", False):
