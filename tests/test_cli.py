@@ -88,6 +88,8 @@ def test_bench_bad_input(args, needle):
     (["eval", "ruler", "--budget-frac", ","], "expected comma-separated numbers, got ','"),
     (["eval", "ruler", "--haystack", "/no/such/haystack"], "--haystack: no such file or directory: /no/such/haystack"),
     (["eval", "needle", "--haystack", "/no/such/haystack"], "--haystack: no such file or directory: /no/such/haystack"),
+    (["eval", "sweep", "--over", "seq-len", "--values", "64,-5"], "a sequence length must be more than --prefill (32), got -5"),
+    (["eval", "sweep", "--over", "budget", "--values", "64,2"], "must be < budget (2)"),  # before the 64 runs
 ])
 def test_bad_input_names_the_value(args, needle):
     r = run(*args)

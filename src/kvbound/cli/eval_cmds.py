@@ -44,6 +44,10 @@ def scored(args, model, samples, strategies, dtype) -> dict:
 
 def cmd_sweep(args):
     names = with_baseline(args.strategies)
+    for val in args.values:  # every value checked before the first one runs
+        if args.over == "seq-len" and val <= args.prefill:
+            raise KvboundError(f"--values: a sequence length must be more than --prefill ({args.prefill}), got {val}")
+        strategies_for(args, names, val if args.over == "budget" else args.budget)
     model, tok, dtype = load_model(args)
     rows = {}
     for val in args.values:
