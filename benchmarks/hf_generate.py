@@ -43,9 +43,10 @@ def measure(model, ids, new_tokens, device) -> dict:
     base = torch.cuda.memory_allocated() if device == "cuda" else 0
     tn, out = timed_generate(model, ids, new_tokens, device)
     peak = torch.cuda.max_memory_allocated() - base if device == "cuda" else 0
-    kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in out.past_key_values.layers)
+    cache = getattr(out, "cache", None) or out.past_key_values  # `cache` from transformers 5.24
+    kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
     return {"decode_tok_s": (new_tokens - 1) / max(tn - t1, 1e-9), "prefill_s": t1, "peak_bytes": peak,
-            "kv_bytes_held": kv, "held_tokens": out.past_key_values.layers[0].keys.shape[-2]}
+            "kv_bytes_held": kv, "held_tokens": cache.layers[0].keys.shape[-2]}
 
 
 def main():
