@@ -242,6 +242,30 @@ def test_ruler_through_the_engine_gives_the_single_caches_replies(tiny):
     assert any(r["reply"] for r in batched)
 
 
+@pytest.mark.parametrize("engine", [False, True])
+def test_ruler_hands_over_what_finished_as_it_goes(tiny, tmp_path, engine):
+    """`finished` sees the records of the runs done so far after each run (the full cache's, shared by both budgets,
+    count once), the last of them equal to the result; the CLI's `--json` keeps them on disk marked partial."""
+    from kvbound.cli.eval_cmds import PartialJSON
+    from kvbound.eval.ruler import ruler_runs
+    from kvbound.eval.strategies import CacheOptions
+    from kvbound.models import load
+    model, tok = load(str(tiny))
+    seen, path = [], tmp_path / "partial.json"
+    save = PartialJSON(str(path), every=0)
+
+    def finished(records_so_far):
+        seen.append(records_so_far())
+        save(records_so_far)
+    results = ruler_runs(model, tok, ["baseline", "window"], [160], ["niah_single"], [0.25, 0.5],
+                         CacheOptions(prefill_chunk=64), 2, "after", ["noise"], 2, engine=engine, finished=finished)
+    assert len(seen) == 2 + 2 * 2  # runs: the full cache once per sample, the window per sample and budget
+    assert [len(x) for x in seen] == sorted(len(x) for x in seen) and seen[-1] == results
+    assert all(r in results for r in seen[0]) and len(seen[0]) in (1, 2)
+    on_disk = json.loads(path.read_text())
+    assert on_disk["partial"] and on_disk["results"] == results
+
+
 def test_needle_of_ones_own_with_samples_over_depths(smollm, tmp_path):
     from kvbound.eval.needle import Needle, needle_prompt, spread_depths
     _, tok = smollm

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from ..eval.data import token_samples
@@ -105,6 +106,19 @@ def cmd_needle(args):
     return results
 
 
+class PartialJSON:
+    """`--json` written while a long evaluation runs (at most every `every` seconds, marked partial), so what
+    finished survives a run cut short; the command writes the whole file at the end."""
+
+    def __init__(self, path, every: float = 30.0):
+        self.path, self.every, self.last = path, every, time.monotonic()
+
+    def __call__(self, records_so_far):
+        if self.path and time.monotonic() - self.last >= self.every:
+            Path(self.path).write_text(json.dumps({"partial": True, "results": records_so_far()}, indent=2))
+            self.last = time.monotonic()
+
+
 def cmd_ruler(args):
     from ..eval.ruler import TASKS, ruler_runs, ruler_table
     tasks = TASKS if args.tasks == ["all"] else args.tasks
@@ -113,7 +127,7 @@ def cmd_ruler(args):
     model, tok, dtype = load_model(args)
     results = ruler_runs(model, tok, with_baseline(args.strategies), args.context, tasks, args.budget_frac,
                          cache_options(args), args.samples, args.query, args.haystack, args.max_tokens, args.device,
-                         dtype, engine=args.engine, **policy_defaults(args))
+                         dtype, engine=args.engine, finished=PartialJSON(args.json), **policy_defaults(args))
     rows, tasks, grid = ruler_table(results)
     print(f"\nruler score (mean of {args.samples} samples per task; contexts {', '.join(map(str, args.context))}; "
           f"question {args.query} the context)")

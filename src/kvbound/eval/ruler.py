@@ -197,10 +197,12 @@ def score(reply: str, answers: list[str]) -> float:
 
 def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheOptions, samples=20,
                query="after", haystack=None, max_tokens=32, device="cpu", dtype=None, seed=0, engine=False,
-               **policy_defaults) -> list[dict]:
+               finished=None, **policy_defaults) -> list[dict]:
     """Every strategy on `samples` instances of every task, context and budget fraction (the same instances
     for every strategy). One record per run: its score, the reply, the budget. `engine`: every run is a
-    request of one continuous batch (`engine_replies`) instead of a single-sequence cache after another."""
+    request of one continuous batch (`engine_replies`) instead of a single-sequence cache after another.
+    `finished(records_so_far)`, if given, is called as each run ends; records_so_far() builds the records of
+    every run done so far (a caller that saves them now and then keeps them when a long run is cut short)."""
     if query not in ("before", "after"):
         raise KvboundError(f"--query must be before or after, got {query!r}")
     for task in tasks:
@@ -223,18 +225,29 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
     # the full cache does not depend on the budget: each of its runs is made once
     first = [once.get((c, t, i, n), j) if not pol.bounded else j for j, (c, t, i, _, n, pol, *_) in enumerate(jobs)]
     todo = [j for j in range(len(jobs)) if first[j] == j]
+    text: dict[int, str] = {}
+
+    def done(k, reply_ids):  # the k-th run of `todo` ended
+        text[todo[k]] = tok.decode(reply_ids)
+        if finished is not None:
+            finished(lambda: _records(jobs, first, text, query))
     if engine:
-        replies = engine_replies(model, tok, [jobs[j][5:8] for j in todo], options, max_tokens)
+        engine_replies(model, tok, [jobs[j][5:8] for j in todo], options, max_tokens, done=done)
     else:
-        replies = []
-        for j in tqdm(todo, desc="ruler"):
+        for k, j in enumerate(tqdm(todo, desc="ruler")):
             pol, bits, ids = jobs[j][5:8]
             cache = make_cache(model, pol, bits, options, device, dtype)
-            replies.append(list(generate_ids(model, ids, SamplingParams(max_tokens=max_tokens), cache, tok.eos_ids,
-                                             options.prefill_chunk)))
-    text = {j: tok.decode(r) for j, r in zip(todo, replies)}
+            done(k, list(generate_ids(model, ids, SamplingParams(max_tokens=max_tokens), cache, tok.eos_ids,
+                                      options.prefill_chunk)))
+    return _records(jobs, first, text, query)
+
+
+def _records(jobs, first, text, query) -> list[dict]:
+    """One record per job whose run (`first[j]`, shared by the full cache's budgets) has a reply in `text`."""
     results = []
     for j, (context, task, i, frac, name, pol, bits, ids, sample) in enumerate(jobs):
+        if first[j] not in text:
+            continue
         reply = text[first[j]]
         results.append({"strategy": name, "context": context, "task": task, "sample": i, "budget_frac": frac,
                         "budget": pol.budget, "query": query, "score": score(reply, sample.answers),
@@ -243,9 +256,10 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
 
 
 def engine_replies(model, tok, runs, options: CacheOptions, max_tokens: int, pool_tokens: int = 1 << 19,
-                   progress=True) -> list[list[int]]:
+                   progress=True, done=None) -> list[list[int]]:
     """Greedy replies to `runs` [(policy, kv bits, prompt ids)] through the serving engine
-    (`strategies.engine_completions`), each width's pool holding what its runs need, at most `pool_tokens`."""
+    (`strategies.engine_completions`), each width's pool holding what its runs need, at most `pool_tokens`;
+    `done(index, reply ids)` as each one ends."""
     params = SamplingParams(max_tokens=max_tokens)
     bar = tqdm(total=len(runs), desc="ruler (engine)", disable=not progress)
 
@@ -254,9 +268,13 @@ def engine_replies(model, tok, runs, options: CacheOptions, max_tokens: int, poo
                    for pol, _, ids, _ in mine)
         return dict(kv_cache_tokens=min(pool_tokens, need + 64), max_num_seqs=256,
                     max_num_batched_tokens=max(8192, options.prefill_chunk))
-    done = engine_completions(model, tok, [(*run, params) for run in runs], options, sizing, lambda j, c: bar.update())
+    def ended(j, completion):
+        bar.update()
+        if done is not None:
+            done(j, list(completion.token_ids))
+    completions = engine_completions(model, tok, [(*run, params) for run in runs], options, sizing, ended)
     bar.close()
-    return [list(c.token_ids) for c in done]
+    return [list(c.token_ids) for c in completions]
 
 
 def ruler_table(results) -> tuple[list[str], list[str], list[list[float]]]:
