@@ -266,6 +266,17 @@ def test_ruler_hands_over_what_finished_as_it_goes(tiny, tmp_path, engine):
     assert on_disk["partial"] and on_disk["results"] == results
 
 
+def test_needle_hands_over_what_finished_as_it_goes(tiny):
+    from kvbound.eval.needle import needle_runs
+    from kvbound.eval.strategies import CacheOptions
+    from kvbound.models import load
+    model, tok = load(str(tiny))
+    seen = []
+    results = needle_runs(model, tok, ["baseline", "window"], [160], [0.5], [0.5], CacheOptions(), max_tokens=2,
+                          haystack=[str(tiny / "text")], finished=lambda records_so_far: seen.append(records_so_far()))
+    assert [len(x) for x in seen] == [1, 2] and seen[-1] == results
+
+
 def test_needle_of_ones_own_with_samples_over_depths(smollm, tmp_path):
     from kvbound.eval.needle import Needle, needle_prompt, spread_depths
     _, tok = smollm

@@ -79,6 +79,19 @@ class depth_list(list):
         super().__init__(float_list(s))
 
 
+class PartialJSON:
+    """`--json` written while a long evaluation runs (at most every `every` seconds, marked partial), so what
+    finished survives a run cut short; the command writes the whole file at the end."""
+
+    def __init__(self, path, every: float = 30.0):
+        self.path, self.every, self.last = path, every, time.monotonic()
+
+    def __call__(self, records_so_far):
+        if self.path and time.monotonic() - self.last >= self.every:
+            Path(self.path).write_text(json.dumps({"partial": True, "results": records_so_far()}, indent=2))
+            self.last = time.monotonic()
+
+
 def cmd_needle(args):
     if args.pin_prefix:
         raise KvboundError("eval needle: --pin-prefix has no effect; --pin-question pins the instruction span")
@@ -91,7 +104,7 @@ def cmd_needle(args):
     model, tok, dtype = load_model(args)
     results = needle_runs(model, tok, with_baseline(args.strategies), args.context, depths, args.budget_frac,
                           cache_options(args), args.pin_question, args.max_tokens, args.device, dtype,
-                          args.haystack or args.text, needle, **policy_defaults(args))
+                          args.haystack or args.text, needle, finished=PartialJSON(args.json), **policy_defaults(args))
     strategies, cols, grid = needle_grid(results)
     print(f"\nneedle found (of {len(depths)} depths) per context / budget fraction")
     print(f"{'strategy':<22} " + " ".join(f"{f'{c}@{f:g}':>10}" for c, f in cols))
@@ -104,19 +117,6 @@ def cmd_needle(args):
         needle_heatmap(strategies, cols, grid, args.plot)
         print(f"plot: {args.plot}")
     return results
-
-
-class PartialJSON:
-    """`--json` written while a long evaluation runs (at most every `every` seconds, marked partial), so what
-    finished survives a run cut short; the command writes the whole file at the end."""
-
-    def __init__(self, path, every: float = 30.0):
-        self.path, self.every, self.last = path, every, time.monotonic()
-
-    def __call__(self, records_so_far):
-        if self.path and time.monotonic() - self.last >= self.every:
-            Path(self.path).write_text(json.dumps({"partial": True, "results": records_so_far()}, indent=2))
-            self.last = time.monotonic()
 
 
 def cmd_ruler(args):

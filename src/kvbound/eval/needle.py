@@ -63,10 +63,11 @@ def needle_prompt(tok, context: int, depth: float, haystack=None, needle: Needle
 
 
 def needle_runs(model, tok, names, contexts, depths, budget_fracs, options: CacheOptions, pin_question=False,
-                max_tokens=24, device="cpu", dtype=None, haystack=None, needle: Needle = Needle(),
+                max_tokens=24, device="cpu", dtype=None, haystack=None, needle: Needle = Needle(), finished=None,
                 **policy_defaults) -> list[dict]:
     """Every strategy on every (context, budget fraction, depth), and with `pin_question` each bounded one
-    again with the instruction + question span pinned. One record per run: found or not, the answer, KV bytes."""
+    again with the instruction + question span pinned. One record per run: found or not, the answer, KV bytes.
+    `finished(records_so_far)` as in `ruler.ruler_runs`."""
     for context in contexts:
         model.config.check_length(context, max_tokens)
     variants = [False, True] if pin_question else [False]
@@ -91,6 +92,8 @@ def needle_runs(model, tok, names, contexts, depths, budget_fracs, options: Cach
                         "budget_frac": frac, "budget": pol.budget,
                         "found": any(k.lower() in answer.lower() for k in needle.answers), "answer": answer.strip(),
                         "kv_held_bytes": mem["held_bytes"], "kv_full_bf16_bytes": mem["full_bf16_bytes"]})
+        if finished is not None:
+            finished(lambda: list(results))
     return results
 
 
