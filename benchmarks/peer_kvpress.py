@@ -180,10 +180,11 @@ def gpu(args):
             proc.wait(timeout=max(1.0, deadline - time.time()))
         except subprocess.TimeoutExpired:
             proc.terminate()
-    replies = [r for part in parts if os.path.exists(part) for r in json.load(open(part))["replies"]]
-    kvpress_version = next((json.load(open(part))["kvpress"] for part in parts if os.path.exists(part)), None)
+    written = [json.load(open(part)) for part in parts if os.path.exists(part)]
+    replies = [r for w in written for r in w["replies"]]
     with open(os.path.join(args.out_dir, f"peer_kvpress_replies{tag}.json"), "w") as f:
-        json.dump({"kvpress": kvpress_version, "context": args.context, "replies": replies}, f)
+        json.dump({"kvpress": written[0]["kvpress"] if written else None, "context": args.context,
+                   "replies": replies}, f)
     print(f"{len(replies)} kvpress replies; exit codes {[proc.returncode for proc in procs]}")
 
 

@@ -580,16 +580,15 @@ def parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
         if kind in SCORED:
             kw = {k: v for k, v in kw.items() if k in SPEC_KEYS[kind]}
             if not {"sink", "heavy", "recent"} & kw.keys() and kw.get("budget", budget) is not None:
-                # options alone ('snapkv:window=16'): the named strategy's shape at the budget, then the options;
-                # a SnapKV window given is kept whole as the recent tokens, as in a spec with sink and heavy
-                base = named_policy(kind, kw.pop("budget", budget), pinned)
-                if isinstance(base, SnapKVPolicy) and "window" in kw:
-                    kw["recent"] = kw["window"]
-                    kw["heavy"] = base.heavy + base.recent - kw["window"]
-                    if kw["heavy"] < 0:
-                        raise KvboundError(f"{kind}: sink ({base.sink}) + window ({kw['window']}) cannot fit budget "
-                                           f"{base.budget}")
-                return replace(base, **kw) if kw else base
+                # options alone ('snapkv:window=16'): the named strategy's shape at the budget, then the options
+                # (a SnapKV window given becomes the recent tokens below, as in a spec with sink and heavy)
+                kw.setdefault("budget", budget)
+                base, window_given = named_policy(kind, kw["budget"], pinned), "window" in kw
+                kw["sink"] = base.sink
+                if isinstance(base, SnapKVPolicy):
+                    kw.setdefault("window", base.window)
+                if not window_given:
+                    kw["recent"] = base.recent
             if issubclass(SCORED[kind], SnapKVPolicy) and "recent" not in kw:  # the observation window stays
                 kw["recent"] = kw.get("window", SnapKVPolicy.window)
             if "budget" in kw:

@@ -45,16 +45,15 @@ def scored(args, model, samples, strategies, dtype) -> dict:
 
 def cmd_sweep(args):
     names = with_baseline(args.strategies)
+    plans = {}
     for val in args.values:  # every value checked before the first one runs
         if args.over == "seq-len" and val <= args.prefill:
             raise KvboundError(f"--values: a sequence length must be more than --prefill ({args.prefill}), got {val}")
-        strategies_for(args, names, val if args.over == "budget" else args.budget)
+        plans[val] = strategies_for(args, names, val if args.over == "budget" else args.budget)
     model, tok, dtype = load_model(args)
     rows = {}
-    for val in args.values:
-        budget = val if args.over == "budget" else args.budget
+    for val, strategies in plans.items():
         seq_len = val if args.over == "seq-len" else args.seq_len
-        strategies = strategies_for(args, names, budget)
         samples, _ = token_samples(tok, args.text, args.samples, seq_len)
         rows[val] = scored(args, model, samples, strategies, dtype)
         print_ppl_table(rows[val], f"{args.over} = {val}")
