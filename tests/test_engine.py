@@ -316,6 +316,25 @@ def test_batched_groups_carry_the_decode_steps(model, monkeypatch):
         assert out == alone(model, ids, parse_policy(pol) if pol else None, GREEDY, 16), pol
 
 
+@pytest.mark.parametrize("spec", ["tova:sink=2,heavy=22", "h2o:sink=2,heavy=10,recent=12,granularity=layer,score=ema"])
+def test_layer_granularity_decodes_in_the_evict_group(model, monkeypatch, spec):
+    """A layer's heads keep the same tokens in the same slots (tova's default, and granularity=layer), so their
+    steady-state decode runs batched in the evict group, the layer's summed attention folded into every head:
+    each sequence's tokens equal its own cache's, and every head of the stacked rows holds the same positions."""
+    from kvbound.engine.runner import EvictGroup
+    seen = group_sizes(monkeypatch, EvictGroup)
+    pol = parse_policy(spec)
+    assert pol.granularity == "layer"
+    reqs = [prompt(60 + i, 40 + 9 * i) for i in range(4)]
+    llm = LLM(model, num_blocks=128, block_size=8, prefill_chunk=16)
+    outs = llm.generate(reqs, GREEDY, pol, use_tqdm=False)
+    assert max(seen) > 1
+    for ids, out in zip(reqs, outs):
+        assert out.outputs[0].token_ids == alone(model, ids, pol, GREEDY, 16)
+    pos = llm.engine.caches.stacked[pol].pos  # the rows as the last steps left them
+    assert (pos >= 0).any() and (pos == pos[..., :1]).all()
+
+
 def test_forked_bounded_completions_equal_separate_seeded_runs(model):
     """n > 1 under an evicting policy: each fork owns its metadata and copies shared blocks before writing."""
     ids = prompt(12, 45)  # longer than the budget

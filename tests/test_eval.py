@@ -266,6 +266,18 @@ def test_ruler_hands_over_what_finished_as_it_goes(tiny, tmp_path, engine):
     assert on_disk["partial"] and on_disk["results"] == results
 
 
+def test_ruler_runs_instance_by_instance_across_tasks(tiny):
+    """A run cut short holds the first instances of every task, not every instance of the first tasks."""
+    from kvbound.eval.ruler import ruler_runs
+    from kvbound.eval.strategies import CacheOptions
+    from kvbound.models import load
+    model, tok = load(str(tiny))
+    seen = []
+    ruler_runs(model, tok, ["baseline"], [160], ["niah_single", "vt"], [0.5], CacheOptions(), 2, "after", ["noise"],
+               2, finished=lambda records_so_far: seen.append(records_so_far()))
+    assert [(r["task"], r["sample"]) for r in seen[1]] == [("niah_single", 0), ("vt", 0)]
+
+
 def test_needle_hands_over_what_finished_as_it_goes(tiny):
     from kvbound.eval.needle import needle_runs
     from kvbound.eval.strategies import CacheOptions

@@ -376,6 +376,10 @@ def _evict_state(policy, seed, rows=4, batch=(2, 0, 3), layers=2, heads=2, d=32)
                 meta.spare[r, layer, h] = spare
     if meta.score is not None:
         meta.score.copy_(torch.rand(meta.score.shape, generator=gen).round(decimals=1))  # ties happen
+    if policy.granularity == "layer":  # the layer's heads hold the same token in the same slot, with one score
+        for t in (meta.pos, meta.score) if meta.score is not None else (meta.pos,):
+            t.copy_(t[..., :1].expand_as(t))
+        meta.spare.copy_(meta.spare[..., :1].expand_as(meta.spare))
     hq = 2 * heads
     pool = DenseStore(layers, slots, heads, d, "cpu", torch.float32)
     pool.k, pool.v = torch.randn(layers, slots, heads, d, generator=gen), torch.randn(layers, slots, heads, d, generator=gen)
@@ -398,11 +402,13 @@ def _torch_evict(pool, meta, rows, table, step, layer):
 
 @pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=5,recent=3", "h2o:sink=2,heavy=5,recent=3,score=ema",
                                   "h2o:sink=1,heavy=6,recent=2,score=normalized", "window:budget=9,sink=2",
-                                  "h2o:sink=0,heavy=10,recent=0", "h2o:sink=2,heavy=500,recent=100"])
+                                  "h2o:sink=0,heavy=10,recent=0", "h2o:sink=2,heavy=500,recent=100",
+                                  "tova:sink=2,heavy=8", "h2o:sink=2,heavy=300,recent=20,granularity=layer"])
 def test_evict_decode_matches_torch_path(spec):
     """The fused evict step (store, attention with export, victim) against cache.steps.evict_decode's PyTorch
-    steps on the same state: output, pool, positions, scores and each head's next spare slot. The last
-    case spans several key chunks, so the victim is chosen across chunks."""
+    steps on the same state: output, pool, positions, scores and each head's next spare slot. The
+    500-token case spans several key chunks, so the victim is chosen across chunks; tova and the last fold
+    the layer's summed attention into every head, which then evict the same token."""
     from kvbound.kernels.triton_decode import evict_decode
     from kvbound.cache.policies import parse_policy
     pol = parse_policy(spec, pinned=((1, 2),) if "window" in spec else ())
@@ -413,14 +419,16 @@ def test_evict_decode_matches_torch_path(spec):
     kp, vp, pos, spare = dev(pool.k[layer]), dev(pool.v[layer]), dev(meta.pos[:, layer]), dev(meta.spare[:, layer])
     score = None if meta.score is None else dev(meta.score[:, layer])
     got = evict_decode(dev(step["q"]), dev(step["k"]), dev(step["v"]), kp, vp, dev(table), dev(lens), dev(rows),
-                       dev(step["positions"]), pos, spare, score, pol.score, pol.ema_decay,
-                       *pol.fused_protection())
+                       dev(step["positions"]), pos, spare, score, pol.fold, pol.fold_decay,
+                       *pol.fused_protection(), layer=pol.granularity == "layer")
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
     assert torch.equal(kp.cpu(), ref_pool.k[layer]) and torch.equal(vp.cpu(), ref_pool.v[layer])
     assert torch.equal(pos.cpu(), ref_meta.pos[:, layer])
     assert torch.equal(spare.cpu(), ref_meta.spare[:, layer])
     if score is not None:
         torch.testing.assert_close(score.cpu(), ref_meta.score[:, layer], atol=1e-6, rtol=1e-5)
+    if pol.granularity == "layer":
+        assert (spare == spare[:, :1]).all() and (pos == pos[..., :1]).all()
 
 
 @pytest.mark.parametrize("bits", [8, 4, "mixed"])
@@ -460,7 +468,7 @@ def test_fused_evict_decode_on_packed_pools_matches_torch_path(bits):
         for dst, src in zip(ring.tensors(), meta.ring.tensors()):
             dst.copy_(src)
     got = evict_decode(dev(step["q"]), dev(step["k"]), dev(step["v"]), raw[0], raw[3], dev(table), dev(lens),
-                       dev(rows), dev(step["positions"]), pos, spare, score, pol.score, pol.ema_decay,
+                       dev(rows), dev(step["positions"]), pos, spare, score, pol.fold, pol.fold_decay,
                        *pol.fused_protection(), quant=quant,
                        resid=None if ring is None else ring.kernel_args(layer, dev(rows), dev(step["positions"]), pos))
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)

@@ -10,10 +10,8 @@ import torch
 
 def stackable(policy) -> bool:
     """Bounded policies whose steady-state decode runs batched on stacked rows: one eviction per step, and
-    scores per KV head (the decode kernel exports those), and every layer the same budget (heads may share
-    one: AdaKV's rows also hold an owner per place)."""
-    return (policy.bounded and policy.evict_every == 1 and not policy.layered
-            and (policy.score is None or policy.granularity == "kv-head"))
+    every layer the same budget (heads may share one: AdaKV's rows also hold an owner per place)."""
+    return policy.bounded and policy.evict_every == 1 and not policy.layered
 
 
 def release(cache):

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 def _per_layer(policy, step: torch.Tensor) -> torch.Tensor:
     """With granularity "layer" every head gets the sum over the layer's heads: all keep the same tokens."""
-    return step.sum(-1, keepdim=True).expand_as(step) if policy.granularity == "layer" else step
+    return step.sum(-1, keepdim=True).expand_as(step) if by_layer(policy) else step
 
 
 def policy_fold(policy, old: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
@@ -86,13 +86,17 @@ def read_kv(storage, layer, table, ring: WindowRead | None = None):
 
 
 def kernel_reads(storage, layer, q, policy) -> tuple | None:
-    """The storage's kernel arguments where the decode kernel can serve this step: it exports per-KV-head
-    scores (not a layer's) and, on the GPU, takes power-of-two head sizes. None: gather, then attend."""
-    per_head = policy is None or policy.fold is None or policy.granularity == "kv-head"
+    """The storage's kernel arguments where the decode kernel can serve this step: on the GPU it takes
+    power-of-two head sizes. None: gather, then attend."""
     d = q.shape[-1]
-    if not per_head or (q.is_cuda and d & (d - 1)):
+    if q.is_cuda and d & (d - 1):
         return None
     return storage.kernel_args(layer)
+
+
+def by_layer(policy) -> bool:
+    """Whether a policy's scores are a layer's (granularity "layer"): the kernels then fold in the heads' sum."""
+    return policy is not None and policy.granularity == "layer"
 
 
 def table_attention(q, storage, layer, table, lens, policy=None, score=None, contiguous=False,
@@ -108,7 +112,7 @@ def table_attention(q, storage, layer, table, lens, policy=None, score=None, con
         k_pool, v_pool, quant = args
         return decode_attention(q, k_pool, v_pool, table, lens, score=score, quant=quant, score_mode=mode,
                                 ema_decay=policy.fold_decay if policy is not None else 0.95, contiguous=contiguous,
-                                resid=None if ring is None else ring.kernel_args(layer))
+                                resid=None if ring is None else ring.kernel_args(layer), layer=by_layer(policy))
     if contiguous:
         table = contiguous_slots(table, lens)
     k, v = read_kv(storage, layer, table.long(), ring)
@@ -142,7 +146,7 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
         from ..kernels.triton_decode import evict_decode as fused_step
         return fused_step(q, k, v, args[0], args[1], table, lens, rows, positions, pos, spare, score, policy.fold,
                           policy.fold_decay, *fused, quant=args[2],
-                          resid=None if read is None else read.kernel_args(layer))
+                          resid=None if read is None else read.kernel_args(layer), layer=by_layer(policy))
     if ring is not None:
         ring.write(layer, rows, positions[:, None], k[:, None], v[:, None])
     r, heads = rows[:, None], torch.arange(k.shape[1], device=k.device)[None, :]

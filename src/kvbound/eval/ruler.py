@@ -211,16 +211,16 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
     filler = haystack_ids(tok, haystack, max(contexts))  # tokenized once for every prompt
     for context in contexts:
         model.config.check_length(context, max_tokens)
-        for task in tasks:
-            for i in range(samples):
-                rng = random.Random(zlib.crc32(f"{seed}/{task}/{context}/{i}".encode()))  # same in every run
-                sample, ids = sized_prompt(tok, task, context, query, rng, filler)
-                for frac in budget_fracs:
-                    strategies = parse_strategies(names, fraction_budget(frac, context), options, **policy_defaults)
-                    if engine:
-                        check_engine_strategies(strategies, options)
-                    jobs += [(context, task, i, frac, name, pol, bits, ids, sample)
-                             for name, (pol, bits) in strategies.items()]
+        # instance by instance across the tasks: a run cut short holds the first instances of every task
+        for i, task in ((i, task) for i in range(samples) for task in tasks):
+            rng = random.Random(zlib.crc32(f"{seed}/{task}/{context}/{i}".encode()))  # same in every run
+            sample, ids = sized_prompt(tok, task, context, query, rng, filler)
+            for frac in budget_fracs:
+                strategies = parse_strategies(names, fraction_budget(frac, context), options, **policy_defaults)
+                if engine:
+                    check_engine_strategies(strategies, options)
+                jobs += [(context, task, i, frac, name, pol, bits, ids, sample)
+                         for name, (pol, bits) in strategies.items()]
     once = {(c, t, i, n): j for j, (c, t, i, _, n, pol, *_) in enumerate(jobs) if not pol.bounded}
     # the full cache does not depend on the budget: each of its runs is made once
     first = [once.get((c, t, i, n), j) if not pol.bounded else j for j, (c, t, i, _, n, pol, *_) in enumerate(jobs)]

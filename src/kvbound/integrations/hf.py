@@ -31,14 +31,15 @@ QUERY_BLOCK = 64  # queries whose probabilities are computed at once (bounds a l
 
 # --- the user's functions -------------------------------------------------------------------------------
 def install_kv_eviction(model, policy="h2o", budget: int | None = None, n_sink: int = 4, n_recent: int | None = None,
-                        evict_every: int = 1, granularity: str = "kv-head", score: str = "cumulative"):
+                        evict_every: int = 1, granularity: str | None = None, score: str = "cumulative"):
     """Bound the KV cache of every (non-sliding) attention layer of `model` during `generate()` and forward.
 
     With policy="h2o" (the default), `budget` counts the heavy hitters: the cache holds n_sink + budget +
     n_recent tokens (n_recent defaults to budget), and at most that plus evict_every - 1 between steps.
     `policy` may also be a kvbound Policy object or spec string ("window", "tova", "snapkv:budget=512,window=32",
     ...): a named policy then gets n_sink + budget + n_recent as its total budget. `granularity` "kv-head"
-    lets every cached head keep its own tokens, "layer" shares one choice per layer. Call
+    lets every cached head keep its own tokens, "layer" shares one choice per layer (None: the policy's own,
+    kv-head except for tova). Call
     `remove_kv_eviction(model)` to restore the model."""
     chosen = _policy(policy, budget, n_sink, n_recent, evict_every, granularity, score)
     _prepare(model)
@@ -80,7 +81,7 @@ class KVBoundCache(DynamicCache):
     prepares `model` to export scores to it."""
 
     def __init__(self, model, policy="h2o", budget: int | None = None, n_sink: int = 4, n_recent: int | None = None,
-                 evict_every: int = 1, granularity: str = "kv-head", score: str = "cumulative"):
+                 evict_every: int = 1, granularity: str | None = None, score: str = "cumulative"):
         super().__init__(config=model.config)
         chosen = _policy(policy, budget, n_sink, n_recent, evict_every, granularity, score)
         _prepare(model)
@@ -328,6 +329,6 @@ def _named_policy(policy, budget, n_sink, n_recent, evict_every, granularity, sc
     n_recent = budget if n_recent is None else n_recent
     if policy == "h2o":
         return H2OPolicy(sink=n_sink, heavy=budget, recent=n_recent, evict_every=evict_every,
-                         granularity=granularity, score=score)
+                         granularity=granularity or "kv-head", score=score)
     defaults = {"granularity": granularity, "evict_every": evict_every}
     return parse_policy(policy, n_sink + budget + n_recent, **defaults)

@@ -324,12 +324,13 @@ def _fold_kernel(E, MBlk, PartM, PartL, Score, Rows, Pos, Positions, CtxLen, Can
                  stride_pr, stride_pj, ema_decay, prefix, recent,
                  G: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr, BLOCK: tl.constexpr,
                  BLOCK_N: tl.constexpr, MODE: tl.constexpr, ROWS: tl.constexpr, VICTIM: tl.constexpr,
-                 BY_SCORE: tl.constexpr):
+                 BY_SCORE: tl.constexpr, LAYER: tl.constexpr):
     """Key block pid1 (BLOCK keys) of sequence b, every KV head at once ([HKV_PAD, BLOCK] tiles, so the
     score row of a key is read and written whole): fold this step's probabilities into the scores
     (MODE != 0); with VICTIM, also each head's victim candidate in the block, the unprotected key of
     lowest rank (score, or position), the oldest among ties. Protected: positions below `prefix`, and the
-    `recent` newest (the newest is this step's token)."""
+    `recent` newest (the newest is this step's token). LAYER: every head folds in the layer's sum (its heads hold
+    the same token in the same slot), so all pick the same victim."""
     b = tl.program_id(0)
     n = tl.load(CtxLen + b)
     row = b
@@ -349,6 +350,8 @@ def _fold_kernel(E, MBlk, PartM, PartL, Score, Rows, Pos, Positions, CtxLen, Can
                             other=0.0)
             e = tl.load(E + b * stride_eb + hq[:, None] * stride_eh + offs_n[None, :], mask=mask, other=0.0)
             p += e.to(tl.float32) * (tl.exp(m_blk - big_m[:, None]) / big_l[:, None])
+        if LAYER:
+            p = tl.zeros([HKV_PAD, BLOCK], tl.float32) + tl.sum(tl.where(mask, p, 0.0), 0)[None, :]
         sp = Score + row * stride_sr + offs_n[None, :] * stride_sj + offs_h[:, None]
         old = tl.load(sp, mask=mask, other=0.0)
         if MODE == 1:
@@ -424,7 +427,7 @@ def _resid_args(resid, dummy):
 def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=None, score_mode=None,
                      ema_decay=0.95, quant=None, split=None, block_n=None, out=None, programs_per_sm=None,
                      num_warps=None, rows=None, victim=None, num_stages=None, value_dot=None, contiguous=False,
-                     resid=None):
+                     resid=None, layer=False):
     """q: [B, Hq, D]; k_pool/v_pool: [slots, Hkv, D] (or packed codes [slots, Hkv, D*bits/8] with
     quant=dict(bits=, group=, k_scale=, k_bias=, v_scale=, v_bias=) of [slots, Hkv, D/group]; or float8 e4m3
     codes [slots, Hkv, D] with quant=dict(bits="fp8", k_scale=, v_scale=) of [slots, Hkv, 1]);
@@ -439,6 +442,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     storage gives): only column 0 is read, so the table may be a [B, 1] column expanded to [B, max_len].
     resid: mixed widths over a 4-bit pool, `cache.quant.RecentResiduals.kernel_args`: each key that is a sink or
     among the window before the step's first position adds its 4-bit residual to its codes (values dequantized).
+    layer: granularity "layer", every head folding in the sum over the layer's heads (the reference's `layer`).
     Returns out [B, Hq, D] in q's dtype."""
     bsz, hq, d = q.shape
     if d & (d - 1):
@@ -540,7 +544,8 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
             pos.stride(0) if victim else 0, pos.stride(1) if victim else 0,
             float(ema_decay), int(vt.get("prefix", 0)), int(vt.get("recent", 0)),
             G=g, HKV=hkv, HKV_PAD=hkv_pad, BLOCK=block, BLOCK_N=block_n, MODE=mode,
-            ROWS=rows is not None, VICTIM=victim is not None, BY_SCORE=bool(vt.get("by_score", False)))
+            ROWS=rows is not None, VICTIM=victim is not None, BY_SCORE=bool(vt.get("by_score", False)),
+            LAYER=bool(layer))
         if victim is not None:
             spare = vt["spare"]
             _victim_kernel[(bsz,)](*cand, rows, pos, spare, blocks, pos.stride(0), pos.stride(1), spare.stride(0),
@@ -580,14 +585,14 @@ def _evict_store_kernel(KN, VN, KP, VP, KS, KB, VS, VB, Table, Rows, Spare, Pos,
 
 
 def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spare, score, score_mode, ema_decay,
-                 prefix: int, recent: int, quant=None, resid=None):
+                 prefix: int, recent: int, quant=None, resid=None, layer=False):
     """One layer of the engine's steady-state bounded decode, fused: each head's new token into its spare
     slot, attention with score export over the `table` slots, and each head's next victim, which becomes
     its spare slot. pos/score/spare are the layer's stacked metadata [R, cap, H] / [R, H], read at
     rows[b]. Same result as the PyTorch route of `cache.steps.evict_decode` for policies whose protected
     tokens are a prefix of positions plus the `recent` newest. With `quant` (a packed pool, as for
     `decode_attention`) the new K/V are quantized into the spare slots; `resid` as for `decode_attention`, the new
-    token's residuals written into its ring entry first."""
+    token's residuals written into its ring entry first; `layer` as for `decode_attention`."""
     bsz, hkv, d = k.shape
     sc = score if score is not None else pos
     bits, gs, fp8, scales = _quant_args(quant, k_pool, d)
@@ -600,7 +605,8 @@ def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spa
         RESID=resid is not None, SINK=rt["sink"], RECENT=rt["recent"])
     return decode_attention(q, k_pool, v_pool, table, lens, score=score, score_mode=score_mode, ema_decay=ema_decay,
                             quant=quant, rows=rows, victim=dict(pos=pos, spare=spare, positions=positions, prefix=prefix,
-                                                   recent=recent, by_score=score is not None), resid=resid)
+                                                   recent=recent, by_score=score is not None), resid=resid,
+                            layer=layer)
 
 
 @triton.jit
