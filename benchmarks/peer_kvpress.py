@@ -212,6 +212,34 @@ def report(args):
     for row, cells in sorted(zip(rows, grid), key=lambda x: (x[0].split("@")[1], x[0])):
         mean = sum(cells) / len(cells)
         print(f"{row:<44}" + "".join(f"{100 * c:>15.0f}%" for c in cells) + f"{100 * mean:>6.0f}%")
+    print_bests(rows, tasks, grid)
+
+
+def family_bests(rows, tasks, grid, side: str, keep: str) -> list[tuple[float, list[str]]]:
+    """Per task, the best score of one side's rows at one keep (the full cache left out) and who reaches it."""
+    mine = [(row.split("@")[0].split(" ", 1)[1], cells) for row, cells in zip(rows, grid)
+            if row.startswith(side + " ") and row.endswith("@" + keep) and " baseline" not in row]
+    bests = []
+    for j in range(len(tasks)):
+        top = max(cells[j] for _, cells in mine)
+        bests.append((top, [name.split(" (")[0] for name, cells in mine if round(100 * cells[j]) == round(100 * top)]))
+    return bests
+
+
+def print_bests(rows, tasks, grid):
+    """The target's test: kvbound's best policy against kvpress's best press, task family by family."""
+    for keep in dict.fromkeys(row.split("@")[1] for row in rows):
+        ours, theirs = (family_bests(rows, tasks, grid, side, keep) for side in ("kvbound", "kvpress"))
+        if not ours[0][1] or not theirs[0][1]:
+            continue
+        print(f"\nkeep {keep}: best of each side per task family")
+        met = 0
+        for task, (a, who_a), (b, who_b) in zip(tasks, ours, theirs):
+            ok = round(100 * a) >= round(100 * b)
+            met += ok
+            print(f"  {task:<16} kvbound {100 * a:4.0f}% ({', '.join(who_a[:3])})  kvpress {100 * b:4.0f}% "
+                  f"({', '.join(who_b[:3])})  {'yes' if ok else 'NO'}")
+        print(f"  kvbound >= kvpress on {met} of {len(tasks)} families")
 
 
 def main():
