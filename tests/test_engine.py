@@ -1,4 +1,6 @@
 """Paged engine: block pool, prefix cache, copy-on-write, scheduler (batching, preemption), LLM API."""
+import copy
+
 import pytest
 import torch
 
@@ -958,10 +960,15 @@ def test_swapped_bounded_caches_come_back_bit_for_bit(model32, bits, storage, mo
     """Every bounded cache restored from host memory holds exactly the bytes and metadata it was preempted with,
     and a mixed batch under a tight pool still gives the roomy pool's outputs (float32 and 8-bit)."""
     from kvbound.engine import scheduler
-    restore, checked = scheduler.Scheduler._restore, []
+    restore, swap_out, checked, at_swap = scheduler.Scheduler._restore, scheduler.Scheduler._swap_out, [], {}
+
+    def recording(self, seq):  # the state as it was when swapped out, whatever happens to the rows meanwhile
+        swap_out(self, seq)
+        if seq.swapped is not None and seq.bounded:
+            at_swap[seq.request_id] = copy.deepcopy(seq.swapped[1])
 
     def checking(self, seq):
-        state = seq.swapped[1]
+        state = at_swap[seq.request_id]
         restore(self, seq)
         if seq.cache is not None:
             again = seq.cache.snapshot()
@@ -971,6 +978,7 @@ def test_swapped_bounded_caches_come_back_bit_for_bit(model32, bits, storage, mo
             assert (state["n"], state["has_spare"], state["seen"]) == (again["n"], again["has_spare"], again["seen"])
             checked.append(seq.request_id)
     monkeypatch.setattr(scheduler.Scheduler, "_restore", checking)
+    monkeypatch.setattr(scheduler.Scheduler, "_swap_out", recording)
     reqs = mixed_requests()
     tight, engine = run_engine(model32, reqs, num_blocks=10 + (storage == "virtual"), block_size=8,
                                max_num_batched_tokens=48, kv_bits=bits, kv_group_size=32, kv_storage=storage)

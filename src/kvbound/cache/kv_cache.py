@@ -187,10 +187,13 @@ class KVCache:
     def snapshot(self) -> dict:
         """This paged cache's whole state in host memory: its blocks' bytes and its metadata (a preempted
         bounded cache, swapped out; `restore` brings it back into a fresh cache)."""
+        # copies: .cpu() of a CPU tensor is the tensor itself, here a view of a stacked row that its next owner
+        # overwrites before this state comes back
+        host = lambda t: t.to("cpu", copy=True)  # noqa: E731
         return dict(slots=self.store.capacity, bytes=self.store.pool.read_blocks(self.store.blocks),
-                    pos=self.pos.cpu(), score=None if self.score is None else self.score.cpu(),
-                    spare=self.spare.cpu(), n=list(self.n), has_spare=list(self.has_spare), seen=self.seen,
-                    ring=None if self.ring is None else [t.cpu() for t in self.ring.tensors()])
+                    pos=host(self.pos), score=None if self.score is None else host(self.score),
+                    spare=host(self.spare), n=list(self.n), has_spare=list(self.has_spare), seen=self.seen,
+                    ring=None if self.ring is None else [host(t) for t in self.ring.tensors()])
 
     def restore(self, state: dict):
         """Take a `snapshot`'s state: blocks from the pool, written back, and the metadata copied."""
