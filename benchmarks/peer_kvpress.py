@@ -196,7 +196,8 @@ def report(args):
     data = files[0]
     first = args.first if args.first is not None else float("inf")  # the same instances on both sides
     results = [{"strategy": f"kvpress {r['press']}", "budget_frac": r["keep"], "task": r["task"],
-                "score": score(tok.decode(r["reply_ids"]), r["answers"])} for f in files for r in f["replies"]
+                "sample": r["sample"], "score": score(tok.decode(r["reply_ids"]), r["answers"])}
+               for f in files for r in f["replies"]
                if r["sample"] < first]
     for path in args.kvbound or []:
         tag = "" if "onepiece" not in path else " (one piece)"
@@ -212,7 +213,8 @@ def report(args):
     for row, cells in sorted(zip(rows, grid), key=lambda x: (x[0].split("@")[1], x[0])):
         mean = sum(cells) / len(cells)
         print(f"{row:<44}" + "".join(f"{100 * c:>15.0f}%" for c in cells) + f"{100 * mean:>6.0f}%")
-    print_bests(rows, tasks, grid)
+    print_bests(rows, tasks, grid, {side: len({r["sample"] for r in results if r["strategy"].startswith(side)})
+                                    for side in ("kvbound", "kvpress")})
 
 
 def family_bests(rows, tasks, grid, side: str, keep: str) -> list[tuple[float, list[str]]]:
@@ -222,17 +224,20 @@ def family_bests(rows, tasks, grid, side: str, keep: str) -> list[tuple[float, l
     bests = []
     for j in range(len(tasks)):
         top = max(cells[j] for _, cells in mine)
-        bests.append((top, [name.split(" (")[0] for name, cells in mine if round(100 * cells[j]) == round(100 * top)]))
+        names = [name.split(" (")[0] for name, cells in mine if round(100 * cells[j]) == round(100 * top)]
+        bests.append((top, list(dict.fromkeys(names))))
     return bests
 
 
-def print_bests(rows, tasks, grid):
-    """The target's test: kvbound's best policy against kvpress's best press, task family by family."""
+def print_bests(rows, tasks, grid, instances: dict):
+    """The target's test: kvbound's best policy against kvpress's best press, task family by family (`instances`:
+    each side's instances a task, which `--first` makes equal)."""
     for keep in dict.fromkeys(row.split("@")[1] for row in rows):
         ours, theirs = (family_bests(rows, tasks, grid, side, keep) for side in ("kvbound", "kvpress"))
         if not ours[0][1] or not theirs[0][1]:
             continue
-        print(f"\nkeep {keep}: best of each side per task family")
+        print(f"\nkeep {keep}: best of each side per task family ({instances['kvbound']} instances a task on "
+              f"kvbound's side, {instances['kvpress']} on kvpress's)")
         met = 0
         for task, (a, who_a), (b, who_b) in zip(tasks, ours, theirs):
             ok = round(100 * a) >= round(100 * b)
