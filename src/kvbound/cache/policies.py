@@ -398,8 +398,9 @@ class TOVAPolicy(H2OPolicy):
     """TOVA: keep the tokens the current step attends to most (each step's attention replaces the last; in a
     prefill piece, the attention of its last query, as TOVA's own token-by-token rule would leave it and as
     kvpress's press scores). As in the paper and kvpress, the layer's heads average their attention and keep
-    the same tokens: head by head, SmolLM2 lost every single needle at 1k, keep 0.25 (results/ruler_tova_granularity.log).
-    No recent window unless asked for. Adaptive budgets (alpha, beta) are per head, so they default to kv-head."""
+    the same tokens: head by head, SmolLM2 lost every single needle at 1k, keep 0.25
+    (results/ruler_tova_granularity.log). No recent window unless asked for. Adaptive budgets (alpha, beta) are
+    per head, so they default to kv-head."""
     recent: int = 0
     score: str = "last"
     granularity: str | None = None  # "layer", or "kv-head" with alpha or beta

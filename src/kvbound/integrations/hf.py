@@ -39,8 +39,7 @@ def install_kv_eviction(model, policy="h2o", budget: int | None = None, n_sink: 
     `policy` may also be a kvbound Policy object or spec string ("window", "tova", "snapkv:budget=512,window=32",
     ...): a named policy then gets n_sink + budget + n_recent as its total budget. `granularity` "kv-head"
     lets every cached head keep its own tokens, "layer" shares one choice per layer (None: the policy's own,
-    kv-head except for tova). Call
-    `remove_kv_eviction(model)` to restore the model."""
+    kv-head except for tova). Call `remove_kv_eviction(model)` to restore the model."""
     chosen = _policy(policy, budget, n_sink, n_recent, evict_every, granularity, score)
     _prepare(model)
     for module in _attention_modules(model):
