@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ..kernels import causal_attention_batch, contiguous_slots, decode_attention, decode_with_scores, fold_scores
+from ..kernels import (causal_attention_batch, contiguous_slots, decode_attention, decode_with_scores, fold_scores,
+                       layer_sum)
 from .store import EACH_HEAD
 
 if TYPE_CHECKING:
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
 def _per_layer(policy, step: torch.Tensor) -> torch.Tensor:
     """With granularity "layer" every head gets the sum over the layer's heads: all keep the same tokens."""
-    return step.sum(-1, keepdim=True).expand_as(step) if by_layer(policy) else step
+    return layer_sum(step) if by_layer(policy) else step
 
 
 def policy_fold(policy, old: torch.Tensor, step: torch.Tensor) -> torch.Tensor:

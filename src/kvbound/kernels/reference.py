@@ -19,6 +19,12 @@ def _check_mode(score_mode):
         raise ValueError(f"unknown score_mode {score_mode!r} (choose from {', '.join(map(str, SCORE_MODES[1:]))})")
 
 
+def layer_sum(step: torch.Tensor) -> torch.Tensor:
+    """Probabilities [..., H] with every KV head holding the sum over the layer's heads (granularity "layer": the
+    heads keep the same tokens)."""
+    return step.sum(-1, keepdim=True).expand_as(step)
+
+
 def fold_scores(old: torch.Tensor, step: torch.Tensor, score_mode: str, ema_decay: float) -> torch.Tensor:
     """Accumulated scores after one more step's probabilities: an EMA (`a*old + (1-a)*step`) or a sum."""
     if score_mode == "ema":
@@ -226,7 +232,7 @@ def paged_decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, score=None, 
             k, v = add_residuals(k, v, resid, group)
     out, step = decode_with_scores(q, k, v, ctx_lens, score_mode)
     if step is not None:
-        step = step.sum(-1, keepdim=True).expand_as(step) if layer else step
+        step = layer_sum(step) if layer else step
         valid = torch.arange(idx.shape[1], device=q.device)[None, :, None] < ctx_lens.to(q.device)[:, None, None]
         score.copy_(torch.where(valid, fold_scores(score, step, score_mode, ema_decay), score))
     return out
