@@ -507,9 +507,10 @@ def test_greedy_at_20k_context_alone_equals_batched_and_replays_wide_graphs():
                                   "adakv:sink=2,heavy=12,recent=10,window=6",
                                   "pyramidkv:sink=2,heavy=12,recent=10,window=6,beta=4"])
 def test_scored_policies_on_cuda_batched_equal_alone(model, spec, monkeypatch):
-    """On CUDA the decode steps of tova run the fused evict kernel (an EMA that forgets at once), those of
-    knorm / observed the unfused steps in CUDA graphs, adakv's the shared-place kernels (`triton_shared`) and
-    pyramidkv's each sequence's own attend over borrowed rows: batched outputs still equal each sequence alone."""
+    """On CUDA the decode steps of tova, knorm, observed and keydiff run the fused evict kernels (an EMA that
+    forgets at once; the new key's norm; the sum over each key's age; every key against the anchor), adakv's
+    the shared-place kernels (`triton_shared`) and pyramidkv's each sequence's own attend over borrowed rows:
+    batched outputs still equal each sequence alone."""
     gpu = model.cuda()
     try:
         import kvbound.kernels.triton_shared as shared

@@ -403,12 +403,17 @@ def _torch_evict(pool, meta, rows, table, step, layer):
 @pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=5,recent=3", "h2o:sink=2,heavy=5,recent=3,score=ema",
                                   "h2o:sink=1,heavy=6,recent=2,score=normalized", "window:budget=9,sink=2",
                                   "h2o:sink=0,heavy=10,recent=0", "h2o:sink=2,heavy=500,recent=100",
-                                  "tova:sink=2,heavy=8", "h2o:sink=2,heavy=300,recent=20,granularity=layer"])
+                                  "tova:sink=2,heavy=8", "h2o:sink=2,heavy=300,recent=20,granularity=layer",
+                                  "h2o:sink=2,heavy=5,recent=3,score=observed", "knorm:sink=2,heavy=5,recent=3",
+                                  "knorm:sink=1,heavy=300,recent=20,granularity=layer",
+                                  "keydiff:sink=2,heavy=300,recent=20", "keydiff:sink=2,heavy=5,recent=3,granularity=layer"])
 def test_evict_decode_matches_torch_path(spec):
     """The fused evict step (store, attention with export, victim) against cache.steps.evict_decode's PyTorch
     steps on the same state: output, pool, positions, scores and each head's next spare slot. The
     500-token case spans several key chunks, so the victim is chosen across chunks; tova and the last fold
-    the layer's summed attention into every head, which then evict the same token."""
+    the layer's summed attention into every head, which then evict the same token. Observed ranks by the
+    summed attention over each key's age; knorm scores the new token from its key, keydiff rescores every key
+    against an anchor summed over several blocks (the 300-token case)."""
     from kvbound.kernels.triton_decode import evict_decode
     from kvbound.cache.policies import parse_policy
     pol = parse_policy(spec, pinned=((1, 2),) if "window" in spec else ())
@@ -420,7 +425,7 @@ def test_evict_decode_matches_torch_path(spec):
     score = None if meta.score is None else dev(meta.score[:, layer])
     got = evict_decode(dev(step["q"]), dev(step["k"]), dev(step["v"]), kp, vp, dev(table), dev(lens), dev(rows),
                        dev(step["positions"]), pos, spare, score, pol.fold, pol.fold_decay,
-                       *pol.fused_protection(), layer=pol.granularity == "layer")
+                       *pol.fused_protection(), layer=pol.granularity == "layer", rank=pol.rank_source)
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
     assert torch.equal(kp.cpu(), ref_pool.k[layer]) and torch.equal(vp.cpu(), ref_pool.v[layer])
     assert torch.equal(pos.cpu(), ref_meta.pos[:, layer])
@@ -431,17 +436,18 @@ def test_evict_decode_matches_torch_path(spec):
         assert (spare == spare[:, :1]).all() and (pos == pos[..., :1]).all()
 
 
-@pytest.mark.parametrize("bits", [8, 4, "mixed"])
-def test_fused_evict_decode_on_packed_pools_matches_torch_path(bits):
+@pytest.mark.parametrize("bits,spec", [(8, "h2o"), (4, "h2o"), ("mixed", "h2o"), (8, "keydiff"), (4, "knorm")])
+def test_fused_evict_decode_on_packed_pools_matches_torch_path(bits, spec):
     """Packed pools (8/4-bit codes, group 32): the fused store quantizes the new token into each head's spare
     slot bit for bit as the pool's PyTorch packer, and attention and victims follow. Mixed widths (a 4-bit pool
     and the window's residuals in the stacked rows): the store writes the new token's residuals, and attention
-    adds every held residual, as the PyTorch steps do."""
+    adds every held residual, as the PyTorch steps do. keydiff and knorm score the keys as the pool reads them
+    back (dequantized)."""
     from kvbound.cache.block_pool import BlockPool
     from kvbound.cache.policies import parse_policy
     from kvbound.cache.quant import RecentResiduals
     from kvbound.kernels.triton_decode import evict_decode
-    pol = parse_policy("h2o:sink=2,heavy=5,recent=3")
+    pol = parse_policy(f"{spec}:sink=2,heavy=5,recent=3")
     meta, dense, table, rows, step = _evict_state(pol, 11 + (0 if bits == "mixed" else bits))
     layers, slots, heads, d = dense.k.shape
     if bits == "mixed":
@@ -469,7 +475,7 @@ def test_fused_evict_decode_on_packed_pools_matches_torch_path(bits):
             dst.copy_(src)
     got = evict_decode(dev(step["q"]), dev(step["k"]), dev(step["v"]), raw[0], raw[3], dev(table), dev(lens),
                        dev(rows), dev(step["positions"]), pos, spare, score, pol.fold, pol.fold_decay,
-                       *pol.fused_protection(), quant=quant,
+                       *pol.fused_protection(), quant=quant, rank=pol.rank_source,
                        resid=None if ring is None else ring.kernel_args(layer, dev(rows), dev(step["positions"]), pos))
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
     for got_t, want_t in zip(raw, ref_pool.raw):

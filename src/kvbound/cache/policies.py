@@ -167,12 +167,20 @@ class Policy:
 
     def fused_protection(self) -> tuple[int, int] | None:
         """(prefix, recent) when the protected tokens are positions [0, prefix) plus the `recent` newest,
-        the form the fused evict kernel takes; None for pinned spans past the protected prefix, and for
-        scores the kernel does not rank by (it ranks by the folded attention, new tokens starting at 0)."""
+        the form the fused evict kernels take; None for pinned spans past the protected prefix."""
         prefix = self.protected_prefix
-        if any(b > prefix for _, b in self.pinned) or self.score == "observed" or self.scores_keys or self.rescores:
+        if any(b > prefix for _, b in self.pinned):
             return None
         return prefix, self.recent
+
+    @property
+    def rank_source(self) -> str:
+        """What the keep rule ranks by, as the fused evict kernels name it: "attention" (the folded scores),
+        "age" (ObservedAttention: the folded scores over each key's age), or "key-norm" / "key-diff" (from
+        the keys as the store reads them back)."""
+        if self.score == "observed":
+            return "age"
+        return self.score if self.score in ("key-norm", "key-diff") else "attention"
 
     @property
     def fold(self) -> str | None:

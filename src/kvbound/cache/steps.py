@@ -137,17 +137,19 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
     """Steady-state decode of B bounded caches (each head holds `budget` tokens plus its spare slot): each
     head's new token goes into its spare slot, attends over all table.shape[1] slots in place while this
     step's probabilities fold into the scores, and the head's victim's slot becomes the next spare.
-    Nothing else moves. On CUDA, a protection the kernel knows runs as five fused kernels
+    Nothing else moves. On CUDA, a protection the kernels know runs as five fused kernels, six for KeyDiff
     (`kernels.triton_decode.evict_decode`; packed pools are written quantized), the same steps as below.
     ring: the caches' mixed-width residuals (`quant.RecentResiduals`, rows `rows`); the new token's goes in first."""
     fused = policy.fused_protection()
     args = kernel_reads(storage, layer, q, policy)
     read = None if ring is None else WindowRead(ring, rows, positions, pos)
-    if q.is_cuda and fused is not None and args is not None:  # the store kernel writes the residuals too
-        from ..kernels.triton_decode import evict_decode as fused_step
+    keys_read = policy.rank_source.startswith("key")  # the kernels read keys without the window's residuals
+    if q.is_cuda and fused is not None and args is not None and not (keys_read and ring is not None):
+        from ..kernels.triton_decode import evict_decode as fused_step  # the store writes the residuals too
         return fused_step(q, k, v, args[0], args[1], table, lens, rows, positions, pos, spare, score, policy.fold,
                           policy.fold_decay, *fused, quant=args[2],
-                          resid=None if read is None else read.kernel_args(layer), layer=by_layer(policy))
+                          resid=None if read is None else read.kernel_args(layer), layer=by_layer(policy),
+                          rank=policy.rank_source)
     if ring is not None:
         ring.write(layer, rows, positions[:, None], k[:, None], v[:, None])
     r, heads = rows[:, None], torch.arange(k.shape[1], device=k.device)[None, :]
@@ -206,7 +208,8 @@ def shared_decode(q, k, v, storage, layer, table, rows, positions, owner, pos, s
     bsz, h, _ = k.shape
     fused = policy.fused_protection()
     args = kernel_reads(storage, layer, q, policy)
-    if q.is_cuda and fused is not None and args is not None and (args[2] or {}).get("bits") != "fp8":
+    if (q.is_cuda and fused is not None and policy.rank_source == "attention" and args is not None
+            and (args[2] or {}).get("bits") != "fp8"):
         from ..kernels import triton_shared
         if triton_shared.fits(table.shape[1] * h):
             return triton_shared.shared_decode(q, k, v, args[0], args[1], table, rows, positions, owner, pos, spare,

@@ -25,7 +25,9 @@ number of attended keys). Turned off (EXPORT=False), that code is compiled out.
 
 The fold kernel can also pick each head's eviction victim in the same pass (`decode_attention(...,
 victim=...)`): the engine's steady-state bounded decode (`evict_decode`) is then five launches per layer
-(store, split, merge, fold, victim) with no PyTorch ops between them.
+(store, split, merge, fold, victim) with no PyTorch ops between them. Policies that rank by the keys
+themselves (KNorm, KeyDiff) score them in the fold kernel, which reads them back as the store does; KeyDiff's
+anchor (the sum of a head's unit keys) is summed per block by one more launch before it.
 
 `reference.py` holds the PyTorch reference these kernels are tested against (TRITON_INTERPRET=1 on CPU);
 the fused evict step's reference is the PyTorch route of `cache.steps.evict_decode`.
@@ -39,6 +41,7 @@ import triton.language as tl
 from .reference import SCORE_MODES
 
 MODE_IDS = {mode: i for i, mode in enumerate(SCORE_MODES)}  # 0: no export, 1 cumulative, 2 normalized, 3 ema
+RANK_IDS = {rank: i for i, rank in enumerate(("attention", "age", "key-norm", "key-diff"))}  # `Policy.rank_source`
 # (bits, head_dim) -> (keys per block, warps, pipeline stages) of the packed kernel on the GPU
 PACKED_TILES = {(8, 128): (64, 4, 2), (4, 128): (128, 2, 2), (8, 64): (128, 4, 2), (4, 64): (256, 4, 2)}
 # ... and where a call has fewer than SHORT_KEYS keys in all (batch x context), which few large tiles serve badly
@@ -322,15 +325,19 @@ def _lowest(key, pos, idx, valid, AXIS: tl.constexpr):
 def _fold_kernel(E, MBlk, PartM, PartL, Score, Rows, Pos, Positions, CtxLen, CandKey, CandPos, CandJ,
                  stride_eb, stride_eh, stride_xb, stride_xh, stride_mb, stride_mh, stride_sr, stride_sj,
                  stride_pr, stride_pj, ema_decay, prefix, recent,
+                 K, KS, KB, SlotTable, Out, UnitSum, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb, nblocks,
                  G: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr, BLOCK: tl.constexpr,
                  BLOCK_N: tl.constexpr, MODE: tl.constexpr, ROWS: tl.constexpr, VICTIM: tl.constexpr,
-                 BY_SCORE: tl.constexpr, LAYER: tl.constexpr):
+                 BY_SCORE: tl.constexpr, LAYER: tl.constexpr, RANK: tl.constexpr, D: tl.constexpr,
+                 BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr):
     """Key block pid1 (BLOCK keys) of sequence b, every KV head at once ([HKV_PAD, BLOCK] tiles, so the
     score row of a key is read and written whole): fold this step's probabilities into the scores
-    (MODE != 0); with VICTIM, also each head's victim candidate in the block, the unprotected key of
-    lowest rank (score, or position), the oldest among ties. Protected: positions below `prefix`, and the
-    `recent` newest (the newest is this step's token). LAYER: every head folds in the layer's sum (its heads hold
-    the same token in the same slot), so all pick the same victim."""
+    (MODE != 0), or score keys themselves (RANK 2: KNorm, the new token's; 3: KeyDiff, every key against the
+    anchor `UnitSum` holds in parts);
+    with VICTIM, also each head's victim candidate in the block, the unprotected key of lowest rank (score,
+    the score over the key's age for RANK 1, or position), the oldest among ties. Protected: positions below
+    `prefix`, and the `recent` newest (the newest is this step's token). LAYER: every head takes the layer's sum
+    (its heads hold the same token in the same slot), so all pick the same victim."""
     b = tl.program_id(0)
     n = tl.load(CtxLen + b)
     row = b
@@ -340,6 +347,19 @@ def _fold_kernel(E, MBlk, PartM, PartL, Score, Rows, Pos, Positions, CtxLen, Can
     hmask = offs_h < HKV
     offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = hmask[:, None] & (offs_n < n)[None, :]
+    sp = Score + row * stride_sr + offs_n[None, :] * stride_sj + offs_h[:, None]
+    if RANK >= 2:  # KeyDiff rescores every key; KNorm scores the new token, the others keep theirs
+        scored = mask
+        if RANK == 2:
+            pos = tl.load(Pos + row * stride_pr + offs_n[None, :] * stride_pj + offs_h[:, None], mask=mask, other=-1)
+            scored = mask & (pos == tl.load(Positions + b).to(tl.int32))
+        new = _key_scores(K, KS, KB, SlotTable, Out, UnitSum, b, offs_n, offs_h, scored, n, nblocks, stride_ks,
+                          stride_kh, stride_ss, stride_sh, stride_tb, HKV, HKV_PAD, D, BITS, GS, FP8, RANK == 3)
+        if LAYER:
+            new = tl.zeros([HKV_PAD, BLOCK], tl.float32) + tl.sum(tl.where(scored, new, 0.0), 0)[None, :]
+            scored = mask & (tl.sum(scored.to(tl.int32), 0) > 0)[None, :]
+        new = tl.where(scored, new, tl.load(sp, mask=mask, other=0.0))
+        tl.store(sp, new, mask=mask)
     if MODE != 0:
         p = tl.zeros([HKV_PAD, BLOCK], tl.float32)
         for g in tl.static_range(G):
@@ -352,7 +372,6 @@ def _fold_kernel(E, MBlk, PartM, PartL, Score, Rows, Pos, Positions, CtxLen, Can
             p += e.to(tl.float32) * (tl.exp(m_blk - big_m[:, None]) / big_l[:, None])
         if LAYER:
             p = tl.zeros([HKV_PAD, BLOCK], tl.float32) + tl.sum(tl.where(mask, p, 0.0), 0)[None, :]
-        sp = Score + row * stride_sr + offs_n[None, :] * stride_sj + offs_h[:, None]
         old = tl.load(sp, mask=mask, other=0.0)
         if MODE == 1:
             new = old + p
@@ -363,17 +382,89 @@ def _fold_kernel(E, MBlk, PartM, PartL, Score, Rows, Pos, Positions, CtxLen, Can
         tl.store(sp, new, mask=mask)
     if VICTIM:  # this block's candidate per head; `_victim_kernel` picks among the blocks
         pos = tl.load(Pos + row * stride_pr + offs_n[None, :] * stride_pj + offs_h[:, None], mask=mask, other=-1)
+        newest = tl.load(Positions + b).to(tl.int32)
         if BY_SCORE:
             key = new
+            if RANK == 1:  # ObservedAttention: the summed attention over the queries that could see the key
+                key = new / tl.maximum(newest - pos + 1, 1).to(tl.float32)
         else:
             key = pos.to(tl.float32)
-        newest = tl.load(Positions + b).to(tl.int32)
         key = tl.where((pos < prefix) | (pos > newest - recent), float("inf"), key)
         k_min, p_min, j_min = _lowest(key, pos, offs_n[None, :], mask, 1)
         c = (b * tl.num_programs(1) + tl.program_id(1)) * HKV_PAD + offs_h
         tl.store(CandKey + c, k_min)
         tl.store(CandPos + c, p_min)
         tl.store(CandJ + c, j_min)
+
+
+@triton.jit
+def _read_keys(K, KS, KB, Out, slot, h, valid, stride_ks, stride_kh, stride_ss, stride_sh, D: tl.constexpr,
+               BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr):
+    """Head h's keys at `slot` [N] in fp32, as the store's `gather` reads them back: packed codes dequantized
+    in fp32 and rounded to the model's dtype (Out's)."""
+    offs_d = tl.arange(0, D)
+    if FP8:
+        k = tl.load(K + slot[:, None] * stride_ks + h * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
+        sc = tl.load(KS + slot * stride_ss + h * stride_sh, mask=valid, other=0.0)
+        return (k.to(tl.float32) * sc.to(tl.float32)[:, None]).to(Out.dtype.element_ty).to(tl.float32)
+    if BITS == 16:
+        k = tl.load(K + slot[:, None] * stride_ks + h * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
+        return k.to(tl.float32)
+    k = _dequant(K, KS, KB, slot, h, valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, True)
+    return k.to(Out.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _unit_rows(k):
+    """Each row of k [N, D] over its L2 norm (at least 1e-12), as `F.normalize`."""
+    return k / tl.maximum(tl.sqrt(tl.sum(k * k, 1)), 1e-12)[:, None]
+
+
+@triton.jit
+def _unit_sum_kernel(K, KS, KB, SlotTable, Out, Pos, Rows, CtxLen, UnitSum, stride_ks, stride_kh, stride_ss,
+                     stride_sh, stride_tb, stride_pr, stride_pj, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
+                     BLOCK: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr):
+    """Key block pid1 of sequence b: each head's sum of its held keys' unit vectors, KeyDiff's anchor in part
+    (UnitSum [B, blocks, HKV_PAD, D]; the fold kernel adds the blocks up)."""
+    b = tl.program_id(0)
+    blk = tl.program_id(1)
+    n = tl.load(CtxLen + b)
+    row = tl.load(Rows + b)
+    offs_n = blk * BLOCK + tl.arange(0, BLOCK)
+    inb = offs_n < n
+    slot = tl.load(SlotTable + b * stride_tb + offs_n, mask=inb, other=0).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    for h in tl.static_range(HKV):
+        held = inb & (tl.load(Pos + row * stride_pr + offs_n * stride_pj + h, mask=inb, other=-1) >= 0)
+        unit = _unit_rows(_read_keys(K, KS, KB, Out, slot, h, held, stride_ks, stride_kh, stride_ss, stride_sh, D,
+                                     BITS, GS, FP8))
+        part = tl.sum(tl.where(held[:, None], unit, 0.0), 0)
+        tl.store(UnitSum + ((b * tl.num_programs(1) + blk) * HKV_PAD + h) * D + offs_d, part)
+
+
+@triton.jit
+def _key_scores(K, KS, KB, SlotTable, Out, UnitSum, b, offs_n, offs_h, scored, n, nblocks, stride_ks, stride_kh,
+                stride_ss, stride_sh, stride_tb, HKV: tl.constexpr, HKV_PAD: tl.constexpr, D: tl.constexpr,
+                BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr, DIFF: tl.constexpr):
+    """[HKV_PAD, BLOCK] scores of the keys at offs_n that `scored` [HKV_PAD, BLOCK] marks (0 elsewhere): minus
+    their L2 norm (KNorm), or with DIFF minus their cosine similarity to the anchor, the normalized sum of the
+    head's unit keys (KeyDiff, `Policy.rescore`). Only the marked keys are read."""
+    slot = tl.load(SlotTable + b * stride_tb + offs_n, mask=offs_n < n, other=0).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    out = tl.zeros([HKV_PAD, offs_n.shape[0]], tl.float32)
+    for h in tl.static_range(HKV):
+        read = tl.sum(tl.where(offs_h[:, None] == h, scored.to(tl.int32), 0), 0) > 0
+        k = _read_keys(K, KS, KB, Out, slot, h, read, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
+        if DIFF:
+            a = tl.zeros([D], tl.float32)
+            for blk in range(0, nblocks):
+                a += tl.load(UnitSum + ((b * nblocks + blk) * HKV_PAD + h) * D + offs_d)
+            a = a / tl.maximum(tl.sqrt(tl.sum(a * a, 0)), 1e-12)
+            s = -tl.sum(_unit_rows(k) * a[None, :], 1)
+        else:
+            s = -tl.sqrt(tl.sum(k * k, 1))
+        out = tl.where(offs_h[:, None] == h, s[None, :], out)
+    return out
 
 
 @triton.jit
@@ -435,7 +526,9 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     rows [B], [R, >= max_len, Hkv] read at row rows[b]), updated in place with this step's probabilities
     when score_mode is "cumulative" | "normalized" | "ema".
     victim: dict(pos=[R, max_len, Hkv] int32, spare=[R, Hkv] int64, positions=[B], prefix=, recent=,
-    by_score=) also picks each head's eviction victim after the fold (see `_fold_kernel`); needs rows.
+    by_score=, rank=) also picks each head's eviction victim after the fold (see `_fold_kernel`); needs rows.
+    rank (`Policy.rank_source`): "attention" (default), "age", or "key-norm" / "key-diff", which score the keys
+    themselves into `score`.
     value_dot: packed values as (p * scale) @ codes per group (one or two groups per head) instead of
     dequantized; None picks what measured faster on the H100: on at d=128 with two groups, off at d=64.
     contiguous: each sequence's keys lie in slots slot_table[b, 0] + j (a per-sequence buffer, as virtual
@@ -478,6 +571,8 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         split = max(block_n * 4, triton.cdiv(triton.cdiv(max_len, want), block_n) * block_n)
     if split % block_n:
         raise ValueError(f"split {split} must be a multiple of block_n {block_n}")
+    if (victim or {}).get("rank", "attention") != "attention" and (rows is None or score is None):
+        raise ValueError(f"rank {victim['rank']!r} ranks by stored scores: it needs rows and a score buffer")
     for name, t in (("score", score), ("victim pos", (victim or {}).get("pos"))):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name} must have its KV heads contiguous (last stride 1), got strides {t.stride()}")
@@ -537,15 +632,24 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         if victim is not None:
             cand = [torch.empty(bsz, blocks, hkv_pad, device=q.device, dtype=dt)
                     for dt in (torch.float32, torch.int32, torch.int32)]
+        rank = RANK_IDS[vt.get("rank", "attention")]
+        keys = (k_pool, *scales[:2], slot_table, out)
+        key_strides = (k_pool.stride(0), k_pool.stride(1), *ss, slot_table.stride(0))
+        key_tiles = dict(D=d, BITS=bits, GS=gs, FP8=fp8)
+        unit_sum = part_m
+        if rank == RANK_IDS["key-diff"]:  # the anchor's parts first: every block's keys score against it
+            unit_sum = torch.empty(bsz, blocks, hkv_pad, d, device=q.device, dtype=torch.float32)
+            _unit_sum_kernel[(bsz, blocks)](*keys, pos, rows, ctx_lens, unit_sum, *key_strides, pos.stride(0),
+                                            pos.stride(1), HKV=hkv, HKV_PAD=hkv_pad, BLOCK=block, **key_tiles)
         _fold_kernel[(bsz, blocks)](
             e, m_blk, part_m, part_l, sc, rows if rows is not None else ctx_lens, pos, positions, ctx_lens, *cand,
             e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), part_m.stride(0), part_m.stride(1),
             sc.stride(0) if score is not None else 0, sc.stride(1) if score is not None else 0,
             pos.stride(0) if victim else 0, pos.stride(1) if victim else 0,
-            float(ema_decay), int(vt.get("prefix", 0)), int(vt.get("recent", 0)),
-            G=g, HKV=hkv, HKV_PAD=hkv_pad, BLOCK=block, BLOCK_N=block_n, MODE=mode,
+            float(ema_decay), int(vt.get("prefix", 0)), int(vt.get("recent", 0)), *keys, unit_sum, *key_strides,
+            blocks, G=g, HKV=hkv, HKV_PAD=hkv_pad, BLOCK=block, BLOCK_N=block_n, MODE=mode,
             ROWS=rows is not None, VICTIM=victim is not None, BY_SCORE=bool(vt.get("by_score", False)),
-            LAYER=bool(layer))
+            LAYER=bool(layer), RANK=rank, **key_tiles)
         if victim is not None:
             spare = vt["spare"]
             _victim_kernel[(bsz,)](*cand, rows, pos, spare, blocks, pos.stride(0), pos.stride(1), spare.stride(0),
@@ -585,14 +689,17 @@ def _evict_store_kernel(KN, VN, KP, VP, KS, KB, VS, VB, Table, Rows, Spare, Pos,
 
 
 def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spare, score, score_mode, ema_decay,
-                 prefix: int, recent: int, quant=None, resid=None, layer=False):
+                 prefix: int, recent: int, quant=None, resid=None, layer=False, rank="attention"):
     """One layer of the engine's steady-state bounded decode, fused: each head's new token into its spare
     slot, attention with score export over the `table` slots, and each head's next victim, which becomes
     its spare slot. pos/score/spare are the layer's stacked metadata [R, cap, H] / [R, H], read at
     rows[b]. Same result as the PyTorch route of `cache.steps.evict_decode` for policies whose protected
     tokens are a prefix of positions plus the `recent` newest. With `quant` (a packed pool, as for
     `decode_attention`) the new K/V are quantized into the spare slots; `resid` as for `decode_attention`, the new
-    token's residuals written into its ring entry first; `layer` as for `decode_attention`."""
+    token's residuals written into its ring entry first; `layer` and `rank` as for `decode_attention` (the key
+    ranks read no residuals)."""
+    if rank.startswith("key") and resid is not None:
+        raise ValueError(f"rank {rank!r} reads the keys without the window's residuals")
     bsz, hkv, d = k.shape
     sc = score if score is not None else pos
     bits, gs, fp8, scales = _quant_args(quant, k_pool, d)
@@ -605,8 +712,8 @@ def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spa
         RESID=resid is not None, SINK=rt["sink"], RECENT=rt["recent"])
     return decode_attention(q, k_pool, v_pool, table, lens, score=score, score_mode=score_mode, ema_decay=ema_decay,
                             quant=quant, rows=rows, victim=dict(pos=pos, spare=spare, positions=positions, prefix=prefix,
-                                                   recent=recent, by_score=score is not None), resid=resid,
-                            layer=layer)
+                                                   recent=recent, by_score=score is not None, rank=rank),
+                            resid=resid, layer=layer)
 
 
 @triton.jit

@@ -15,7 +15,8 @@ probabilities again in fp32, two stable argsorts over the places):
     head's places past its `sure` ones, oldest among ties, the higher place among exact ties), picked one
     at a time, freed and made the next spares.
 Same result as the PyTorch route (`tests/test_kernels.py`), for policies whose protected tokens are a prefix of
-positions plus the `recent` newest and which rank by the folded attention (`Policy.fused_protection`).
+positions plus the `recent` newest (`Policy.fused_protection`) and which rank by the folded attention
+(`Policy.rank_source`).
 """
 from __future__ import annotations
 
