@@ -406,12 +406,13 @@ def _read_keys(K, KS, KB, Out, slot, h, valid, stride_ks, stride_kh, stride_ss, 
     if FP8:
         k = tl.load(K + slot[:, None] * stride_ks + h * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
         sc = tl.load(KS + slot * stride_ss + h * stride_sh, mask=valid, other=0.0)
-        return (k.to(tl.float32) * sc.to(tl.float32)[:, None]).to(Out.dtype.element_ty).to(tl.float32)
-    if BITS == 16:
+        k = (k.to(tl.float32) * sc.to(tl.float32)[:, None]).to(Out.dtype.element_ty)
+    elif BITS == 16:
         k = tl.load(K + slot[:, None] * stride_ks + h * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
-        return k.to(tl.float32)
-    k = _dequant(K, KS, KB, slot, h, valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, True)
-    return k.to(Out.dtype.element_ty).to(tl.float32)
+    else:
+        k = _dequant(K, KS, KB, slot, h, valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, True)
+        k = k.to(Out.dtype.element_ty)
+    return k.to(tl.float32)
 
 
 @triton.jit
