@@ -269,10 +269,26 @@ def tune():
 
 
 def packed(k, v, bits, group=64):
-    """K and V pools as packed codes, and the `quant` argument of decode_attention that describes them."""
+    """K and V pools as packed codes (or fp8 codes, bits "fp8"), and the `quant` argument of decode_attention that
+    describes them."""
+    if bits == "fp8":
+        from kvbound.cache.quant import Fp8KV
+        (kc, ks), (vc, vs) = Fp8KV._pack(k), Fp8KV._pack(v)
+        return (kc.view(torch.float8_e4m3fn), vc.view(torch.float8_e4m3fn),
+                dict(bits="fp8", k_scale=ks, v_scale=vs))
     kc, ks, kb = quantize(k, bits, group)
     vc, vs, vb = quantize(v, bits, group)
     return kc, vc, dict(bits=bits, group=group, k_scale=ks, k_bias=kb, v_scale=vs, v_bias=vb)
+
+
+def unpacked(kc, vc, quant):
+    """The bf16 K and V that packed pools hold (what the kernel should attend over)."""
+    if quant["bits"] == "fp8":
+        return tuple((c.float() * s.float()).to(torch.bfloat16) for c, s in ((kc, quant["k_scale"]),
+                                                                             (vc, quant["v_scale"])))
+    bits = quant["bits"]
+    return (dequantize(kc, quant["k_scale"], quant["k_bias"], bits, 64, torch.bfloat16),
+            dequantize(vc, quant["v_scale"], quant["v_bias"], bits, 64, torch.bfloat16))
 
 
 def tune_quant(bits_list=(16, 8, 4), configs=None):
@@ -292,8 +308,7 @@ def tune_quant(bits_list=(16, 8, 4), configs=None):
             kc, vc = k, v
             if bits != 16:
                 kc, vc, quant = packed(k, v, bits)
-                kd = dequantize(kc, quant["k_scale"], quant["k_bias"], bits, 64, torch.bfloat16)
-                vd = dequantize(vc, quant["v_scale"], quant["v_bias"], bits, 64, torch.bfloat16)
+                kd, vd = unpacked(kc, vc, quant)
                 want = decode_attention(qs[0], kd, vd, tables[0], lens)
                 del kd, vd
             for blk, w in tiles[name]:
@@ -360,7 +375,7 @@ def main():
     ap.add_argument("--profile", action="store_true", help="with --e2e: GPU time per kernel at batch 1")
     ap.add_argument("--tune", action="store_true", help="only sweep split factor / block / warps (bf16 kernel)")
     ap.add_argument("--tune-quant", action="store_true", help="only sweep the fused 8/4-bit kernel variants")
-    ap.add_argument("--quant-bits", default="16,8,4", help="with --tune-quant: which widths to sweep")
+    ap.add_argument("--quant-bits", default="16,8,4", help="with --tune-quant: which widths to sweep (16, 8, 4, fp8)")
     ap.add_argument("--tune-configs", help="with --tune-quant: shape:batch:ctx,... instead of the default five")
     ap.add_argument("--tune-split", action="store_true", help="only sweep programs per SM, bf16 and packed")
     ap.add_argument("--tune-export", action="store_true", help="only sweep the tile of the kernel with export")
@@ -373,7 +388,7 @@ def main():
     if args.tune_quant:
         configs = [(c.split(":")[0], *map(int, c.split(":")[1:])) for c in args.tune_configs.split(",")] \
             if args.tune_configs else None
-        return tune_quant([int(b) for b in args.quant_bits.split(",")], configs)
+        return tune_quant([b if b == "fp8" else int(b) for b in args.quant_bits.split(",")], configs)
     if args.tune_split:
         return tune_split()
     if args.tune_export:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -29,6 +30,7 @@ from kvbound.engine import SamplingParams
 from kvbound.models import build_model
 from kvbound.cache.policies import H2OPolicy, parse_policy
 from kvbound.cache import block_pool
+from kvbound.kernels import triton_decode
 
 SHAPES = {
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -100,11 +102,31 @@ def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=
             growth = dict(ms_per_map=per_map, maps_per_step_expected=expected, map_ms_expected=per_map * expected)
     res = dict(fit=fit, running=running, prefill_s=t1 - t0, prefill_tok_s=n * context / (t1 - t0),
                decode_tok_s=running * steps / (t2 - td), step_ms=1000 * (t2 - td) / steps,
-               write_ms=write_ms(eng.pool, running, model.config.num_layers),
+               graph_ms=replay_ms(eng), write_ms=write_ms(eng.pool, running, model.config.num_layers),
                committed_gib=eng.pool.committed_bytes / 2**30,
                map_ms=1000 * (after[0] - before[0]) / steps, maps_per_step=(after[1] - before[1]) / steps, **growth)
     eng.close()
     return res
+
+
+def replay_ms(eng, reps=20) -> float:
+    """A decode step's GPU time: the graph the last step replayed, replayed alone (no host work, which moves the
+    small model's step by up to a third between runs), median of 5 rounds."""
+    graphs = eng.graphs
+    if graphs is None or graphs.last is None:
+        return float("nan")
+    graph = graphs.graphs[graphs.last]
+    graph.replay()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / reps)
+    return statistics.median(times)
 
 
 def write_ms(pool, rows, layers, reps=20):
@@ -278,11 +300,18 @@ def main():
                     "virtual, or both (issue #20: paged,virtual)")
     ap.add_argument("--page-mib", default=str(block_pool.POOL_PAGE_BYTES >> 20),
                     help="virtual storage's page sizes, MiB (whole 2 MiB granules): each is a run")
+    ap.add_argument("--packed-tiles", default=None, help="packed decode tiles to try instead of the kernel's for "
+                    "long tables (PACKED_TILES_LONG): bits:head_dim:keys:warps:stages,... (e.g. 8:64:128:2:2, "
+                    "fp8:64:256:4:2)")
     ap.add_argument("--skip-hf-batch", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--check", action="store_true", help="first compare batched engine outputs with single runs")
     ap.add_argument("--floor", action="store_true", help="with --offline: also the matmul + KV-read floor")
     args = ap.parse_args()
+    for tile in args.packed_tiles.split(",") if args.packed_tiles else []:
+        fmt, d, keys, warps, stages = tile.split(":")
+        triton_decode.PACKED_TILES_LONG[(fmt if fmt == "fp8" else int(fmt), int(d))] = (int(keys), int(warps),
+                                                                                        int(stages))
     dtype = torch.bfloat16
     checked = check(args.shape) if args.check else None
     hf, ours = models(args.shape, dtype)
@@ -350,7 +379,7 @@ def main():
                     key += f", virtual {mib} MiB pages" if storage == "virtual" else ""
                     res["bounded"][key] = dict(r, blocks=blocks)
                     rows.append((f"{args.context}-token prompts, {key}", r["running"], float("nan"),
-                                 r["decode_tok_s"], r["fit"], r["step_ms"], r["write_ms"], r["map_ms"],
+                                 r["decode_tok_s"], r["fit"], r["step_ms"], r["graph_ms"], r["write_ms"], r["map_ms"],
                                  r.get("map_ms_expected", float("nan")), r["committed_gib"]))
                     print(key, {k: round(v, 3) for k, v in r.items()}, flush=True)
     if args.out:
@@ -360,7 +389,7 @@ def main():
     print(f"\n{args.shape} on {res['device']}, bf16, random weights; offline: {args.input_len} in / "
           f"{args.output_len} out")
     print(f"{'run':<50} {'seqs':>6} {'out tok/s':>10} {'decode tok/s':>13} {'peak / fit':>11} {'step ms':>8} "
-          f"{'write ms':>9} {'map ms':>8} {'map ms, growth':>14} {'GiB':>6}")
+          f"{'graph ms':>9} {'write ms':>9} {'map ms':>8} {'map ms, growth':>14} {'GiB':>6}")
     for name, n, tps, dec, peak, *step in rows:
         step = "".join(f" {x:>8.2f} " for x in step)
         print(f"{name:<50} {n:>6} {tps:>10.0f} {dec:>13.0f} {peak:>11}{step}")

@@ -42,10 +42,14 @@ from .reference import SCORE_MODES
 
 MODE_IDS = {mode: i for i, mode in enumerate(SCORE_MODES)}  # 0: no export, 1 cumulative, 2 normalized, 3 ema
 RANK_IDS = {rank: i for i, rank in enumerate(("attention", "age", "key-norm", "key-diff"))}  # `Policy.rank_source`
-# (bits, head_dim) -> (keys per block, warps, pipeline stages) of the packed kernel on the GPU
+# (bits or "fp8", head_dim) -> (keys per block, warps, pipeline stages) of the packed kernel on the GPU
 PACKED_TILES = {(8, 128): (64, 4, 2), (4, 128): (128, 2, 2), (8, 64): (128, 4, 2), (4, 64): (256, 4, 2)}
 # ... and where a call has fewer than SHORT_KEYS keys in all (batch x context), which few large tiles serve badly
 PACKED_TILES_SHORT, SHORT_KEYS = {(4, 128): (32, 4, 3)}, 32768
+# ... and where its table is at least LONG_KEYS wide: at d=64, 256-key blocks took a full-cache engine step of 43
+# sequences x 4k (8k-wide graph tables) from 3.57 to 3.21 ms (8-bit) and from 3.97 to 2.91 ms (fp8), against bf16's
+# 3.24 (results/engine_kvformats_long_tiles_smollm2_h100.log; GPU time of the step's graph, H100)
+PACKED_TILES_LONG, LONG_KEYS = {(8, 64): (256, 4, 2), ("fp8", 64): (256, 4, 2)}, 4096
 
 
 @triton.jit
@@ -97,9 +101,9 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
         else:
             slot = tl.load(SlotTable + b * stride_tb + offs_n, mask=valid, other=0).to(tl.int64)
         kv_ptr = slot[:, None] * stride_ks + h * stride_kh + offs_d[None, :]
-        if FP8:  # e4m3 codes with a scale per token and head: (q . codes) * scale
+        if FP8:  # e4m3 codes (exact in fp16, one conversion) with a scale per token and head: (q . codes) * scale
             sp = slot * stride_ss + h * stride_sh
-            k = tl.load(K + kv_ptr, mask=valid[:, None], other=0.0).to(tl.bfloat16)
+            k = tl.load(K + kv_ptr, mask=valid[:, None], other=0.0).to(tl.float16)
             qk = _dot(q, tl.trans(k), IEEE) * tl.load(KS + sp, mask=valid, other=0.0).to(tl.float32)[None, :]
         elif BITS == 16:
             qk = _dot(q, tl.trans(tl.load(K + kv_ptr, mask=valid[:, None], other=0.0)), IEEE)
@@ -137,10 +141,11 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                 else:
                     acc_hi = _codes_dot(acc_hi, alpha, ps, pb, codes & 0xF, IEEE)
                     acc_hi_odd = _codes_dot(acc_hi_odd, alpha, ps, pb, codes >> 4, IEEE)
-        elif FP8:  # p @ (codes * scale) = (p * scale) @ codes
-            v = tl.load(V + kv_ptr, mask=valid[:, None], other=0.0).to(tl.bfloat16)
-            vs = tl.load(VS + sp, mask=valid, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + _dot(p * vs[None, :], v, IEEE)
+        elif FP8:  # p @ (codes * scale) = top * ((p * scale / top) @ codes), top the row's largest p * scale: fp16
+            v = tl.load(V + kv_ptr, mask=valid[:, None], other=0.0).to(tl.float16)  # inputs without underflow
+            ps = p * tl.load(VS + sp, mask=valid, other=0.0).to(tl.float32)[None, :]
+            top = tl.maximum(tl.max(ps, 1), 1e-30)
+            acc = acc * alpha[:, None] + _dot(ps * (1.0 / top)[:, None], v, IEEE) * top[:, None]
         else:
             if BITS == 16:
                 v = tl.load(V + kv_ptr, mask=valid[:, None], other=0.0)
@@ -555,10 +560,13 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         # direct loads pipeline deeper, and three stages of 128-wide K/V tiles cost occupancy: 1.08x paged at
         # batch 64, 0.97x with one stage (results/contig_decode_h100.log)
         tile = (64, 4, 1)
-    if bits != 16 and q.is_cuda:
-        tile = PACKED_TILES.get((bits, d), (64, 2, 2))
+    fmt = "fp8" if fp8 else bits
+    if fmt != 16 and q.is_cuda:  # fp8 keeps the bf16 tile unless the table names one
+        tile = PACKED_TILES.get((fmt, d), tile if fp8 else (64, 2, 2))
         if bsz * max_len < SHORT_KEYS:
-            tile = PACKED_TILES_SHORT.get((bits, d), tile)
+            tile = PACKED_TILES_SHORT.get((fmt, d), tile)
+        elif max_len >= LONG_KEYS:
+            tile = PACKED_TILES_LONG.get((fmt, d), tile)
     block_n = block_n or tile[0]
     num_warps = num_warps or tile[1]
     num_stages = num_stages or tile[2]
