@@ -303,6 +303,8 @@ def main():
     ap.add_argument("--packed-tiles", default=None, help="packed decode tiles to try instead of the kernel's for "
                     "long tables (PACKED_TILES_LONG): bits:head_dim:keys:warps:stages,... (e.g. 8:64:128:2:2, "
                     "fp8:64:256:4:2)")
+    ap.add_argument("--profile", action="store_true", help="with --bounded: GPU and host time per kernel of a few "
+                    "steady decode steps of each run")
     ap.add_argument("--skip-hf-batch", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--check", action="store_true", help="first compare batched engine outputs with single runs")
@@ -374,7 +376,8 @@ def main():
                                                                       args.page_mib.split(",")]
                 for cap, storage, mib in runs:
                     block_pool.POOL_PAGE_BYTES = mib << 20
-                    r = steady_decode(ours, pol, blocks, args.context, cap, vocab, kv_bits=bits, kv_storage=storage)
+                    r = steady_decode(ours, pol, blocks, args.context, cap, vocab, kv_bits=bits, kv_storage=storage,
+                                      profile=args.profile)
                     key = label if cap == caps[0] else f"{label}, as many as bf16"
                     key += f", virtual {mib} MiB pages" if storage == "virtual" else ""
                     res["bounded"][key] = dict(r, blocks=blocks)
