@@ -712,6 +712,27 @@ def test_packed_pools_on_cuda_batched_equal_alone(model32, bits, monkeypatch):
         model32.cpu()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused evict kernels on packed pools")
+@pytest.mark.parametrize("bits", [8, 4, "fp8"])
+def test_key_ranks_on_packed_cuda_pools_equal_the_pytorch_steps(model32, bits, monkeypatch):
+    """observed, knorm and keydiff rank in the fused evict kernels (`Policy.rank_source`), which read packed keys
+    back as the pool's gather does: batched greedy tokens equal the PyTorch steps' (fused_protection None)."""
+    from kvbound.cache.policies import Policy
+    gpu = model32.cuda()
+    try:
+        specs = ["h2o:sink=2,heavy=10,recent=12,score=observed", "knorm:sink=2,heavy=10,recent=12",
+                 "keydiff:sink=2,heavy=10,recent=12"]
+        reqs = [(prompt(60 + i, 30 + 9 * i), specs[i % len(specs)]) for i in range(6)]
+        kw = dict(num_blocks=256, max_num_batched_tokens=48, kv_bits=bits, kv_group_size=32, shared_policies=True)
+        got, _ = run_engine(gpu, reqs, **kw)
+        with monkeypatch.context() as m:
+            m.setattr(Policy, "fused_protection", lambda self: None)
+            unfused, _ = run_engine(gpu, reqs, **kw)
+        assert got == unfused
+    finally:
+        model32.cpu()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="mixed widths' evict steps in CUDA graphs")
 def test_mixed_widths_on_cuda_in_graphs_equal_alone(model32):
     """heavy=4,recent=8 on CUDA: the batched evict steps (PyTorch route, residuals in the stacked rows) replay
