@@ -300,9 +300,10 @@ def main():
                     "virtual, or both (issue #20: paged,virtual)")
     ap.add_argument("--page-mib", default=str(block_pool.POOL_PAGE_BYTES >> 20),
                     help="virtual storage's page sizes, MiB (whole 2 MiB granules): each is a run")
-    ap.add_argument("--packed-tiles", default=None, help="packed decode tiles to try instead of the kernel's for "
-                    "long tables (PACKED_TILES_LONG): bits:head_dim:keys:warps:stages,... (e.g. 8:64:128:2:2, "
-                    "fp8:64:256:4:2)")
+    ap.add_argument("--packed-tiles", default=None, help="packed decode tiles to try instead of the kernel's: "
+                    "[long:|mid:|short:]bits:head_dim:keys:warps:stages,... for tables of at least LONG_KEYS keys "
+                    "(the default), the others, or calls of fewer than SHORT_KEYS keys in all (e.g. "
+                    "fp8:64:256:4:2, short:8:64:64:4:2)")
     ap.add_argument("--profile", action="store_true", help="with --bounded: GPU and host time per kernel of a few "
                     "steady decode steps of each run")
     ap.add_argument("--skip-hf-batch", action="store_true")
@@ -310,10 +311,13 @@ def main():
     ap.add_argument("--check", action="store_true", help="first compare batched engine outputs with single runs")
     ap.add_argument("--floor", action="store_true", help="with --offline: also the matmul + KV-read floor")
     args = ap.parse_args()
+    tables = {"long": triton_decode.PACKED_TILES_LONG, "mid": triton_decode.PACKED_TILES,
+              "short": triton_decode.PACKED_TILES_SHORT}
     for tile in args.packed_tiles.split(",") if args.packed_tiles else []:
-        fmt, d, keys, warps, stages = tile.split(":")
-        triton_decode.PACKED_TILES_LONG[(fmt if fmt == "fp8" else int(fmt), int(d))] = (int(keys), int(warps),
-                                                                                        int(stages))
+        fields = tile.split(":")
+        table = tables[fields.pop(0)] if fields[0] in tables else tables["long"]
+        fmt, d, keys, warps, stages = fields
+        table[(fmt if fmt == "fp8" else int(fmt), int(d))] = (int(keys), int(warps), int(stages))
     dtype = torch.bfloat16
     checked = check(args.shape) if args.check else None
     hf, ours = models(args.shape, dtype)
