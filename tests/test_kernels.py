@@ -193,6 +193,17 @@ def test_contiguous_buffers_read_from_their_first_slot_equal_the_table(bits):
         torch.testing.assert_close(ref.double(), want, atol=1e-4, rtol=1e-4)
 
 
+def test_kernel_tile_follows_the_table_width_on_the_gpu():
+    """Packed tiles on the GPU: long tables (4k keys or more) take 256-key blocks at d=64 for 8-bit and fp8, bounded
+    caches' short tables keep theirs, fp8 elsewhere takes bf16's tile; on the CPU every call takes bf16's."""
+    from kvbound.kernels.triton_decode import kernel_tile
+    bf16 = kernel_tile(16, 64, 43, 8192)
+    assert kernel_tile(8, 64, 43, 8192) == kernel_tile("fp8", 64, 43, 8192) == (256, 4, 2)
+    assert kernel_tile(8, 64, 256, 257) == (128, 4, 2) and kernel_tile("fp8", 64, 256, 257) == bf16
+    assert kernel_tile(4, 128, 4, 1024) == (32, 4, 3)  # under SHORT_KEYS keys in all
+    assert kernel_tile(8, 64, 43, 8192, cuda=False) == bf16 == (64, 4, None)
+
+
 @pytest.mark.parametrize("d, mode", [(64, "cumulative"), (128, "ema"), (32, None)])
 def test_decode_attention_fp8_matches_dequantize_then_attend(d, mode):
     """float8 e4m3 codes with a scale per token and head (`Fp8KV`): the kernel applies the scales per key."""

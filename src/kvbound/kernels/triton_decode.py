@@ -521,6 +521,25 @@ def _resid_args(resid, dummy):
                 sink=resid["sink"], recent=resid["recent"])
 
 
+def kernel_tile(fmt, d: int, bsz: int, max_len: int, contiguous: bool = False, cuda: bool = True) -> tuple:
+    """(keys per block, warps, pipeline stages or None) of the split kernel for a call of `bsz` tables `max_len`
+    wide: bf16's tile, or on the GPU a packed format's (`fmt` 8 / 4 / "fp8"; 16 for bf16) by head size and
+    table width. fp8 keeps bf16's tile unless a table names one."""
+    tile = (64, 4, None)
+    if contiguous and fmt == 16 and d >= 128:
+        # direct loads pipeline deeper, and three stages of 128-wide K/V tiles cost occupancy: 1.08x paged at
+        # batch 64, 0.97x with one stage (results/contig_decode_h100.log)
+        tile = (64, 4, 1)
+    if fmt == 16 or not cuda:
+        return tile
+    tile = PACKED_TILES.get((fmt, d), tile if fmt == "fp8" else (64, 2, 2))
+    if bsz * max_len < SHORT_KEYS:
+        return PACKED_TILES_SHORT.get((fmt, d), tile)
+    if max_len >= LONG_KEYS:
+        return PACKED_TILES_LONG.get((fmt, d), tile)
+    return tile
+
+
 def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=None, score_mode=None,
                      ema_decay=0.95, quant=None, split=None, block_n=None, out=None, programs_per_sm=None,
                      num_warps=None, rows=None, victim=None, num_stages=None, value_dot=None, contiguous=False,
@@ -555,18 +574,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     # (results/tune_quant_d64_h100.log at d=64; tune_quant_q8_d128_h100.log, _q4_d128_h100.log and _short_h100.log at
     # d=128), where other tiles spill registers (up to 9x slower)
     bits, gs, fp8, scales = _quant_args(quant, k_pool, d)
-    tile = (64, 4, None)
-    if contiguous and bits == 16 and d >= 128:
-        # direct loads pipeline deeper, and three stages of 128-wide K/V tiles cost occupancy: 1.08x paged at
-        # batch 64, 0.97x with one stage (results/contig_decode_h100.log)
-        tile = (64, 4, 1)
-    fmt = "fp8" if fp8 else bits
-    if fmt != 16 and q.is_cuda:  # fp8 keeps the bf16 tile unless the table names one
-        tile = PACKED_TILES.get((fmt, d), tile if fp8 else (64, 2, 2))
-        if bsz * max_len < SHORT_KEYS:
-            tile = PACKED_TILES_SHORT.get((fmt, d), tile)
-        elif max_len >= LONG_KEYS:
-            tile = PACKED_TILES_LONG.get((fmt, d), tile)
+    tile = kernel_tile("fp8" if fp8 else bits, d, bsz, max_len, contiguous, q.is_cuda)
     block_n = block_n or tile[0]
     num_warps = num_warps or tile[1]
     num_stages = num_stages or tile[2]
