@@ -202,6 +202,8 @@ def test_kernel_tile_follows_the_table_width_on_the_gpu():
     assert kernel_tile(8, 64, 256, 257) == (128, 4, 2) and kernel_tile("fp8", 64, 256, 257) == bf16
     assert kernel_tile(4, 128, 4, 1024) == (32, 4, 3)  # under SHORT_KEYS keys in all
     assert kernel_tile(8, 64, 43, 8192, cuda=False) == bf16 == (64, 4, None)
+    assert kernel_tile(16, 128, 4, 8192, contiguous=True) == kernel_tile("fp8", 128, 4, 8192, contiguous=True) \
+        == (64, 4, 1)
 
 
 @pytest.mark.parametrize("d, mode", [(64, "cumulative"), (128, "ema"), (32, None)])

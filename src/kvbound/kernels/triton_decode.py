@@ -526,7 +526,7 @@ def kernel_tile(fmt, d: int, bsz: int, max_len: int, contiguous: bool = False, c
     wide: bf16's tile, or on the GPU a packed format's (`fmt` 8 / 4 / "fp8"; 16 for bf16) by head size and
     table width. fp8 keeps bf16's tile unless a table names one."""
     tile = (64, 4, None)
-    if contiguous and fmt == 16 and d >= 128:
+    if contiguous and fmt in (16, "fp8") and d >= 128:
         # direct loads pipeline deeper, and three stages of 128-wide K/V tiles cost occupancy: 1.08x paged at
         # batch 64, 0.97x with one stage (results/contig_decode_h100.log)
         tile = (64, 4, 1)
