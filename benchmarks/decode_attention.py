@@ -284,8 +284,9 @@ def packed(k, v, bits, group=64):
 def unpacked(kc, vc, quant):
     """The bf16 K and V that packed pools hold (what the kernel should attend over)."""
     if quant["bits"] == "fp8":
-        return tuple((c.float() * s.float()).to(torch.bfloat16) for c, s in ((kc, quant["k_scale"]),
-                                                                             (vc, quant["v_scale"])))
+        from kvbound.cache.quant import Fp8KV
+        return tuple(Fp8KV._unpack(c.view(torch.uint8), s, torch.bfloat16) for c, s in ((kc, quant["k_scale"]),
+                                                                                         (vc, quant["v_scale"])))
     bits = quant["bits"]
     return (dequantize(kc, quant["k_scale"], quant["k_bias"], bits, 64, torch.bfloat16),
             dequantize(vc, quant["v_scale"], quant["v_bias"], bits, 64, torch.bfloat16))

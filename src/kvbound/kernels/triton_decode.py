@@ -353,11 +353,13 @@ def _fold_kernel(E, MBlk, PartM, PartL, Score, Rows, Pos, Positions, CtxLen, Can
     offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = hmask[:, None] & (offs_n < n)[None, :]
     sp = Score + row * stride_sr + offs_n[None, :] * stride_sj + offs_h[:, None]
+    if VICTIM or RANK == 2:  # the block's positions, read once for KNorm's new token and the victim
+        pos = tl.load(Pos + row * stride_pr + offs_n[None, :] * stride_pj + offs_h[:, None], mask=mask, other=-1)
+        newest = tl.load(Positions + b).to(tl.int32)
     if RANK >= 2:  # KeyDiff rescores every key; KNorm scores the new token, the others keep theirs
         scored = mask
         if RANK == 2:
-            pos = tl.load(Pos + row * stride_pr + offs_n[None, :] * stride_pj + offs_h[:, None], mask=mask, other=-1)
-            scored = mask & (pos == tl.load(Positions + b).to(tl.int32))
+            scored = mask & (pos == newest)
         new = _key_scores(K, KS, KB, SlotTable, Out, UnitSum, b, offs_n, offs_h, scored, n, nblocks, stride_ks,
                           stride_kh, stride_ss, stride_sh, stride_tb, HKV, HKV_PAD, D, BITS, GS, FP8, RANK == 3)
         if LAYER:
@@ -386,8 +388,6 @@ def _fold_kernel(E, MBlk, PartM, PartL, Score, Rows, Pos, Positions, CtxLen, Can
             new = old * ema_decay + p * (1.0 - ema_decay)
         tl.store(sp, new, mask=mask)
     if VICTIM:  # this block's candidate per head; `_victim_kernel` picks among the blocks
-        pos = tl.load(Pos + row * stride_pr + offs_n[None, :] * stride_pj + offs_h[:, None], mask=mask, other=-1)
-        newest = tl.load(Positions + b).to(tl.int32)
         if BY_SCORE:
             key = new
             if RANK == 1:  # ObservedAttention: the summed attention over the queries that could see the key
