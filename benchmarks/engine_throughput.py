@@ -316,6 +316,9 @@ def main():
     for tile in args.packed_tiles.split(",") if args.packed_tiles else []:
         fields = tile.split(":")
         table = tables[fields.pop(0)] if fields[0] in tables else tables["long"]
+        if len(fields) != 5 or not all(f.isdigit() for f in fields[1:]) or fields[0] not in ("8", "4", "fp8"):
+            ap.error(f"--packed-tiles: {tile!r} is not [long:|mid:|short:]bits:head_dim:keys:warps:stages with bits "
+                     "8, 4 or fp8")
         fmt, d, keys, warps, stages = fields
         table[(fmt if fmt == "fp8" else int(fmt), int(d))] = (int(keys), int(warps), int(stages))
     dtype = torch.bfloat16
