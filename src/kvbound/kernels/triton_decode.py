@@ -45,11 +45,14 @@ RANK_IDS = {rank: i for i, rank in enumerate(("attention", "age", "key-norm", "k
 # (bits or "fp8", head_dim) -> (keys per block, warps, pipeline stages) of the packed kernel on the GPU
 PACKED_TILES = {(8, 128): (64, 4, 2), (4, 128): (128, 2, 2), (8, 64): (128, 4, 2), (4, 64): (256, 4, 2)}
 # ... and where a call has fewer than SHORT_KEYS keys in all (batch x context), which few large tiles serve badly
-PACKED_TILES_SHORT, SHORT_KEYS = {(4, 128): (32, 4, 3)}, 32768
+# (4-bit at d=64: h2o 256 at 64 running, 257-key tables, 1.79 -> 1.75 ms a step against bf16's 1.58,
+# results/engine_packed_tiles_sweep_smollm2_h100.log)
+PACKED_TILES_SHORT, SHORT_KEYS = {(4, 128): (32, 4, 3), (4, 64): (64, 4, 2)}, 32768
 # ... and where its table is at least LONG_KEYS wide: at d=64, 256-key blocks took a full-cache engine step of 43
 # sequences x 4k (8k-wide graph tables) from 3.57 to 3.21 ms (8-bit) and from 3.97 to 2.91 ms (fp8), against bf16's
-# 3.24 (results/engine_kvformats_long_tiles_smollm2_h100.log; GPU time of the step's graph, H100)
-PACKED_TILES_LONG, LONG_KEYS = {(8, 64): (256, 4, 2), ("fp8", 64): (256, 4, 2)}, 4096
+# 3.24 (results/engine_kvformats_long_tiles_smollm2_h100.log; GPU time of the step's graph, H100); 4-bit's with 8
+# warps from 3.36 to 3.02 (results/engine_packed_tiles_sweep_smollm2_h100.log)
+PACKED_TILES_LONG, LONG_KEYS = {(8, 64): (256, 4, 2), ("fp8", 64): (256, 4, 2), (4, 64): (256, 8, 2)}, 4096
 
 
 @triton.jit
