@@ -86,12 +86,13 @@ def test_decode_attention_quantized_matches_dequantize_then_attend(bits, d, grou
     torch.testing.assert_close(score.double(), want_score, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", [8, 4, "fp8"])
-def test_packed_decode_on_the_gpus_long_table_tiles_matches_dequantize_then_attend(fmt):
-    """The tile a 4k-wide table takes on the GPU at d=64 (256 keys, 4-bit's 8 warps), with the kernel's own splits."""
+@pytest.mark.parametrize("fmt, d", [(8, 64), (4, 64), ("fp8", 64), (8, 128)])
+def test_packed_decode_on_the_gpus_long_table_tiles_matches_dequantize_then_attend(fmt, d):
+    """The tile a 4k-wide table takes on the GPU (at d=64 256 keys, 4-bit's with 8 warps; 8-bit's 8 warps at d=128),
+    with the kernel's own splits."""
     from kvbound.cache.quant import Fp8KV
     from kvbound.kernels.triton_decode import LONG_KEYS, kernel_tile
-    q, k, v, table, n = _case(5, 2, 6, 2, 64, [LONG_KEYS, 1500], slots=LONG_KEYS + 1600)
+    q, k, v, table, n = _case(5, 2, 6, 2, d, [LONG_KEYS, 1500], slots=LONG_KEYS + 1600)
     if fmt == "fp8":
         (kc, ks), (vc, vs) = Fp8KV._pack(k), Fp8KV._pack(v)
         kd, vd = Fp8KV._unpack(kc, ks, torch.float32), Fp8KV._unpack(vc, vs, torch.float32)
@@ -100,7 +101,7 @@ def test_packed_decode_on_the_gpus_long_table_tiles_matches_dequantize_then_atte
         (kc, kscale, kbias), (vc, vscale, vbias) = quantize(k, fmt, 32), quantize(v, fmt, 32)
         kd, vd = dequantize(kc, kscale, kbias, fmt, 32), dequantize(vc, vscale, vbias, fmt, 32)
         quant = dict(bits=fmt, group=32, k_scale=kscale, k_bias=kbias, v_scale=vscale, v_bias=vbias)
-    block_n, warps, stages = kernel_tile(fmt, 64, 2, LONG_KEYS, cuda=True)
+    block_n, warps, stages = kernel_tile(fmt, d, 2, LONG_KEYS, cuda=True)
     out = decode_attention(*(t.to(DEV) for t in (q, kc, vc, table, n)), block_n=block_n, num_warps=warps,
                            num_stages=stages, quant={key: t if isinstance(t, str) or isinstance(t, int) else t.to(DEV)
                                                      for key, t in quant.items()}).cpu()
@@ -221,7 +222,7 @@ def test_kernel_tile_follows_the_table_width_on_the_gpu():
     from kvbound.kernels.triton_decode import kernel_tile
     bf16 = kernel_tile(16, 64, 43, 8192)
     assert kernel_tile(8, 64, 43, 8192) == kernel_tile("fp8", 64, 43, 8192) == (256, 4, 2)
-    assert kernel_tile(4, 64, 43, 8192) == (256, 8, 2)
+    assert kernel_tile(4, 64, 43, 8192) == (256, 8, 2) and kernel_tile(8, 128, 7, 8192) == (128, 8, 2)
     assert kernel_tile(8, 64, 256, 257) == (128, 4, 2) and kernel_tile("fp8", 64, 256, 257) == bf16
     assert kernel_tile(4, 64, 64, 257) == (64, 4, 2)
     assert kernel_tile(4, 128, 4, 1024) == (32, 4, 3)  # under SHORT_KEYS keys in all
