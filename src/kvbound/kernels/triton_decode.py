@@ -52,7 +52,8 @@ PACKED_TILES_SHORT, SHORT_KEYS = {(4, 128): (32, 4, 3), (4, 64): (64, 4, 2)}, 32
 # sequences x 4k (8k-wide graph tables) from 3.57 to 3.21 ms (8-bit) and from 3.97 to 2.91 ms (fp8), against bf16's
 # 3.24 (results/engine_kvformats_long_tiles_smollm2_h100.log; GPU time of the step's graph, H100); 4-bit's with 8
 # warps from 3.36 to 3.02 (results/engine_packed_tiles_sweep_smollm2_h100.log); at d=128, 8-bit's 128-key blocks with 8
-# warps took the 8B shape's step at 14 x 4k from 11.01 to 10.23 ms (results/engine_packed_tiles_sweep_8b_h100.log)
+# warps took the 8B shape's step at 14 x 4k from 11.01 to 10.23 ms (results/engine_packed_tiles_sweep_8b_h100.log), at
+# 7 (bf16's count) from 8.61 to 8.76 against bf16's 8.21 (results/engine_kvformats_graph_8b_h100.log): the full pool wins
 PACKED_TILES_LONG = {(8, 64): (256, 4, 2), ("fp8", 64): (256, 4, 2), (4, 64): (256, 8, 2), (8, 128): (128, 8, 2)}
 LONG_KEYS = 4096
 
