@@ -10,7 +10,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = {"--max-tokens": "4", "--samples": "2", "--seq-len": "64", "--budget": "32", "--values": "16,32",
+SMALL = {"--max-tokens": "4", "--samples": "1", "--seq-len": "48", "--budget": "32", "--values": "16,32",
          "--context": "300", "--depths": "0.5", "--budget-frac": "0.5", "--pin-prefix": "8", "--num-prompts": "4",
          "--input-len": "16", "--output-len": "4", "--rate": "4", "--duration": "1", "--device": "cpu",
          "--tasks": "niah_single,cwe", "--model": None, "--text": None}  # None: dropped (the default model and the package's text)
@@ -56,7 +56,7 @@ def shrink(line: str, tmp: Path) -> tuple[list[str], str | None]:
         if flag not in out:
             out += [flag, SMALL[flag]]
     if "seq-len" in out and "--values" in out:  # a length sweep: lengths past the default --prefill of 32
-        out[out.index("--values") + 1] = "48,64"
+        out[out.index("--values") + 1] = "40,48"
     if out[:2] == ["generate", "-"]:
         stdin = "The capital of France is"
     if out[:1] == ["chat"]:
