@@ -40,6 +40,34 @@ SHAPES = {
 }
 
 
+TILE_TABLES = {"long": triton_decode.PACKED_TILES_LONG, "mid": triton_decode.PACKED_TILES,
+               "short": triton_decode.PACKED_TILES_SHORT}
+KERNEL_TILES = {name: dict(table) for name, table in TILE_TABLES.items()}  # the kernel's own, to go back to
+
+
+def tile_entries(spec: str) -> list:
+    """(table, (bits or "fp8", head_dim), (keys, warps, stages)) of each entry of a --packed-tiles list."""
+    entries = []
+    for tile in spec.split(",") if spec else []:
+        fields = tile.split(":")
+        table = fields.pop(0) if fields[0] in TILE_TABLES else "long"
+        if len(fields) != 5 or not all(f.isdigit() for f in fields[1:]) or fields[0] not in ("8", "4", "fp8"):
+            raise ValueError(f"{tile!r} is not [long:|mid:|short:]bits:head_dim:keys:warps:stages with bits 8, 4 "
+                             "or fp8")
+        fmt, d, keys, warps, stages = fields
+        entries.append((table, (fmt if fmt == "fp8" else int(fmt), int(d)), (int(keys), int(warps), int(stages))))
+    return entries
+
+
+def use_tiles(entries):
+    """The kernel's packed tile tables as they ship, with `entries` set over them."""
+    for name, table in TILE_TABLES.items():
+        table.clear()
+        table.update(KERNEL_TILES[name])
+    for name, key, tile in entries:
+        TILE_TABLES[name][key] = tile
+
+
 def models(shape, dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=16384, bos_token_id=None, eos_token_id=None,
@@ -53,9 +81,11 @@ def models(shape, dtype):
 
 
 def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=False, kv_bits=None,
-                  kv_storage="paged"):
+                  kv_storage="paged", tile_sweep=(), tiles=()):
     """As many `context`-token requests as fit in `blocks` (at most `cap`): prefill them all, then time
-    `steps` decode steps with every one of them running. Returns fit, running, prefill and decode figures."""
+    `steps` decode steps with every one of them running. Returns fit, running, prefill and decode figures.
+    tile_sweep: (label, entries) of packed tiles to try on the same running batch after that, each timed as
+    the step's graph captured again with them (graph_ms_tiles); `tiles` are restored after."""
     bs = 16
     out_len = 1024 if policy.budget is not None else 160  # long enough to still decode when the last is in
     need = -(-(policy.budget + 1) // bs) if policy.budget is not None else -(-(context + out_len) // bs)
@@ -105,6 +135,15 @@ def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=
                graph_ms=replay_ms(eng), write_ms=write_ms(eng.pool, running, model.config.num_layers),
                committed_gib=eng.pool.committed_bytes / 2**30,
                map_ms=1000 * (after[0] - before[0]) / steps, maps_per_step=(after[1] - before[1]) / steps, **growth)
+    if tile_sweep and eng.graphs is not None and eng.graphs.last is not None:
+        res["graph_ms_tiles"] = {}
+        for label, entries in tile_sweep:
+            use_tiles(entries)
+            eng.graphs.graphs.pop(eng.graphs.last)  # captured again at its next step, with these tiles
+            for _ in range(3):
+                eng.step(only_finished=True)
+            res["graph_ms_tiles"][label] = replay_ms(eng)
+        use_tiles(tiles)
     eng.close()
     return res
 
@@ -304,6 +343,9 @@ def main():
                     "[long:|mid:|short:]bits:head_dim:keys:warps:stages,... for tables of at least LONG_KEYS keys "
                     "(the default), the others, or calls of fewer than SHORT_KEYS keys in all (e.g. "
                     "fp8:64:256:4:2, short:8:64:64:4:2)")
+    ap.add_argument("--tile-sweep", default=None, help="with --bounded: packed tile lists (--packed-tiles' form) "
+                    "separated by ';', each timed on every run's running batch after its own timing, by capturing "
+                    "the step's graph again (no new prefill), e.g. 'short:8:64:64:4:2;short:8:64:32:4:2'")
     ap.add_argument("--profile", action="store_true", help="with --bounded: GPU and host time per kernel of a few "
                     "steady decode steps of each run")
     ap.add_argument("--skip-hf-batch", action="store_true")
@@ -311,16 +353,12 @@ def main():
     ap.add_argument("--check", action="store_true", help="first compare batched engine outputs with single runs")
     ap.add_argument("--floor", action="store_true", help="with --offline: also the matmul + KV-read floor")
     args = ap.parse_args()
-    tables = {"long": triton_decode.PACKED_TILES_LONG, "mid": triton_decode.PACKED_TILES,
-              "short": triton_decode.PACKED_TILES_SHORT}
-    for tile in args.packed_tiles.split(",") if args.packed_tiles else []:
-        fields = tile.split(":")
-        table = tables[fields.pop(0)] if fields[0] in tables else tables["long"]
-        if len(fields) != 5 or not all(f.isdigit() for f in fields[1:]) or fields[0] not in ("8", "4", "fp8"):
-            ap.error(f"--packed-tiles: {tile!r} is not [long:|mid:|short:]bits:head_dim:keys:warps:stages with bits "
-                     "8, 4 or fp8")
-        fmt, d, keys, warps, stages = fields
-        table[(fmt if fmt == "fp8" else int(fmt), int(d))] = (int(keys), int(warps), int(stages))
+    try:
+        tiles = tile_entries(args.packed_tiles)
+        sweep = [(spec, tile_entries(spec)) for spec in args.tile_sweep.split(";")] if args.tile_sweep else []
+    except ValueError as e:
+        ap.error(f"--packed-tiles / --tile-sweep: {e}")
+    use_tiles(tiles)
     dtype = torch.bfloat16
     checked = check(args.shape) if args.check else None
     hf, ours = models(args.shape, dtype)
@@ -384,14 +422,17 @@ def main():
                 for cap, storage, mib in runs:
                     block_pool.POOL_PAGE_BYTES = mib << 20
                     r = steady_decode(ours, pol, blocks, args.context, cap, vocab, kv_bits=bits, kv_storage=storage,
-                                      profile=args.profile)
+                                      profile=args.profile, tile_sweep=sweep, tiles=tiles)
                     key = label if cap == caps[0] else f"{label}, as many as bf16"
                     key += f", virtual {mib} MiB pages" if storage == "virtual" else ""
                     res["bounded"][key] = dict(r, blocks=blocks)
                     rows.append((f"{args.context}-token prompts, {key}", r["running"], float("nan"),
                                  r["decode_tok_s"], r["fit"], r["step_ms"], r["graph_ms"], r["write_ms"], r["map_ms"],
                                  r.get("map_ms_expected", float("nan")), r["committed_gib"]))
-                    print(key, {k: round(v, 3) for k, v in r.items()}, flush=True)
+                    for spec, ms in r.get("graph_ms_tiles", {}).items():
+                        rows.append((f"  tiles {spec}", r["running"], float("nan"), float("nan"), r["fit"],
+                                     float("nan"), ms, float("nan"), float("nan"), float("nan"), float("nan")))
+                    print(key, r, flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"engine_{args.shape}.json"), "w") as f:
