@@ -124,9 +124,8 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
             k = tl.load(K + kv_ptr, mask=valid[:, None], other=0.0)
             qk = _dot(q, tl.trans(k), IEEE)
             if UNITS:
-                held = valid & (tl.load(UPos + unit_row * stride_upr + offs_n * stride_upj + h, mask=valid,
-                                        other=-1) >= 0)
-                unit_sum += tl.sum(tl.where(held[:, None], _unit_rows(k.to(tl.float32)), 0.0), 0)
+                unit_sum += _unit_part(k.to(tl.float32), _held(UPos, unit_row, offs_n, h, valid, stride_upr,
+                                                               stride_upj))
         else:
             qk = _packed_qk(Q, K, KS, KB, slot, h, valid, q_row, stride_ks, stride_kh, stride_ss, stride_sh, scale,
                             G_PAD, BLOCK_N, D, BITS, GS, IEEE)
@@ -449,6 +448,18 @@ def _unit_rows(k):
 
 
 @triton.jit
+def _held(Pos, row, offs_n, h, valid, stride_pr, stride_pj):
+    """Which of the valid keys at offs_n head h holds (a position, not -1) in metadata row `row`."""
+    return valid & (tl.load(Pos + row * stride_pr + offs_n * stride_pj + h, mask=valid, other=-1) >= 0)
+
+
+@triton.jit
+def _unit_part(k, held):
+    """The sum of the held rows of k [N, D] as unit vectors: a part of KeyDiff's anchor."""
+    return tl.sum(tl.where(held[:, None], _unit_rows(k), 0.0), 0)
+
+
+@triton.jit
 def _unit_sum_kernel(K, KS, KB, SlotTable, Out, Pos, Rows, CtxLen, UnitSum, stride_ks, stride_kh, stride_ss,
                      stride_sh, stride_tb, stride_pr, stride_pj, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
                      BLOCK: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr):
@@ -463,10 +474,9 @@ def _unit_sum_kernel(K, KS, KB, SlotTable, Out, Pos, Rows, CtxLen, UnitSum, stri
     slot = tl.load(SlotTable + b * stride_tb + offs_n, mask=inb, other=0).to(tl.int64)
     offs_d = tl.arange(0, D)
     for h in tl.static_range(HKV):
-        held = inb & (tl.load(Pos + row * stride_pr + offs_n * stride_pj + h, mask=inb, other=-1) >= 0)
-        unit = _unit_rows(_read_keys(K, KS, KB, Out, slot, h, held, stride_ks, stride_kh, stride_ss, stride_sh, D,
-                                     BITS, GS, FP8))
-        part = tl.sum(tl.where(held[:, None], unit, 0.0), 0)
+        held = _held(Pos, row, offs_n, h, inb, stride_pr, stride_pj)
+        part = _unit_part(_read_keys(K, KS, KB, Out, slot, h, held, stride_ks, stride_kh, stride_ss, stride_sh, D,
+                                     BITS, GS, FP8), held)
         tl.store(UnitSum + ((b * tl.num_programs(1) + blk) * HKV_PAD + h) * D + offs_d, part)
 
 
