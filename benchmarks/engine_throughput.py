@@ -84,8 +84,8 @@ def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=
                   kv_storage="paged", tile_sweep=(), tiles=()):
     """As many `context`-token requests as fit in `blocks` (at most `cap`): prefill them all, then time
     `steps` decode steps with every one of them running. Returns fit, running, prefill and decode figures.
-    tile_sweep: (label, entries) of packed tiles to try on the same running batch after that, each timed as
-    the step's graph captured again with them (graph_ms_tiles); `tiles` are restored after."""
+    tile_sweep: (label, entries) of packed tiles to try over `tiles` on the same running batch after that (packed
+    pools only), each timed as the step's graph captured again with them (graph_ms_tiles); `tiles` alone after."""
     bs = 16
     out_len = 1024 if policy.budget is not None else 160  # long enough to still decode when the last is in
     need = -(-(policy.budget + 1) // bs) if policy.budget is not None else -(-(context + out_len) // bs)
@@ -135,10 +135,10 @@ def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=
                graph_ms=replay_ms(eng), write_ms=write_ms(eng.pool, running, model.config.num_layers),
                committed_gib=eng.pool.committed_bytes / 2**30,
                map_ms=1000 * (after[0] - before[0]) / steps, maps_per_step=(after[1] - before[1]) / steps, **growth)
-    if tile_sweep and eng.graphs is not None and eng.graphs.last is not None:
+    if tile_sweep and kv_bits is not None and eng.graphs is not None and eng.graphs.last is not None:
         res["graph_ms_tiles"] = {}
         for label, entries in tile_sweep:
-            use_tiles(entries)
+            use_tiles([*tiles, *entries])
             eng.graphs.graphs.pop(eng.graphs.last)  # captured again at its next step, with these tiles
             for _ in range(3):
                 eng.step(only_finished=True)
@@ -344,7 +344,8 @@ def main():
                     "(the default), the others, or calls of fewer than SHORT_KEYS keys in all (e.g. "
                     "fp8:64:256:4:2, short:8:64:64:4:2)")
     ap.add_argument("--tile-sweep", default=None, help="with --bounded: packed tile lists (--packed-tiles' form) "
-                    "separated by ';', each timed on every run's running batch after its own timing, by capturing "
+                    "separated by ';', each over --packed-tiles and timed on every packed run's running batch after its own "
+                    "timing, by capturing "
                     "the step's graph again (no new prefill), e.g. 'short:8:64:64:4:2;short:8:64:32:4:2'")
     ap.add_argument("--profile", action="store_true", help="with --bounded: GPU and host time per kernel of a few "
                     "steady decode steps of each run")
@@ -432,7 +433,7 @@ def main():
                     for spec, ms in r.get("graph_ms_tiles", {}).items():
                         rows.append((f"  tiles {spec}", r["running"], float("nan"), float("nan"), r["fit"],
                                      float("nan"), ms, float("nan"), float("nan"), float("nan"), float("nan")))
-                    print(key, r, flush=True)
+                    print(key, {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"engine_{args.shape}.json"), "w") as f:
