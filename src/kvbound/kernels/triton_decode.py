@@ -26,9 +26,8 @@ number of attended keys). Turned off (EXPORT=False), that code is compiled out.
 The fold kernel can also pick each head's eviction victim in the same pass (`decode_attention(...,
 victim=...)`): the engine's steady-state bounded decode (`evict_decode`) is then five launches per layer
 (store, split, merge, fold, victim) with no PyTorch ops between them. Policies that rank by the keys
-themselves (KNorm, KeyDiff) score them in the fold kernel, which reads them back as the store does. KeyDiff's
-anchor (the sum of a head's unit keys) comes in parts: over bf16 keys each split program sums the keys it reads
-(UNITS), over packed ones one more launch (`_unit_sum_kernel`) reads them first. The fold adds the parts up.
+themselves (KNorm, KeyDiff) score them in the fold kernel, which reads them back as the store does; KeyDiff's
+anchor (the sum of a head's unit keys) is summed per block by one more launch before it.
 
 `reference.py` holds the PyTorch reference these kernels are tested against (TRITON_INTERPRET=1 on CPU);
 the fused evict step's reference is the PyTorch route of `cache.steps.evict_decode`.
@@ -66,15 +65,10 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                   scale, split,
                   RPos, RRows, RFirst, stride_rpr, stride_rpj,
                   RK, RKS, RKB, RV, RVS, RVB, stride_rks, stride_rkh, stride_rss, stride_rsh, ring_row_entries,
-                  UnitSum, UPos, URows, stride_upr, stride_upj,
                   G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                   BITS: tl.constexpr, GS: tl.constexpr, EXPORT: tl.constexpr, IEEE: tl.constexpr,
                   VDOT: tl.constexpr, FP8: tl.constexpr, CONTIG: tl.constexpr,
-                  RESID: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, UNITS: tl.constexpr,
-                  HKV_PAD: tl.constexpr):
-    """Sequence b, KV head h, split s: attention over the split's keys into partial (out, max, sum). UNITS (KeyDiff
-    over bf16 keys): also the sum of the split's held keys' unit vectors, the anchor in part (`_unit_sum_kernel`'s
-    job, done here from the keys the split reads anyway)."""
+                  RESID: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -105,9 +99,6 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
     if RESID:  # mixed widths: the window's and sinks' residuals, by position (`cache.quant.RecentResiduals`)
         ring_row = tl.load(RRows + b).to(tl.int64)
         first = tl.load(RFirst + b).to(tl.int64)
-    if UNITS:
-        unit_sum = tl.zeros([D], tl.float32)
-        unit_row = tl.load(URows + b)
     for j0 in range(start, end, BLOCK_N):
         offs_n = j0 + tl.arange(0, BLOCK_N)
         valid = offs_n < end
@@ -121,11 +112,7 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
             k = tl.load(K + kv_ptr, mask=valid[:, None], other=0.0).to(tl.float16)
             qk = _dot(q, tl.trans(k), IEEE) * tl.load(KS + sp, mask=valid, other=0.0).to(tl.float32)[None, :]
         elif BITS == 16:
-            k = tl.load(K + kv_ptr, mask=valid[:, None], other=0.0)
-            qk = _dot(q, tl.trans(k), IEEE)
-            if UNITS:
-                unit_sum += _unit_part(k.to(tl.float32), _held(UPos, unit_row, offs_n, h, valid, stride_upr,
-                                                               stride_upj))
+            qk = _dot(q, tl.trans(tl.load(K + kv_ptr, mask=valid[:, None], other=0.0)), IEEE)
         else:
             qk = _packed_qk(Q, K, KS, KB, slot, h, valid, q_row, stride_ks, stride_kh, stride_ss, stride_sh, scale,
                             G_PAD, BLOCK_N, D, BITS, GS, IEEE)
@@ -190,8 +177,6 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
         tl.store(o_ptr + offs_d[None, :], acc, mask=gmask[:, None])
     tl.store(PartM + b * stride_mb + heads * stride_mh + s, m, mask=gmask)
     tl.store(PartL + b * stride_mb + heads * stride_mh + s, l, mask=gmask)
-    if UNITS:
-        tl.store(UnitSum + ((b * tl.num_programs(2) + s) * HKV_PAD + h) * D + offs_d, unit_sum)
 
 
 @triton.jit
@@ -448,18 +433,6 @@ def _unit_rows(k):
 
 
 @triton.jit
-def _held(Pos, row, offs_n, h, valid, stride_pr, stride_pj):
-    """Which of the valid keys at offs_n head h holds (a position, not -1) in metadata row `row`."""
-    return valid & (tl.load(Pos + row * stride_pr + offs_n * stride_pj + h, mask=valid, other=-1) >= 0)
-
-
-@triton.jit
-def _unit_part(k, held):
-    """The sum of the held rows of k [N, D] as unit vectors: a part of KeyDiff's anchor."""
-    return tl.sum(tl.where(held[:, None], _unit_rows(k), 0.0), 0)
-
-
-@triton.jit
 def _unit_sum_kernel(K, KS, KB, SlotTable, Out, Pos, Rows, CtxLen, UnitSum, stride_ks, stride_kh, stride_ss,
                      stride_sh, stride_tb, stride_pr, stride_pj, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
                      BLOCK: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr):
@@ -474,9 +447,10 @@ def _unit_sum_kernel(K, KS, KB, SlotTable, Out, Pos, Rows, CtxLen, UnitSum, stri
     slot = tl.load(SlotTable + b * stride_tb + offs_n, mask=inb, other=0).to(tl.int64)
     offs_d = tl.arange(0, D)
     for h in tl.static_range(HKV):
-        held = _held(Pos, row, offs_n, h, inb, stride_pr, stride_pj)
-        part = _unit_part(_read_keys(K, KS, KB, Out, slot, h, held, stride_ks, stride_kh, stride_ss, stride_sh, D,
-                                     BITS, GS, FP8), held)
+        held = inb & (tl.load(Pos + row * stride_pr + offs_n * stride_pj + h, mask=inb, other=-1) >= 0)
+        unit = _unit_rows(_read_keys(K, KS, KB, Out, slot, h, held, stride_ks, stride_kh, stride_ss, stride_sh, D,
+                                     BITS, GS, FP8))
+        part = tl.sum(tl.where(held[:, None], unit, 0.0), 0)
         tl.store(UnitSum + ((b * tl.num_programs(1) + blk) * HKV_PAD + h) * D + offs_d, part)
 
 
@@ -655,25 +629,14 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         raise ValueError("residuals read values dequantized (value_dot=False)")
     ieee = q.dtype == torch.float32 or not q.is_cuda
     rt = _resid_args(resid, part_m)
-    hkv_pad = triton.next_power_of_2(hkv)
-    # KeyDiff's anchor in parts: over bf16 keys the split kernel sums them as it reads the keys; packed ones
-    # take `_unit_sum_kernel`'s own pass
-    key_diff = victim is not None and victim.get("rank") == "key-diff"
-    units = key_diff and bits == 16 and not fp8
-    unit_sum = part_m
-    if units:
-        unit_sum = torch.empty(bsz, num_splits, hkv_pad, d, device=q.device, dtype=torch.float32)
-    upos = victim["pos"] if units else part_m
-    urows = rows if units else ctx_lens
     _split_kernel[(bsz, hkv, num_splits)](
         q, k_pool, v_pool, *scales, slot_table, ctx_lens, part_o, part_m, part_l, e, m_blk,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), ss[0], ss[1], slot_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
         e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), scale, min_split, *rt["reads"], *rt["ring"],
-        unit_sum, upos, urows, upos.stride(0) if units else 0, upos.stride(1) if units else 0,
         G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee, VDOT=value_dot,
         FP8=fp8, CONTIG=bool(contiguous), RESID=resid is not None, SINK=rt["sink"], RECENT=rt["recent"],
-        UNITS=units, HKV_PAD=hkv_pad, num_warps=num_warps,
+        num_warps=num_warps,
         **({} if num_stages is None else dict(num_stages=num_stages)))
     _merge_kernel[(bsz, hkv)](
         part_o, part_m, part_l, out, ctx_lens,
@@ -687,6 +650,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         vt = victim or {}
         pos, positions = vt.get("pos", part_m), vt.get("positions", ctx_lens)
         sc = score if score is not None else part_m
+        hkv_pad = triton.next_power_of_2(hkv)
         cand = [part_m] * 3
         if victim is not None:
             cand = [torch.empty(bsz, blocks, hkv_pad, device=q.device, dtype=dt)
@@ -695,9 +659,9 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         keys = (k_pool, *scales[:2], slot_table, out)
         key_strides = (k_pool.stride(0), k_pool.stride(1), *ss, slot_table.stride(0))
         key_tiles = dict(D=d, BITS=bits, GS=gs, FP8=fp8)
-        parts = num_splits
-        if key_diff and not units:  # the anchor's parts first: every block's keys score against it
-            unit_sum, parts = torch.empty(bsz, blocks, hkv_pad, d, device=q.device, dtype=torch.float32), blocks
+        unit_sum = part_m
+        if rank == RANK_IDS["key-diff"]:  # the anchor's parts first: every block's keys score against it
+            unit_sum = torch.empty(bsz, blocks, hkv_pad, d, device=q.device, dtype=torch.float32)
             _unit_sum_kernel[(bsz, blocks)](*keys, pos, rows, ctx_lens, unit_sum, *key_strides, pos.stride(0),
                                             pos.stride(1), HKV=hkv, HKV_PAD=hkv_pad, BLOCK=block, **key_tiles)
         _fold_kernel[(bsz, blocks)](
@@ -706,7 +670,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
             sc.stride(0) if score is not None else 0, sc.stride(1) if score is not None else 0,
             pos.stride(0) if victim else 0, pos.stride(1) if victim else 0,
             float(ema_decay), int(vt.get("prefix", 0)), int(vt.get("recent", 0)), *keys, unit_sum, *key_strides,
-            parts, G=g, HKV=hkv, HKV_PAD=hkv_pad, BLOCK=block, BLOCK_N=block_n, MODE=mode,
+            blocks, G=g, HKV=hkv, HKV_PAD=hkv_pad, BLOCK=block, BLOCK_N=block_n, MODE=mode,
             ROWS=rows is not None, VICTIM=victim is not None, BY_SCORE=bool(vt.get("by_score", False)),
             LAYER=bool(layer), RANK=rank, **key_tiles)
         if victim is not None:
