@@ -367,6 +367,41 @@ def tune_export():
         torch.cuda.empty_cache()
 
 
+def tune_grid(configs, bits_list):
+    """Tiles and split sizes (keys per program) of every format on the engine's tables, which are wider than
+    their contexts (a graph's width bucket): `configs` of (shape, batch, context, table width, export). With
+    export the call also scores (cumulative), as h2o's step does. Each row against bf16's default call."""
+    print(f"{'shape':<8}{'B':>4}{'ctx':>6}{'width':>6}{'bits':>5}{'blk':>4}{'w':>3}{'st':>3}{'split':>6}{'ms':>8}"
+          f"{'vs bf16':>8}")
+    tiles = {64: [(32, 2, 2), (32, 4, 2), (64, 2, 2), (64, 4, 2), (128, 4, 2)],
+             128: [(32, 4, 2), (64, 4, 2), (64, 8, 2), (128, 2, 2), (128, 4, 2), (128, 8, 2)]}
+    for name, bsz, ctx, width, export in configs:
+        d, hkv = SHAPES[name][2], SHAPES[name][1]
+        sets, k, v, tables, lens, qs = tune_inputs(name, bsz, width, block=16)
+        lens.fill_(ctx)
+        score = torch.zeros(bsz, width, hkv, device="cuda") if export else None
+        base = dict(score=score, score_mode="cumulative") if export else {}
+        ref = timed(lambda i: decode_attention(qs[i], k, v, tables[i], lens, **base), sets)
+        for bits in bits_list:
+            kc, vc, quant = packed(k, v, bits) if bits != 16 else (k, v, None)
+            splits = (lambda blk: [blk * m for m in (1, 2, 4, 8) if blk * m <= width]) if width < 4096 else \
+                (lambda blk: [256, 512, 1024, 2048, 4096])
+            runs = [(None, None, None, None)] + [(*t, split) for t in tiles[d] for split in splits(t[0])]
+            for blk, w, st, split in runs:
+                kw = dict(base, quant=quant, block_n=blk, num_warps=w, num_stages=st, split=split)
+                try:
+                    ms = timed(lambda i: decode_attention(qs[i], kc, vc, tables[i], lens, **kw), sets)
+                except Exception as e:  # e.g. out of shared memory
+                    print(f"{name:<8}{bsz:>4}{ctx:>6}{width:>6}{bits!s:>5}{blk!s:>4}{w!s:>3}{st!s:>3}{split!s:>6}  "
+                          f"{type(e).__name__}")
+                    continue
+                print(f"{name:<8}{bsz:>4}{ctx:>6}{width:>6}{bits!s:>5}{blk or 'def':>4}{w or '':>3}{st or '':>3}"
+                      f"{split or 'def':>6}{ms:>8.4f}{ms / ref:>8.2f}", flush=True)
+            del kc, vc
+        del k, v
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one small config per shape")
@@ -380,6 +415,9 @@ def main():
     ap.add_argument("--tune-configs", help="with --tune-quant: shape:batch:ctx,... instead of the default five")
     ap.add_argument("--tune-split", action="store_true", help="only sweep programs per SM, bf16 and packed")
     ap.add_argument("--tune-export", action="store_true", help="only sweep the tile of the kernel with export")
+    ap.add_argument("--tune-grid", help="only sweep tiles and split sizes of every format (--quant-bits) on "
+                    "shape:batch:context:width:export,... (export 0/1), e.g. smollm2:64:257:272:1 (h2o 256 at 64 "
+                    "running, as the engine's graph calls it)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -392,6 +430,9 @@ def main():
         return tune_quant([b if b == "fp8" else int(b) for b in args.quant_bits.split(",")], configs)
     if args.tune_split:
         return tune_split()
+    if args.tune_grid:
+        configs = [(c.split(":")[0], *map(int, c.split(":")[1:])) for c in args.tune_grid.split(",")]
+        return tune_grid(configs, [b if b == "fp8" else int(b) for b in args.quant_bits.split(",")])
     if args.tune_export:
         return tune_export()
     copy = copy_bandwidth()

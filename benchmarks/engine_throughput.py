@@ -40,22 +40,26 @@ SHAPES = {
 }
 
 
-TILE_TABLES = {"long": triton_decode.PACKED_TILES_LONG, "mid": triton_decode.PACKED_TILES,
-               "short": triton_decode.PACKED_TILES_SHORT}
+TILE_TABLES = {"long": triton_decode.TILES_LONG, "mid": triton_decode.TILES, "short": triton_decode.TILES_SHORT,
+               "narrow": triton_decode.TILES_NARROW}
 KERNEL_TILES = {name: dict(table) for name, table in TILE_TABLES.items()}  # the kernel's own, to go back to
+TILE_FORM = "[long:|mid:|short:|narrow:]format:head_dim:keys:warps:stages[:split_blocks[:programs_per_sm]]"
 
 
 def tile_entries(spec: str) -> list:
-    """(table, (bits or "fp8", head_dim), (keys, warps, stages)) of each entry of a --packed-tiles list."""
+    """(table, (format, head_dim), Tile) of each entry of a --packed-tiles list; format 16 (bf16), 8, 4 or fp8,
+    split_blocks 0 for none (programs per SM decide)."""
     entries = []
     for tile in spec.split(",") if spec else []:
         fields = tile.split(":")
         table = fields.pop(0) if fields[0] in TILE_TABLES else "long"
-        if len(fields) != 5 or not all(f.isdigit() for f in fields[1:]) or fields[0] not in ("8", "4", "fp8"):
-            raise ValueError(f"{tile!r} is not [long:|mid:|short:]bits:head_dim:keys:warps:stages with bits 8, 4 "
-                             "or fp8")
-        fmt, d, keys, warps, stages = fields
-        entries.append((table, (fmt if fmt == "fp8" else int(fmt), int(d)), (int(keys), int(warps), int(stages))))
+        if not 5 <= len(fields) <= 7 or not all(f.isdigit() for f in fields[1:]) \
+                or fields[0] not in ("16", "8", "4", "fp8"):
+            raise ValueError(f"{tile!r} is not {TILE_FORM} with format 16, 8, 4 or fp8")
+        fmt, d, keys, warps, stages, *rest = fields
+        split_blocks, pps = [int(f) for f in rest] + [0, 4][len(rest):]
+        entries.append((table, (fmt if fmt == "fp8" else int(fmt), int(d)),
+                        triton_decode.Tile(int(keys), int(warps), int(stages), split_blocks or None, pps)))
     return entries
 
 
@@ -84,8 +88,8 @@ def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=
                   kv_storage="paged", tile_sweep=(), tiles=()):
     """As many `context`-token requests as fit in `blocks` (at most `cap`): prefill them all, then time
     `steps` decode steps with every one of them running. Returns fit, running, prefill and decode figures.
-    tile_sweep: (label, entries) of packed tiles to try over `tiles` on the same running batch after that (packed
-    pools only), each timed as the step's graph captured again with them (graph_ms_tiles); `tiles` alone after."""
+    tile_sweep: (label, entries) of tiles to try over `tiles` on the same running batch after that, each timed as
+    the step's graph captured again with them (graph_ms_tiles); `tiles` alone after."""
     bs = 16
     out_len = 1024 if policy.budget is not None else 160  # long enough to still decode when the last is in
     need = -(-(policy.budget + 1) // bs) if policy.budget is not None else -(-(context + out_len) // bs)
@@ -135,7 +139,7 @@ def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=
                graph_ms=replay_ms(eng), write_ms=write_ms(eng.pool, running, model.config.num_layers),
                committed_gib=eng.pool.committed_bytes / 2**30,
                map_ms=1000 * (after[0] - before[0]) / steps, maps_per_step=(after[1] - before[1]) / steps, **growth)
-    if tile_sweep and kv_bits is not None and eng.graphs is not None and eng.graphs.last is not None:
+    if tile_sweep and eng.graphs is not None and eng.graphs.last is not None:
         res["graph_ms_tiles"] = {}
         for label, entries in tile_sweep:
             use_tiles([*tiles, *entries])
@@ -339,14 +343,13 @@ def main():
                     "virtual, or both (issue #20: paged,virtual)")
     ap.add_argument("--page-mib", default=str(block_pool.POOL_PAGE_BYTES >> 20),
                     help="virtual storage's page sizes, MiB (whole 2 MiB granules): each is a run")
-    ap.add_argument("--packed-tiles", default=None, help="packed decode tiles to try instead of the kernel's: "
-                    "[long:|mid:|short:]bits:head_dim:keys:warps:stages,... for tables of at least LONG_KEYS keys "
-                    "(the default), the others, or calls of fewer than SHORT_KEYS keys in all (e.g. "
-                    "fp8:64:256:4:2, short:8:64:64:4:2)")
-    ap.add_argument("--tile-sweep", default=None, help="with --bounded: packed tile lists (--packed-tiles' form) "
-                    "separated by ';', each over --packed-tiles and timed on every packed run's running batch after its own "
-                    "timing, by capturing "
-                    "the step's graph again (no new prefill), e.g. 'short:8:64:64:4:2;short:8:64:32:4:2'")
+    ap.add_argument("--packed-tiles", default=None, help=f"decode tiles to try instead of the kernel's: {TILE_FORM},"
+                    "... for tables of at least LONG_KEYS keys (the default), the middle ones, calls of fewer than "
+                    "SHORT_KEYS keys in all, or tables narrower than NARROW_KEYS (e.g. fp8:64:256:4:2, "
+                    "narrow:8:64:64:4:2:2, long:16:128:128:4:2:0:2)")
+    ap.add_argument("--tile-sweep", default=None, help="with --bounded: tile lists (--packed-tiles' form) separated by "
+                    "';', each over --packed-tiles and timed on every run's running batch after its own timing, by "
+                    "capturing the step's graph again (no new prefill), e.g. 'narrow:8:64:64:4:2:2;narrow:8:64:32:4:2'")
     ap.add_argument("--profile", action="store_true", help="with --bounded: GPU and host time per kernel of a few "
                     "steady decode steps of each run")
     ap.add_argument("--skip-hf-batch", action="store_true")

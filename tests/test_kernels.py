@@ -101,9 +101,9 @@ def test_packed_decode_on_the_gpus_long_table_tiles_matches_dequantize_then_atte
         (kc, kscale, kbias), (vc, vscale, vbias) = quantize(k, fmt, 32), quantize(v, fmt, 32)
         kd, vd = dequantize(kc, kscale, kbias, fmt, 32), dequantize(vc, vscale, vbias, fmt, 32)
         quant = dict(bits=fmt, group=32, k_scale=kscale, k_bias=kbias, v_scale=vscale, v_bias=vbias)
-    block_n, warps, stages = kernel_tile(fmt, d, 2, LONG_KEYS, cuda=True)
-    out = decode_attention(*(t.to(DEV) for t in (q, kc, vc, table, n)), block_n=block_n, num_warps=warps,
-                           num_stages=stages, quant={key: t if isinstance(t, str) or isinstance(t, int) else t.to(DEV)
+    tile = kernel_tile(fmt, d, 2, LONG_KEYS, cuda=True)
+    out = decode_attention(*(t.to(DEV) for t in (q, kc, vc, table, n)), block_n=tile.keys, num_warps=tile.warps,
+                           num_stages=tile.stages, programs_per_sm=tile.programs_per_sm, quant={key: t if isinstance(t, str) or isinstance(t, int) else t.to(DEV)
                                                      for key, t in quant.items()}).cpu()
     want, _ = _reference(q, kd, vd, table, n, None, torch.zeros(2, LONG_KEYS, 2), 0)
     torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
@@ -217,18 +217,44 @@ def test_contiguous_buffers_read_from_their_first_slot_equal_the_table(bits):
 
 
 def test_kernel_tile_follows_the_table_width_on_the_gpu():
-    """Packed tiles on the GPU: long tables (4k keys or more) take 256-key blocks at d=64 (4-bit with 8 warps),
-    bounded caches' short tables 4-bit's 64-key blocks or the middle ones, fp8 elsewhere takes bf16's tile; on the CPU every call takes bf16's."""
-    from kvbound.kernels.triton_decode import kernel_tile
+    """Tiles on the GPU: long tables (4k keys or more) take 256-key blocks at d=64 (4-bit with 8 warps) and 128-key
+    ones at two programs an SM at d=128; bounded caches' narrow tables two-block splits in every format; fp8 elsewhere
+    takes bf16's tile; on the CPU every call takes bf16's."""
+    from kvbound.kernels.triton_decode import Tile, kernel_tile
     bf16 = kernel_tile(16, 64, 43, 8192)
-    assert kernel_tile(8, 64, 43, 8192) == kernel_tile("fp8", 64, 43, 8192) == (256, 4, 2)
-    assert kernel_tile(4, 64, 43, 8192) == (256, 8, 2) and kernel_tile(8, 128, 7, 8192) == (128, 8, 2)
-    assert kernel_tile(8, 64, 256, 257) == (128, 4, 2) and kernel_tile("fp8", 64, 256, 257) == bf16
-    assert kernel_tile(4, 64, 64, 257) == (64, 4, 2)
-    assert kernel_tile(4, 128, 4, 1024) == (32, 4, 3)  # under SHORT_KEYS keys in all
-    assert kernel_tile(8, 64, 43, 8192, cuda=False) == bf16 == (64, 4, None)
+    assert kernel_tile(8, 64, 43, 8192) == kernel_tile("fp8", 64, 43, 8192) == Tile(256, 4, 2)
+    assert kernel_tile(4, 64, 43, 8192) == Tile(256, 8, 2)
+    assert kernel_tile(8, 128, 7, 8192) == Tile(128, 8, 2, programs_per_sm=2)
+    assert kernel_tile(16, 128, 1, 32768) == kernel_tile("fp8", 128, 7, 8192) == Tile(128, 4, 2, programs_per_sm=2)
+    assert kernel_tile(4, 128, 7, 8192) == Tile(128, 2, 2)
+    for fmt in (16, 8, 4, "fp8"):  # h2o 256's 272-wide tables, at any batch
+        assert kernel_tile(fmt, 64, 256, 272) == kernel_tile(fmt, 64, 64, 272) == Tile(64, 4, 2, split_blocks=2)
+    assert kernel_tile(8, 128, 64, 272) == Tile(64, 4, 2, split_blocks=2)
+    assert kernel_tile(4, 128, 64, 272) == Tile(128, 2, 2, split_blocks=2) and kernel_tile(16, 128, 64, 272) == bf16
+    assert kernel_tile(8, 64, 64, 2048) == Tile(128, 4, 2) and kernel_tile("fp8", 64, 64, 2048) == bf16
+    assert kernel_tile(4, 128, 4, 2048) == Tile(32, 4, 3)  # under SHORT_KEYS keys in all
+    assert kernel_tile(8, 64, 43, 8192, cuda=False) == bf16 == Tile(64, 4, None)
     assert kernel_tile(16, 128, 4, 8192, contiguous=True) == kernel_tile("fp8", 128, 4, 8192, contiguous=True) \
-        == (64, 4, 1)
+        == Tile(64, 4, 1)
+
+
+def test_narrow_tables_two_block_splits_match_the_reference():
+    """A narrow table's tile (two blocks a program, `split_blocks`) spreads a 257-key context over three programs:
+    out and scores as the reference's, bf16 and 8-bit at the tile the GPU takes."""
+    from kvbound.kernels.triton_decode import kernel_tile
+    q, k, v, table, n = _case(7, 2, 6, 2, 64, [257, 130], slots=400)
+    tile = kernel_tile(8, 64, 2, 272, cuda=True)
+    (kc, kscale, kbias), (vc, vscale, vbias) = quantize(k, 8, 32), quantize(v, 8, 32)
+    kd, vd = dequantize(kc, kscale, kbias, 8, 32), dequantize(vc, vscale, vbias, 8, 32)
+    quant = dict(bits=8, group=32, k_scale=kscale, k_bias=kbias, v_scale=vscale, v_bias=vbias)
+    for kk, vv, qt, kref, vref in ((k, v, None, k, v), (kc, vc, quant, kd, vd)):
+        score = torch.zeros(2, table.shape[1], 2, device=DEV)
+        qt = qt and {key: t if isinstance(t, int) else t.to(DEV) for key, t in qt.items()}
+        out = decode_attention(*(t.to(DEV) for t in (q, kk, vv, table, n)), quant=qt, score=score,
+                               score_mode="cumulative", block_n=tile.keys, split=tile.split_blocks * tile.keys)
+        want, want_score = _reference(q, kref, vref, table, n, "cumulative", torch.zeros(2, table.shape[1], 2), 0)
+        torch.testing.assert_close(out.cpu().double(), want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(score.cpu().double(), want_score, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("d, mode", [(64, "cumulative"), (128, "ema"), (32, None)])

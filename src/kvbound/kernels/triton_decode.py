@@ -34,6 +34,8 @@ the fused evict step's reference is the PyTorch route of `cache.steps.evict_deco
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -42,19 +44,41 @@ from .reference import SCORE_MODES
 
 MODE_IDS = {mode: i for i, mode in enumerate(SCORE_MODES)}  # 0: no export, 1 cumulative, 2 normalized, 3 ema
 RANK_IDS = {rank: i for i, rank in enumerate(("attention", "age", "key-norm", "key-diff"))}  # `Policy.rank_source`
-# (bits or "fp8", head_dim) -> (keys per block, warps, pipeline stages) of the packed kernel on the GPU
-PACKED_TILES = {(8, 128): (64, 4, 2), (4, 128): (128, 2, 2), (8, 64): (128, 4, 2), (4, 64): (256, 4, 2)}
-# ... and where a call has fewer than SHORT_KEYS keys in all (batch x context), which few large tiles serve badly
+
+
+class Tile(NamedTuple):
+    """The split kernel's launch: keys per block, warps, pipeline stages (None: Triton's), and how many keys each
+    program takes: `split_blocks` blocks, or (None) enough programs to put programs_per_sm on every SM, each at least
+    4 blocks."""
+    keys: int
+    warps: int
+    stages: int | None = None
+    split_blocks: int | None = None
+    programs_per_sm: int = 4
+
+
+# (bits or "fp8" or 16 for bf16, head_dim) -> the kernel's Tile on the GPU; packed formats' middle tables:
+TILES = {(8, 128): Tile(64, 4, 2), (4, 128): Tile(128, 2, 2), (8, 64): Tile(128, 4, 2), (4, 64): Tile(256, 4, 2)}
+# ... where a call has fewer than SHORT_KEYS keys in all (batch x context), which few large tiles serve badly
 # (4-bit at d=64: h2o 256 at 64 running, 257-key tables, 1.79 -> 1.75 ms a step against bf16's 1.58,
 # results/engine_packed_tiles_sweep_smollm2_h100.log)
-PACKED_TILES_SHORT, SHORT_KEYS = {(4, 128): (32, 4, 3), (4, 64): (64, 4, 2)}, 32768
+TILES_SHORT, SHORT_KEYS = {(4, 128): Tile(32, 4, 3), (4, 64): Tile(64, 4, 2)}, 32768
+# ... where the table is narrower than NARROW_KEYS, as bounded caches' are (checked first): two 64-key blocks a
+# program (128-key ones for 4-bit at d=128), every format. At 257 keys, d=64, 64 and 256 sequences, they took the
+# call with scores (split, merge, fold) from 17.5 / 22.9 / 22.3 / 19.7 us (bf16 / 8 / 4 / fp8) to 16.0 / 17.1 / 17.9 /
+# 16.3, and from 37.7 / 53.7 / 58.9 / 42.7 to 33.1 / 43.4 / 45.6 / 41.2; 8B's d=128 at 64 from 57.9 / 52.2 (8 / 4) to
+# 48.1 / 46.9 (results/tune_grid_short_h100.log)
+TILES_NARROW, NARROW_KEYS = {**{(f, 64): Tile(64, 4, 2, split_blocks=2) for f in (16, 8, 4, "fp8")},
+                             (8, 128): Tile(64, 4, 2, split_blocks=2), (4, 128): Tile(128, 2, 2, split_blocks=2)}, 1024
 # ... and where its table is at least LONG_KEYS wide: at d=64, 256-key blocks took a full-cache engine step of 43
 # sequences x 4k (8k-wide graph tables) from 3.57 to 3.21 ms (8-bit) and from 3.97 to 2.91 ms (fp8), against bf16's
 # 3.24 (results/engine_kvformats_long_tiles_smollm2_h100.log; GPU time of the step's graph, H100); 4-bit's with 8
-# warps from 3.36 to 3.02 (results/engine_packed_tiles_sweep_smollm2_h100.log); at d=128, 8-bit's 128-key blocks with 8
-# warps took the 8B shape's step at 14 x 4k from 11.01 to 10.23 ms (results/engine_packed_tiles_sweep_8b_h100.log), at
-# 7 (bf16's count) from 8.61 to 8.76 against bf16's 8.21 (results/engine_kvformats_graph_8b_h100.log): the full pool wins
-PACKED_TILES_LONG = {(8, 64): (256, 4, 2), ("fp8", 64): (256, 4, 2), (4, 64): (256, 8, 2), (8, 128): (128, 8, 2)}
+# warps from 3.36 to 3.02 (results/engine_packed_tiles_sweep_smollm2_h100.log). At d=128, 128-key blocks and two
+# programs an SM (8-bit with 8 warps): 1 x 32k keys from 69.4 / 84.1 / 75.4 us (bf16 / 8 / fp8) to 59.3 / 64.6 /
+# 52.4, 7 x 4k (8k tables) from 51.2 / 61.1 / 58.6 to 47.9 / 56.6 / 43.0 (results/tune_grid_long_h100.log)
+TILES_LONG = {(8, 64): Tile(256, 4, 2), ("fp8", 64): Tile(256, 4, 2), (4, 64): Tile(256, 8, 2),
+              **{(f, 128): Tile(128, 4, 2, programs_per_sm=2) for f in (16, "fp8")},
+              (8, 128): Tile(128, 8, 2, programs_per_sm=2)}
 LONG_KEYS = 4096
 
 
@@ -527,22 +551,23 @@ def _resid_args(resid, dummy):
                 sink=resid["sink"], recent=resid["recent"])
 
 
-def kernel_tile(fmt, d: int, bsz: int, max_len: int, contiguous: bool = False, cuda: bool = True) -> tuple:
-    """(keys per block, warps, pipeline stages or None) of the split kernel for a call of `bsz` tables `max_len`
-    wide: bf16's tile, or on the GPU a packed format's (`fmt` 8 / 4 / "fp8"; 16 for bf16) by head size and
-    table width. fp8 keeps bf16's tile unless a table names one."""
-    tile = (64, 4, None)
+def kernel_tile(fmt, d: int, bsz: int, max_len: int, contiguous: bool = False, cuda: bool = True) -> Tile:
+    """The split kernel's Tile for a call of `bsz` tables `max_len` wide in format `fmt` (16 for bf16, 8 / 4 / "fp8"):
+    on the GPU the tables' entry by head size and table width, else bf16's default (packed formats' middle one)."""
     if contiguous and fmt in (16, "fp8") and d >= 128:
         # direct loads pipeline deeper, and three stages of 128-wide K/V tiles cost occupancy: 1.08x paged at
         # batch 64, 0.97x with one stage (results/contig_decode_h100.log)
-        tile = (64, 4, 1)
-    if fmt == 16 or not cuda:
+        return Tile(64, 4, 1)
+    tile = Tile(64, 4, None)
+    if not cuda:
         return tile
-    tile = PACKED_TILES.get((fmt, d), tile if fmt == "fp8" else (64, 2, 2))
+    tile = TILES.get((fmt, d), tile if fmt in (16, "fp8") else Tile(64, 2, 2))
+    if max_len < NARROW_KEYS and (fmt, d) in TILES_NARROW:
+        return TILES_NARROW[fmt, d]
     if bsz * max_len < SHORT_KEYS:
-        return PACKED_TILES_SHORT.get((fmt, d), tile)
+        return TILES_SHORT.get((fmt, d), tile)
     if max_len >= LONG_KEYS:
-        return PACKED_TILES_LONG.get((fmt, d), tile)
+        return TILES_LONG.get((fmt, d), tile)
     return tile
 
 
@@ -581,10 +606,13 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     # d=128), where other tiles spill registers (up to 9x slower)
     bits, gs, fp8, scales = _quant_args(quant, k_pool, d)
     tile = kernel_tile("fp8" if fp8 else bits, d, bsz, max_len, contiguous, q.is_cuda)
-    block_n = block_n or tile[0]
-    num_warps = num_warps or tile[1]
-    num_stages = num_stages or tile[2]
-    programs_per_sm = programs_per_sm or 4
+    explicit = block_n is not None  # a caller's block size takes no table's split
+    block_n = block_n or tile.keys
+    num_warps = num_warps or tile.warps
+    num_stages = num_stages or tile.stages
+    programs_per_sm = programs_per_sm or tile.programs_per_sm
+    if split is None and tile.split_blocks and not explicit:
+        split = tile.split_blocks * block_n
     if bits == 4 and q.is_cuda and block_n < 32:
         raise ValueError(f"block_n {block_n}: the 4-bit kernel needs blocks of at least 32 keys on the GPU "
                          "(16 gave wrong results with Triton 3.6)")
