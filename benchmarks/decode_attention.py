@@ -292,6 +292,16 @@ def unpacked(kc, vc, quant):
             dequantize(vc, quant["v_scale"], quant["v_bias"], bits, 64, torch.bfloat16))
 
 
+def tried(label, run):
+    """run() of one tuning point, or None after printing the label and why it failed (e.g. out of shared memory,
+    which some tiles hit): a sweep goes on past such points."""
+    try:
+        return run()
+    except Exception as e:
+        print(f"{label}  {type(e).__name__}", flush=True)
+        return None
+
+
 def tune_quant(bits_list=(16, 8, 4), configs=None):
     """Fused 8/4-bit kernels against the bf16 kernel on the same slot tables (16-token blocks): key block
     size, warps and pipeline stages swept for each (the packed kernels convert codes with the fp16 bit
@@ -315,15 +325,13 @@ def tune_quant(bits_list=(16, 8, 4), configs=None):
             for blk, w in tiles[name]:
                 for st in (2, 3):
                     kw = dict(quant=quant, block_n=blk, num_warps=w, num_stages=st)
-                    try:
-                        err = 0.0 if quant is None else rel(decode_attention(qs[0], kc, vc, tables[0], lens, **kw),
-                                                            want)
-                        ms = timed(lambda i: decode_attention(qs[i], kc, vc, tables[i], lens, **kw), sets)
-                    except Exception as e:  # e.g. out of shared memory
-                        print(f"{name:<8}{bsz:>3}{ctx:>6}{bits:>5}{blk:>4}{w:>3}{st:>3}  {type(e).__name__}")
-                        continue
-                    print(f"{name:<8}{bsz:>3}{ctx:>6}{bits:>5}{blk:>4}{w:>3}{st:>3}{ms:>8.3f}{ms / ref:>8.2f}"
-                          f"  err {err:.1e}", flush=True)
+                    label = f"{name:<8}{bsz:>3}{ctx:>6}{bits:>5}{blk:>4}{w:>3}{st:>3}"
+                    err = 0.0 if quant is None else tried(
+                        label, lambda: rel(decode_attention(qs[0], kc, vc, tables[0], lens, **kw), want))
+                    ms = None if err is None else tried(
+                        label, lambda: timed(lambda i: decode_attention(qs[i], kc, vc, tables[i], lens, **kw), sets))
+                    if ms is not None:
+                        print(f"{label}{ms:>8.3f}{ms / ref:>8.2f}  err {err:.1e}", flush=True)
             del kc, vc
         del k, v
         torch.cuda.empty_cache()
@@ -389,17 +397,26 @@ def tune_grid(configs, bits_list):
             runs = [(None, None, None, None)] + [(*t, split) for t in tiles[d] for split in splits(t[0])]
             for blk, w, st, split in runs:
                 kw = dict(base, quant=quant, block_n=blk, num_warps=w, num_stages=st, split=split)
-                try:
-                    ms = timed(lambda i: decode_attention(qs[i], kc, vc, tables[i], lens, **kw), sets)
-                except Exception as e:  # e.g. out of shared memory
-                    print(f"{name:<8}{bsz:>4}{ctx:>6}{width:>6}{bits!s:>5}{blk!s:>4}{w!s:>3}{st!s:>3}{split!s:>6}  "
-                          f"{type(e).__name__}")
-                    continue
-                print(f"{name:<8}{bsz:>4}{ctx:>6}{width:>6}{bits!s:>5}{blk or 'def':>4}{w or '':>3}{st or '':>3}"
-                      f"{split or 'def':>6}{ms:>8.4f}{ms / ref:>8.2f}", flush=True)
+                label = (f"{name:<8}{bsz:>4}{ctx:>6}{width:>6}{bits!s:>5}{blk or 'def':>4}{w or '':>3}{st or '':>3}"
+                         f"{split or 'def':>6}")
+                ms = tried(label, lambda: timed(lambda i: decode_attention(qs[i], kc, vc, tables[i], lens, **kw), sets))
+                if ms is not None:
+                    print(f"{label}{ms:>8.4f}{ms / ref:>8.2f}", flush=True)
             del kc, vc
         del k, v
         torch.cuda.empty_cache()
+
+
+def tune_configs(spec: str, fields: int) -> list:
+    """shape:int:int...,... -> [(shape, int, ...)], each entry `fields` long (shape first)."""
+    configs = []
+    for entry in spec.split(","):
+        parts = entry.split(":")
+        if len(parts) != fields or parts[0] not in SHAPES or not all(p.isdigit() for p in parts[1:]):
+            raise ValueError(f"{entry!r} is not {':'.join(['shape'] + ['int'] * (fields - 1))} with shape one of "
+                             f"{', '.join(SHAPES)}")
+        configs.append((parts[0], *map(int, parts[1:])))
+    return configs
 
 
 def main():
@@ -420,19 +437,24 @@ def main():
                     "running, as the engine's graph calls it)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    try:
+        if not set(args.quant_bits.split(",")) <= {"16", "8", "4", "fp8"}:
+            raise ValueError(f"{args.quant_bits!r}: widths are 16, 8, 4 or fp8")
+        bits_list = [b if b == "fp8" else int(b) for b in args.quant_bits.split(",")]
+        quant_configs = tune_configs(args.tune_configs, 3) if args.tune_configs else None
+        grid_configs = tune_configs(args.tune_grid, 5) if args.tune_grid else None
+    except ValueError as e:
+        ap.error(f"--quant-bits / --tune-configs / --tune-grid: {e}")
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     if args.tune:
         return tune()
     if args.tune_quant:
-        configs = [(c.split(":")[0], *map(int, c.split(":")[1:])) for c in args.tune_configs.split(",")] \
-            if args.tune_configs else None
-        return tune_quant([b if b == "fp8" else int(b) for b in args.quant_bits.split(",")], configs)
+        return tune_quant(bits_list, quant_configs)
     if args.tune_split:
         return tune_split()
     if args.tune_grid:
-        configs = [(c.split(":")[0], *map(int, c.split(":")[1:])) for c in args.tune_grid.split(",")]
-        return tune_grid(configs, [b if b == "fp8" else int(b) for b in args.quant_bits.split(",")])
+        return tune_grid(grid_configs, bits_list)
     if args.tune_export:
         return tune_export()
     copy = copy_bandwidth()
