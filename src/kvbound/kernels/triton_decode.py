@@ -60,8 +60,9 @@ class Tile(NamedTuple):
 # (bits or "fp8" or 16 for bf16, head_dim) -> the kernel's Tile on the GPU; packed formats' middle tables:
 TILES = {(8, 128): Tile(64, 4, 2), (4, 128): Tile(128, 2, 2), (8, 64): Tile(128, 4, 2), (4, 64): Tile(256, 4, 2)}
 # ... where a call has fewer than SHORT_KEYS keys in all (batch x context), which few large tiles serve badly
-# (4-bit at d=64: h2o 256 at 64 running, 257-key tables, 1.79 -> 1.75 ms a step against bf16's 1.58,
-# results/engine_packed_tiles_sweep_smollm2_h100.log)
+# (4-bit at d=64 was measured on h2o 256's 257-key tables at 64 running, 1.79 -> 1.75 ms a step,
+# results/engine_packed_tiles_sweep_smollm2_h100.log; such narrow tables now take TILES_NARROW first, so this entry
+# serves short calls over wider tables, where it has not been timed)
 TILES_SHORT, SHORT_KEYS = {(4, 128): Tile(32, 4, 3), (4, 64): Tile(64, 4, 2)}, 32768
 # ... where the table is narrower than NARROW_KEYS, as bounded caches' are (checked first): two 64-key blocks a
 # program (128-key ones for 4-bit at d=128), every format. At 257 keys, d=64, 64 and 256 sequences, they took the
