@@ -64,7 +64,7 @@ def tile_entries(spec: str) -> list:
 
 
 def use_tiles(entries):
-    """The kernel's packed tile tables as they ship, with `entries` set over them."""
+    """The kernel's tile tables (bf16's entries among them) as they ship, with `entries` set over them."""
     for name, table in TILE_TABLES.items():
         table.clear()
         table.update(KERNEL_TILES[name])
