@@ -14,7 +14,9 @@ The protocols differ: kvpress compresses the context once after prefilling it wh
 uncompressed; kvbound evicts as it goes (the question included) and its budget counts the whole prompt.
 `run --query-aware` is kvpress's query-aware setting instead (its leaderboard's "SnapKV with the question"):
 context and question go through the press together, compressed once, and keep counts the whole prompt, as
-kvbound's one-piece runs (`--prefill-chunk` at least the prompt) do.
+kvbound's one-piece runs (`--prefill-chunk` at least the prompt) do. kvpress's own protocol on kvbound's side is
+`eval ruler --prefill-chunk N --question-piece` (`gpu --question-piece`): the context in one piece, evicted once,
+then the question in a piece of its own (the question's piece and the reply are then evicted to the budget too).
 
 python benchmarks/peer_kvpress.py export --out prompts.json
 /path/to/kvpress-venv/bin/python benchmarks/peer_kvpress.py run --prompts prompts.json \\
@@ -44,19 +46,16 @@ PRESSES = ("streaming_llm", "snapkv", "observed_attention", "tova", "keydiff", "
 
 
 def export(args):
-    from kvbound.eval.data import chat_frame
-    from kvbound.eval.ruler import TASKS, haystack_ids, sized_prompt
+    from kvbound.eval.ruler import TASKS, haystack_ids, question_ids, sized_prompt
     from kvbound.models import load
     _, tok = load(args.model)
     filler = haystack_ids(tok, None, args.context)
-    _, end = chat_frame(tok)
     rows = []
     for task in args.tasks.split(",") if args.tasks else TASKS:
         for i in range(args.samples):
             rng = random.Random(zlib.crc32(f"0/{task}/{args.context}/{i}".encode()))  # ruler_runs' instances
             sample, ids = sized_prompt(tok, task, args.context, "after", rng, filler)
-            post = tok.encode(f"\n\nQuestion: {sample.question}{end}{sample.answer_prefix}")
-            assert ids[-len(post):] == post
+            post = question_ids(tok, sample)
             rows.append({"task": task, "sample": i, "context_ids": ids[:-len(post)], "question_ids": post,
                          "answers": sample.answers, "eos_ids": sorted(tok.eos_ids)})
     with open(args.out, "w") as f:
@@ -155,7 +154,8 @@ def gpu(args):
     subprocess.run(script + ["export", "--model", args.model, "--context", str(args.context),
                              "--samples", str(args.samples), "--out", prompts], check=True)
     aware = ["--query-aware"] if args.query_aware else []
-    one_piece = ["--prefill-chunk", str(args.context)] if args.query_aware else []
+    one_piece = ["--prefill-chunk", str(args.context)] if args.query_aware or args.question_piece else []
+    one_piece += ["--question-piece"] if args.question_piece else []
     tag = "_qa" if args.query_aware else ""
     jobs, parts = [], []
     dtype = "float32" if args.device == "cpu" else "bfloat16"
@@ -200,8 +200,8 @@ def report(args):
                for f in files for r in f["replies"]
                if r["sample"] < first]
     for path in args.kvbound or []:
-        tag = "" if "onepiece" not in path else " (one piece)"
         for r in json.load(open(path))["results"]:
+            tag = " (question apart)" if r.get("question_piece") else " (one piece)" if "onepiece" in path else ""
             if r["sample"] < first:
                 results.append({**r, "strategy": f"kvbound {r['strategy']}{tag}"})
     rows, tasks, grid = ruler_table(results)
@@ -277,7 +277,11 @@ def main():
     g.add_argument("--samples", type=int, default=20)
     g.add_argument("--keep", default="0.25,0.5")
     g.add_argument("--strategies", default="window,h2o-heavy,observed,tova,snapkv,knorm,keydiff,adakv")
-    g.add_argument("--query-aware", action="store_true", help="presses see the question; kvbound prefills in one piece")
+    protocol = g.add_mutually_exclusive_group()
+    protocol.add_argument("--query-aware", action="store_true", help="presses see the question; kvbound prefills in "
+                          "one piece")
+    protocol.add_argument("--question-piece", action="store_true", help="kvbound prefills the context in one piece and "
+                          "the question in another (kvpress's protocol; presses do not see the question)")
     g.add_argument("--deadline", type=float, default=540, help="seconds before unfinished processes are stopped")
     g.add_argument("--out-dir", required=True)
     p = sub.add_parser("report")

@@ -370,6 +370,48 @@ def test_bounded_prefill_pieces_evict_as_one_batch(model, monkeypatch, spec):
         assert out.outputs[0].token_ids == alone(model, ids, pol, GREEDY, 16)
 
 
+def test_a_question_start_ends_a_bounded_prefill_piece(model, monkeypatch):
+    """add_request(question_start=q): a bounded sequence's prefill pieces also end at q, so its context is evicted
+    before the question is read (kvpress's protocol), with the single-sequence path's outputs; an unbounded one
+    ignores it. The question changes what a snapkv cache keeps. A bad index is one clear error."""
+    from kvbound.engine import prefill
+    from kvbound.engine.generate import piece_end
+    from kvbound.engine.scheduler import Scheduler
+    assert [piece_end(s, 80, 32, 70) for s in (0, 32, 64, 70)] == [32, 64, 70, 80]
+    assert piece_end(0, 80, 32, None) == 32 and piece_end(64, 80, 32, 20) == 80
+    pieces, orig = {}, Scheduler.schedule
+
+    def recorded(self, *a, **kw):
+        batch = orig(self, *a, **kw)
+        for seq, t in batch or []:
+            if seq.cache.seen < len(seq.prompt):
+                pieces.setdefault(seq.request_id, []).append(t)
+        return batch
+    monkeypatch.setattr(Scheduler, "schedule", recorded)
+    pol = parse_policy("snapkv:sink=2,heavy=12,recent=10,window=6")
+    ids = prompt(81, 80)
+    engine = LLMEngine(model, num_blocks=128, block_size=8, prefill_chunk=32, max_num_batched_tokens=64)
+    with engine:
+        apart = engine.add_request(ids, GREEDY, pol, question_start=70)
+        whole = engine.add_request(ids, GREEDY, pol)
+        full = engine.add_request(ids, GREEDY, question_start=70)
+        outs = {}
+        while engine.has_unfinished():
+            outs.update({o.request_id: o.outputs[0].token_ids for o in engine.step(only_finished=True)})
+        with pytest.raises(KvboundError, match="question_start must be in \\[1, 80\\).*got 80"):
+            engine.add_request(ids, GREEDY, pol, question_start=80)
+    assert pieces[apart] == [32, 32, 6, 10] and pieces[whole] == [32, 32, 16] and sum(pieces[full]) == 80
+    cache = sequence_cache(model.config, pol)
+    assert outs[apart] == list(generate_ids(model, ids, GREEDY, cache, (), 32, 70))
+    assert outs[whole] == alone(model, ids, pol, GREEDY, 32)
+    kept = []
+    for start in (70, None):
+        cache = sequence_cache(model.config, pol)
+        prefill(model, cache, ids, 32, start)
+        kept.append([cache.kept_positions(layer, head) for layer in range(2) for head in range(2)])
+    assert kept[0] != kept[1]
+
+
 def test_heads_sharing_a_budget_run_in_the_engine(model, monkeypatch):
     """AdaKV (alpha) in the paged pool: places owned by heads; prefill pieces on each cache's own attend, steady
     decodes as one batch ("shared"), in a batch with other policies. Greedy outputs equal the single-sequence

@@ -126,10 +126,12 @@ def cmd_ruler(args):
     model, tok, dtype = load_model(args)
     results = ruler_runs(model, tok, with_baseline(args.strategies), args.context, tasks, args.budget_frac,
                          cache_options(args), args.samples, args.query, args.haystack, args.max_tokens, args.device,
-                         dtype, engine=args.engine, finished=PartialJSON(args.json), **policy_defaults(args))
+                         dtype, engine=args.engine, finished=PartialJSON(args.json), question_piece=args.question_piece,
+                         **policy_defaults(args))
     rows, tasks, grid = ruler_table(results)
+    apart = ", in a prefill piece of its own" if args.question_piece else ""
     print(f"\nruler score (mean of {args.samples} samples per task; contexts {', '.join(map(str, args.context))}; "
-          f"question {args.query} the context)")
+          f"question {args.query} the context{apart})")
     print(f"{'strategy@budget':<26} " + " ".join(f"{t:>15}" for t in tasks) + f" {'mean':>6}")
     for row, cells in zip(rows, grid):
         print(f"{row:<26} " + " ".join(f"{v:>15.0%}" for v in cells) + f" {sum(cells) / len(cells):>6.0%}")
@@ -205,6 +207,9 @@ def add_eval_parser(sub):
     p.add_argument("--budget-frac", type=float_list, default=[0.25, 0.5])
     p.add_argument("--query", choices=["after", "before"], default="after", help="the question only after the "
                    "context, or also before it (a query-aware policy sees it) (default: %(default)s)")
+    p.add_argument("--question-piece", action="store_true", help="feed the closing question as a prefill piece of "
+                   "its own, so the context's evictions never see it; with --prefill-chunk at least the context, "
+                   "kvpress's protocol (the context compressed once, then the question)")
     p.add_argument("--haystack", nargs="+", default=None, help="text files or folders to hide facts in, or "
                    "'noise' for RULER's repeated sentences (default: the package's text)")
     p.add_argument("--max-tokens", type=positive_int, default=32)

@@ -11,22 +11,40 @@ from ..errors import KvboundError
 from .sampling import SamplingParams, sample_batch
 
 
-def prefill(model, cache: KVCache, ids: list[int] | torch.Tensor, chunk: int = 512) -> torch.Tensor:
-    """Feed `ids` in chunks of `chunk` tokens (a bounded cache evicts between chunks); returns last logits."""
+def piece_end(start: int, length: int, chunk: int, question_start: int | None = None) -> int:
+    """Where the prefill piece from `start` ends: the next multiple of `chunk`, the prompt's end, or where the
+    question starts (the context's evictions then never see it, as kvpress compresses a context), the first."""
+    end = min(length, (start // chunk + 1) * chunk)
+    return end if question_start is None or start >= question_start else min(end, question_start)
+
+
+def check_question_start(question_start: int | None, length: int):
+    if question_start is not None and not 0 < question_start < length:
+        raise KvboundError(f"question_start must be in [1, {length}) for a prompt of {length} tokens, "
+                           f"got {question_start}")
+
+
+def prefill(model, cache: KVCache, ids: list[int] | torch.Tensor, chunk: int = 512,
+            question_start: int | None = None) -> torch.Tensor:
+    """Feed `ids` in pieces of `chunk` tokens, the question (from `question_start`) starting a piece of its
+    own (a bounded cache evicts between pieces); returns the last logits."""
     if chunk < 1:
         raise KvboundError(f"prefill chunk must be >= 1, got {chunk}")
+    check_question_start(question_start, len(ids))
     ids = torch.as_tensor(ids, dtype=torch.long, device=cache.device)
-    logits = None
-    for start in range(0, len(ids), chunk):
-        part = ids[start:start + chunk]
+    logits, start = None, 0
+    while start < len(ids):
+        part = ids[start:piece_end(start, len(ids), chunk, question_start)]
         logits = model(part, cache.next_positions(len(part)), cache, logits_at=-1)[0]
         cache.advance(len(part))
+        start += len(part)
     return logits
 
 
 def generate_ids(model, prompt_ids: list[int], params: SamplingParams, cache: KVCache,
-                 eos_ids=(), prefill_chunk: int = 512) -> Iterator[int]:
-    """Yields generated token ids one by one, stopping at EOS (not yielded) or max_tokens."""
+                 eos_ids=(), prefill_chunk: int = 512, question_start: int | None = None) -> Iterator[int]:
+    """Yields generated token ids one by one, stopping at EOS (not yielded) or max_tokens. question_start: as
+    `prefill`'s."""
     if not prompt_ids:
         raise KvboundError("the prompt is empty")
     if cache.rotate_keys is None:
@@ -36,7 +54,7 @@ def generate_ids(model, prompt_ids: list[int], params: SamplingParams, cache: KV
                            f"the cache's {cache.capacity:,} slots plus a prefill chunk of "
                            f"{min(prefill_chunk, len(prompt_ids)):,} pass the model's context of "
                            f"{model.config.max_position_embeddings:,}; lower the budget or --prefill-chunk")
-    logits = prefill(model, cache, prompt_ids, prefill_chunk)
+    logits = prefill(model, cache, prompt_ids, prefill_chunk, question_start)
     out: list[int] = []
     for i in range(params.max_tokens):
         (tok, _), = sample_batch(logits[None], [params], [list(prompt_ids)], [out], [params.seed], eos_ids)

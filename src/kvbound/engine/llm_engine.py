@@ -21,6 +21,7 @@ from ..cache.store import PagedStore
 from ..errors import KvboundError
 from ..staging import to_device
 from .cuda_graphs import DecodeGraphs
+from .generate import check_question_start
 from .runner import StepBatch, finish_step
 from .sampling import SamplingParams, next_tokens, with_logprobs
 from .scheduler import FINISHED, RUNNING, Scheduler, Sequence
@@ -221,8 +222,10 @@ class LLMEngine:
 
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, policy=None,
-                    request_id: str | None = None) -> str:
-        """prompt: text (needs a tokenizer) or token ids. Returns the request id."""
+                    request_id: str | None = None, question_start: int | None = None) -> str:
+        """prompt: text (needs a tokenizer) or token ids. question_start: the prompt index where its question
+        begins; a bounded cache then evicts before reading it (kvpress's protocol: the context compressed
+        without the question). Returns the request id."""
         self._open()
         params = params or SamplingParams()
         if isinstance(prompt, str):
@@ -243,8 +246,9 @@ class LLMEngine:
             raise KvboundError("stop strings need a tokenizer")
         if self.mixed is not None:
             check_mixed_policy(policy or self.default_policy)
+        check_question_start(question_start, len(prompt))
         seq = Sequence(request_id, 0, prompt, params, policy or self.default_policy, arrival=time.perf_counter(),
-                       seed=self._seed(params, 0))
+                       seed=self._seed(params, 0), question_start=question_start)
         self.scheduler.add(seq)
         self.requests[request_id] = [seq]
         return request_id
@@ -419,7 +423,8 @@ class LLMEngine:
         kids = []
         for i in range(1, seq.params.n):
             kid = Sequence(seq.request_id, i, seq.prompt, seq.params, seq.policy, arrival=seq.arrival,
-                           status=RUNNING, cache=seq.cache.fork(), seed=self._seed(seq.params, i), forked=True)
+                           status=RUNNING, cache=seq.cache.fork(), seed=self._seed(seq.params, i), forked=True,
+                           question_start=seq.question_start)
             self.scheduler.running.append(kid)
             self.requests[seq.request_id].append(kid)
             kids.append(kid)

@@ -11,7 +11,7 @@ state (blocks, positions, scores), restored as it was. Without room there it is 
 could never fit in the pool is refused when it is added.
 
 Chunk boundaries of a bounded (evicting) sequence are fixed by the sequence alone: its prompt is fed in
-pieces ending at multiples of `prefill_chunk`, and tokens it generated (replayed after a preemption) one
+pieces ending at multiples of `prefill_chunk` (and where its question starts, if the request says), and tokens it generated (replayed after a preemption) one
 at a time, as its decode fed them. Eviction runs at the end of each piece, so the kept set - and the
 output - never depend on what else was in the batch. Unbounded sequences keep every token, so any split
 gives the same result; they take whatever the token budget leaves.
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from ..cache import KVCache
 from ..cache.block_pool import block_hash
 from ..errors import KvboundError
+from .generate import piece_end
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
@@ -59,6 +60,7 @@ class Sequence:
     swapped: tuple | None = None  # while preempted: (blocks, their bytes / a bounded cache's snapshot) on the host
     seen_at_preemption: int = 0  # tokens its cache had processed when it was last preempted
     pending: int = 0  # tokens sampled on the device and not yet read here (the engine's run-ahead)
+    question_start: int | None = None  # a bounded prefill piece ends here (generate.piece_end)
 
     @property
     def tokens(self) -> list[int]:
@@ -110,7 +112,7 @@ class Sequence:
             return min(piece, room)
         if seen >= len(self.prompt):  # replaying generated tokens: one per step, as decoding fed them
             return 1 if room >= 1 else 0
-        piece = min(len(self.prompt), (seen // chunk + 1) * chunk) - seen
+        piece = piece_end(seen, len(self.prompt), chunk, self.question_start) - seen
         return piece if piece <= room else 0
 
 

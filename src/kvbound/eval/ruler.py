@@ -3,7 +3,8 @@
 Each task builds a prompt of about `context` tokens and the answers a correct reply contains; a reply
 scores the fraction of its answers it contains (case-insensitive). The question goes after the context
 ("after": compression cannot see it coming) or also before it ("before": a query-aware policy can), as
-kvpress's query_aware does. Haystacks: the package's text, files (`--haystack`), or RULER's repeated
+kvpress's query_aware does. With `question_piece` the question is a prefill piece of its own, so the context's
+evictions never see it: kvpress's protocol (context compressed, then the question) when the pieces hold the context. Haystacks: the package's text, files (`--haystack`), or RULER's repeated
 noise sentences ("noise").
 
 Tasks (RULER's families): niah_single, niah_multikey, niah_multivalue, niah_multiquery (needles in a
@@ -149,10 +150,9 @@ def build_prompt(tok, sample: Sample, context: int, query: str, rng, filler: lis
     """The chat prompt of about `context` tokens: instruction (+ question when query="before"), the context
     with the needles at random sentence ends of `filler` (haystack tokens), the question, then the answer's
     opening words."""
-    head, end = chat_frame(tok)
     ask = f"Answer the question: {sample.question}\n\n" if query == "before" else ""
-    pre = tok.encode(head + f"Read the text below and answer the question after it. {ask}Text:\n")
-    post = tok.encode(f"\n\nQuestion: {sample.question}{end}{sample.answer_prefix}")
+    pre = tok.encode(chat_frame(tok)[0] + f"Read the text below and answer the question after it. {ask}Text:\n")
+    post = question_ids(tok, sample)
     room = context - len(pre) - len(post)
     if sample.needles is None:
         body = tok.encode(sample.body)
@@ -173,6 +173,11 @@ def build_prompt(tok, sample: Sample, context: int, query: str, rng, filler: lis
             last = cut
         body += hay[last:]
     return pre + body + post
+
+
+def question_ids(tok, sample: Sample) -> list[int]:
+    """The prompt's tail: the question and the reply's opening words (kvpress's `question`, after the context)."""
+    return tok.encode(f"\n\nQuestion: {sample.question}{chat_frame(tok)[1]}{sample.answer_prefix}")
 
 
 def sized_prompt(tok, task, context, query, rng, filler=None) -> tuple[Sample, list[int]]:
@@ -197,12 +202,13 @@ def score(reply: str, answers: list[str]) -> float:
 
 def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheOptions, samples=20,
                query="after", haystack=None, max_tokens=32, device="cpu", dtype=None, seed=0, engine=False,
-               finished=None, **policy_defaults) -> list[dict]:
+               finished=None, question_piece=False, **policy_defaults) -> list[dict]:
     """Every strategy on `samples` instances of every task, context and budget fraction (the same instances
     for every strategy). One record per run: its score, the reply, the budget. `engine`: every run is a
     request of one continuous batch (`engine_replies`) instead of a single-sequence cache after another.
     `finished(records_so_far)`, if given, is called as each run ends; records_so_far() builds the records of
-    every run done so far (a caller that saves them now and then keeps them when a long run is cut short)."""
+    every run done so far (a caller that saves them now and then keeps them when a long run is cut short).
+    question_piece: the question is fed as a prefill piece of its own (see the module's docstring)."""
     if query not in ("before", "after"):
         raise KvboundError(f"--query must be before or after, got {query!r}")
     for task in tasks:
@@ -215,11 +221,12 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
         for i, task in ((i, task) for i in range(samples) for task in tasks):
             rng = random.Random(zlib.crc32(f"{seed}/{task}/{context}/{i}".encode()))  # same in every run
             sample, ids = sized_prompt(tok, task, context, query, rng, filler)
+            start = len(ids) - len(question_ids(tok, sample)) if question_piece else None
             for frac in budget_fracs:
                 strategies = parse_strategies(names, fraction_budget(frac, context), options, **policy_defaults)
                 if engine:
                     check_engine_strategies(strategies, options)
-                jobs += [(context, task, i, frac, name, pol, bits, ids, sample)
+                jobs += [(context, task, i, frac, name, pol, bits, ids, start, sample)
                          for name, (pol, bits) in strategies.items()]
     once = {(c, t, i, n): j for j, (c, t, i, _, n, pol, *_) in enumerate(jobs) if not pol.bounded}
     # the full cache does not depend on the budget: each of its runs is made once
@@ -232,32 +239,33 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
         if finished is not None:
             finished(lambda: _records(jobs, first, text, query))
     if engine:
-        engine_replies(model, tok, [jobs[j][5:8] for j in todo], options, max_tokens, done=done)
+        engine_replies(model, tok, [jobs[j][5:9] for j in todo], options, max_tokens, done=done)
     else:
         for k, j in enumerate(tqdm(todo, desc="ruler")):
-            pol, bits, ids = jobs[j][5:8]
+            pol, bits, ids, start = jobs[j][5:9]
             cache = make_cache(model, pol, bits, options, device, dtype)
             done(k, list(generate_ids(model, ids, SamplingParams(max_tokens=max_tokens), cache, tok.eos_ids,
-                                      options.prefill_chunk)))
+                                      options.prefill_chunk, start)))
     return _records(jobs, first, text, query)
 
 
 def _records(jobs, first, text, query) -> list[dict]:
     """One record per job whose run (`first[j]`, shared by the full cache's budgets) has a reply in `text`."""
     results = []
-    for j, (context, task, i, frac, name, pol, bits, ids, sample) in enumerate(jobs):
+    for j, (context, task, i, frac, name, pol, bits, ids, start, sample) in enumerate(jobs):
         if first[j] not in text:
             continue
         reply = text[first[j]]
         results.append({"strategy": name, "context": context, "task": task, "sample": i, "budget_frac": frac,
-                        "budget": pol.budget, "query": query, "score": score(reply, sample.answers),
+                        "budget": pol.budget, "query": query, "question_piece": start is not None,
+                        "score": score(reply, sample.answers),
                         "answers": sample.answers, "reply": reply.strip()})
     return results
 
 
 def engine_replies(model, tok, runs, options: CacheOptions, max_tokens: int, pool_tokens: int = 1 << 19,
                    progress=True, done=None) -> list[list[int]]:
-    """Greedy replies to `runs` [(policy, kv bits, prompt ids)] through the serving engine
+    """Greedy replies to `runs` [(policy, kv bits, prompt ids, question start or None)] through the serving engine
     (`strategies.engine_completions`), each width's pool holding what its runs need, at most `pool_tokens`;
     `done(index, reply ids)` as each one ends."""
     params = SamplingParams(max_tokens=max_tokens)
@@ -265,14 +273,15 @@ def engine_replies(model, tok, runs, options: CacheOptions, max_tokens: int, poo
 
     def sizing(mine):
         need = sum(len(ids) + max_tokens if pol.budget is None else pol.capacity + options.prefill_chunk
-                   for pol, _, ids, _ in mine)
+                   for pol, _, ids, *_ in mine)
         return dict(kv_cache_tokens=min(pool_tokens, need + 64), max_num_seqs=256,
                     max_num_batched_tokens=max(8192, options.prefill_chunk))
     def ended(j, completion):
         bar.update()
         if done is not None:
             done(j, list(completion.token_ids))
-    completions = engine_completions(model, tok, [(*run, params) for run in runs], options, sizing, ended)
+    completions = engine_completions(model, tok, [(pol, bits, ids, params, start) for pol, bits, ids, start in runs],
+                                     options, sizing, ended)
     bar.close()
     return [list(c.token_ids) for c in completions]
 

@@ -86,17 +86,18 @@ def kv_widths(bits) -> list:
 
 
 def engine_completions(model, tok, runs, options: CacheOptions, sizing, done=None) -> list:
-    """The completions of `runs` [(policy, kv bits, prompt ids, SamplingParams)] through the serving engine:
-    every run one request of a continuous batch, one engine per KV width (in the runs' order), sized by
-    `sizing(runs of that width)` -> LLMEngine keyword arguments; done(index, completion) as each finishes."""
+    """The completions of `runs` [(policy, kv bits, prompt ids, SamplingParams[, question start])] through the
+    serving engine: every run one request of a continuous batch, one engine per KV width (in the runs' order), sized
+    by `sizing(runs of that width)` -> LLMEngine keyword arguments; done(index, completion) as each finishes."""
     from ..engine import LLMEngine
     out: list = [None] * len(runs)
-    for width in kv_widths(bits for _, bits, _, _ in runs):
+    for width in kv_widths(run[1] for run in runs):
         mine = [j for j, run in enumerate(runs) if run[1] == width]
         engine = LLMEngine(model, tok, prefill_chunk=options.prefill_chunk, kv_dtype=options.kv_dtype, kv_bits=width,
                            kv_group_size=options.kv_group_size, **sizing([runs[j] for j in mine]))
         with engine:
-            owner = {engine.add_request(runs[j][2], runs[j][3], policy=runs[j][0]): j for j in mine}
+            owner = {engine.add_request(runs[j][2], runs[j][3], policy=runs[j][0],
+                                        question_start=runs[j][4] if len(runs[j]) > 4 else None): j for j in mine}
             while engine.has_unfinished():
                 for finished in engine.step(only_finished=True):
                     j = owner[finished.request_id]
