@@ -49,16 +49,23 @@ RANK_IDS = {rank: i for i, rank in enumerate(("attention", "age", "key-norm", "k
 class Tile(NamedTuple):
     """The split kernel's launch: keys per block, warps, pipeline stages (None: Triton's), and how many keys each
     program takes: `split_blocks` blocks, or (None) enough programs to put programs_per_sm on every SM, each at least
-    4 blocks."""
+    4 blocks. paired: whose per-group scales and biases ("k", "v", both or none) a key's two groups (d=128)
+    read in one load each instead of one load a group; it changes the compiled code either way."""
     keys: int
     warps: int
     stages: int | None = None
     split_blocks: int | None = None
     programs_per_sm: int = 4
+    paired: str = ""
 
 
 # (bits or "fp8" or 16 for bf16, head_dim) -> the kernel's Tile on the GPU; packed formats' middle tables:
-TILES = {(8, 128): Tile(64, 4, 2), (4, 128): Tile(128, 2, 2), (8, 64): Tile(128, 4, 2), (4, 64): Tile(256, 4, 2)}
+# 4-bit at d=128 reads both groups' scales paired (its long tables take this entry too): 64 x 2k keys 0.170 -> 0.164 ms,
+# 7 x 4k (8k tables) 0.050 -> 0.047, 1 x 32k 0.068 -> 0.065, 16 x 8k 0.167 -> 0.162 (bf16: 0.186, 0.047, 0.059, 0.182);
+# 8-bit read slower paired: V's up to 1.8x on long tables, K's 1.07x -> 1.14x at 16 x 8k, and K's on this middle
+# table, faster alone at 64 x 2k (1.66x -> 0.97x bf16), slowed the engine's 1k-context step (results/paired_scales_h100.log)
+TILES = {(8, 128): Tile(64, 4, 2), (4, 128): Tile(128, 2, 2, paired="kv"), (8, 64): Tile(128, 4, 2),
+         (4, 64): Tile(256, 4, 2)}
 # ... where a call has fewer than SHORT_KEYS keys in all (batch x context), which few large tiles serve badly
 # (4-bit at d=64 was measured on h2o 256's 257-key tables at 64 running, 1.79 -> 1.75 ms a step,
 # results/engine_packed_tiles_sweep_smollm2_h100.log; such narrow tables now take TILES_NARROW first, so this entry
@@ -93,7 +100,8 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                   G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                   BITS: tl.constexpr, GS: tl.constexpr, EXPORT: tl.constexpr, IEEE: tl.constexpr,
                   VDOT: tl.constexpr, FP8: tl.constexpr, CONTIG: tl.constexpr,
-                  RESID: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr):
+                  RESID: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, PAIR_K: tl.constexpr,
+                  PAIR_V: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -140,13 +148,13 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
             qk = _dot(q, tl.trans(tl.load(K + kv_ptr, mask=valid[:, None], other=0.0)), IEEE)
         else:
             qk = _packed_qk(Q, K, KS, KB, slot, h, valid, q_row, stride_ks, stride_kh, stride_ss, stride_sh, scale,
-                            G_PAD, BLOCK_N, D, BITS, GS, IEEE)
+                            G_PAD, BLOCK_N, D, BITS, GS, IEEE, PAIR_K)
         if RESID:
             p_key = tl.load(RPos + ring_row * stride_rpr + offs_n * stride_rpj + h, mask=valid, other=-1).to(tl.int64)
             held = valid & (p_key >= 0) & ((p_key < SINK) | (p_key >= first - RECENT))
             rslot = ring_row * ring_row_entries + tl.where(held, _ring_entry(p_key, SINK, RECENT), 0)
             qk += _packed_qk(Q, RK, RKS, RKB, rslot, h, held, q_row, stride_rks, stride_rkh, stride_rss, stride_rsh,
-                             scale, G_PAD, BLOCK_N, D, 4, GS, IEEE)
+                             scale, G_PAD, BLOCK_N, D, 4, GS, IEEE, PAIR_K)
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
         alpha = tl.exp(m - m_new)
@@ -159,14 +167,22 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
         if VDOT:
             sp = slot * stride_ss + h * stride_sh
             vp = V + slot[:, None] * stride_ks + h * stride_kh + tl.arange(0, W)[None, :]
-            ps, pb, codes = _value_group(p, vp, VS + sp, VB + sp, valid)
+            if PAIR_V and D // GS == 2:
+                vs, vb, vs_hi, vb_hi = _paired_scales(VS, VB, sp, valid)
+            else:
+                vs = tl.load(VS + sp, mask=valid, other=0.0).to(tl.float32)
+                vb = tl.load(VB + sp, mask=valid, other=0.0).to(tl.float32)
+            ps, pb, codes = _value_group(p, vp, vs, vb, valid)
             if BITS == 8:
                 acc = _codes_dot(acc, alpha, ps, pb, codes, IEEE)
             else:
                 acc = _codes_dot(acc, alpha, ps, pb, codes & 0xF, IEEE)
                 acc_odd = _codes_dot(acc_odd, alpha, ps, pb, codes >> 4, IEEE)
             if D // GS == 2:
-                ps, pb, codes = _value_group(p, vp + W, VS + sp + 1, VB + sp + 1, valid)
+                if not PAIR_V:
+                    vs_hi = tl.load(VS + sp + 1, mask=valid, other=0.0).to(tl.float32)
+                    vb_hi = tl.load(VB + sp + 1, mask=valid, other=0.0).to(tl.float32)
+                ps, pb, codes = _value_group(p, vp + W, vs_hi, vb_hi, valid)
                 if BITS == 8:
                     acc_hi = _codes_dot(acc_hi, alpha, ps, pb, codes, IEEE)
                 else:
@@ -214,14 +230,21 @@ PV_SCALE: tl.constexpr = tl.constexpr(64.0)  # keeps p * v_scale clear of fp16 s
 
 
 @triton.jit
-def _value_group(p, code_ptr, scale_ptr, bias_ptr, valid):
+def _paired_scales(S, B, sp, valid):
+    """Scale and bias of a key's two groups, in fp32, in one load each (a key's scales lie side by side)."""
+    pair = sp[:, None] + tl.arange(0, 2)[None, :]
+    s0, s1 = tl.split(tl.load(S + pair, mask=valid[:, None], other=0.0).to(tl.float32))
+    b0, b1 = tl.split(tl.load(B + pair, mask=valid[:, None], other=0.0).to(tl.float32))
+    return s0, b0, s1, b1
+
+
+@triton.jit
+def _value_group(p, code_ptr, vs, vb, valid):
     """One group of packed value columns for p @ (code * scale + bias) = (p * scale) @ code + p @ bias:
     p * scale, p @ bias (both times PV_SCALE) and the raw codes, which then reach the tensor cores as
     they are (`_codes_dot`): no per-element dequantize and no fp16 copy of the values in shared memory."""
-    vs = tl.load(scale_ptr, mask=valid, other=0.0).to(tl.float32) * PV_SCALE
-    vb = tl.load(bias_ptr, mask=valid, other=0.0).to(tl.float32) * PV_SCALE
     codes = tl.load(code_ptr, mask=valid[:, None], other=0)
-    return p * vs[None, :], tl.sum(p * vb[None, :], 1)[:, None], codes
+    return p * (vs * PV_SCALE)[None, :], tl.sum(p * (vb * PV_SCALE)[None, :], 1)[:, None], codes
 
 
 @triton.jit
@@ -264,14 +287,17 @@ def _dequant(P, S, B, slot, h, valid, stride_ps, stride_ph, stride_ss, stride_sh
 @triton.jit
 def _packed_qk(Q, K, KS, KB, slot, h, valid, q_row, stride_ks, stride_kh, stride_ss, stride_sh, scale,
                G_PAD: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
-               IEEE: tl.constexpr):
+               IEEE: tl.constexpr, PAIRED: tl.constexpr):
     """q.k of packed keys without dequantizing them: per group, scale * (q . codes) + bias * sum(q), with
-    2-D dots of q against the raw codes."""
+    2-D dots of q against the raw codes. PAIRED: two groups' scales in one load each (`_paired_scales`)."""
     W: tl.constexpr = GS if BITS == 8 else GS // 2
     STEP: tl.constexpr = 1 if BITS == 8 else 2
+    NG: tl.constexpr = D // GS
     offs_w = tl.arange(0, W)
     qk = tl.zeros([G_PAD, N], tl.float32)
-    for gi in tl.static_range(D // GS):
+    if PAIRED and NG == 2:
+        ks0, kb0, ks1, kb1 = _paired_scales(KS, KB, slot * stride_ss + h * stride_sh, valid)
+    for gi in tl.static_range(NG):
         qp = Q + q_row + gi * GS + offs_w[None, :] * STEP
         qg = tl.load(qp).to(tl.float32) * scale
         codes = tl.load(K + slot[:, None] * stride_ks + h * stride_kh + gi * W + offs_w[None, :], mask=valid[:, None],
@@ -284,9 +310,14 @@ def _packed_qk(Q, K, KS, KB, slot, h, valid, q_row, stride_ks, stride_kh, stride
             raw = (_dot(qg, tl.trans(_codes(codes & 0xF)), IEEE)
                    + _dot(qo, tl.trans(_codes(codes >> 4)), IEEE))
             qsum = tl.sum(qg, 1) + tl.sum(qo, 1)
-        sp = slot * stride_ss + h * stride_sh + gi
-        ks = tl.load(KS + sp, mask=valid, other=0.0).to(tl.float32)
-        kb = tl.load(KB + sp, mask=valid, other=0.0).to(tl.float32)
+        if not (PAIRED and NG == 2):
+            sp = slot * stride_ss + h * stride_sh + gi
+            ks = tl.load(KS + sp, mask=valid, other=0.0).to(tl.float32)
+            kb = tl.load(KB + sp, mask=valid, other=0.0).to(tl.float32)
+        elif gi == 0:
+            ks, kb = ks0, kb0
+        else:
+            ks, kb = ks1, kb1
         qk += raw * ks[None, :] + qsum[:, None] * kb[None, :]
     return qk
 
@@ -575,7 +606,7 @@ def kernel_tile(fmt, d: int, bsz: int, max_len: int, contiguous: bool = False, c
 def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=None, score_mode=None,
                      ema_decay=0.95, quant=None, split=None, block_n=None, out=None, programs_per_sm=None,
                      num_warps=None, rows=None, victim=None, num_stages=None, value_dot=None, contiguous=False,
-                     resid=None, layer=False):
+                     resid=None, layer=False, paired=None):
     """q: [B, Hq, D]; k_pool/v_pool: [slots, Hkv, D] (or packed codes [slots, Hkv, D*bits/8] with
     quant=dict(bits=, group=, k_scale=, k_bias=, v_scale=, v_bias=) of [slots, Hkv, D/group]; or float8 e4m3
     codes [slots, Hkv, D] with quant=dict(bits="fp8", k_scale=, v_scale=) of [slots, Hkv, 1]);
@@ -593,6 +624,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     resid: mixed widths over a 4-bit pool, `cache.quant.RecentResiduals.kernel_args`: each key that is a sink or
     among the window before the step's first position adds its 4-bit residual to its codes (values dequantized).
     layer: granularity "layer", every head folding in the sum over the layer's heads (the reference's `layer`).
+    paired: `Tile.paired` (None: the table's tile's).
     Returns out [B, Hq, D] in q's dtype."""
     bsz, hq, d = q.shape
     if d & (d - 1):
@@ -612,6 +644,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     num_warps = num_warps or tile.warps
     num_stages = num_stages or tile.stages
     programs_per_sm = programs_per_sm or tile.programs_per_sm
+    paired = tile.paired if paired is None else paired
     if split is None and tile.split_blocks and not explicit:
         split = tile.split_blocks * block_n
     if bits == 4 and q.is_cuda and block_n < 32:
@@ -665,7 +698,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), scale, min_split, *rt["reads"], *rt["ring"],
         G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee, VDOT=value_dot,
         FP8=fp8, CONTIG=bool(contiguous), RESID=resid is not None, SINK=rt["sink"], RECENT=rt["recent"],
-        num_warps=num_warps,
+        PAIR_K="k" in paired, PAIR_V="v" in paired, num_warps=num_warps,
         **({} if num_stages is None else dict(num_stages=num_stages)))
     _merge_kernel[(bsz, hkv)](
         part_o, part_m, part_l, out, ctx_lens,
