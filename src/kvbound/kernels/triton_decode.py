@@ -62,8 +62,9 @@ class Tile(NamedTuple):
 # (bits or "fp8" or 16 for bf16, head_dim) -> the kernel's Tile on the GPU; packed formats' middle tables:
 # 4-bit at d=128 reads both groups' scales paired (its long tables take this entry too): 64 x 2k keys 0.170 -> 0.164 ms,
 # 7 x 4k (8k tables) 0.050 -> 0.047, 1 x 32k 0.068 -> 0.065, 16 x 8k 0.167 -> 0.162 (bf16: 0.186, 0.047, 0.059, 0.182);
-# 8-bit read slower paired: V's up to 1.8x on long tables, K's 1.07x -> 1.14x at 16 x 8k, and K's on this middle
-# table, faster alone at 64 x 2k (1.66x -> 0.97x bf16), slowed the engine's 1k-context step (results/paired_scales_h100.log)
+# 8-bit read slower paired: V's up to 1.8x on long tables, K's 1.07x -> 1.14x at 16 x 8k (results/paired_scales_h100.log).
+# Its middle tile stays: without scores, K's paired or 128-key blocks were faster (1.29-1.46x bf16 -> 0.97-1.12x), but
+# with h2o's scores both were slower, also in the engine at budget 2048 (results/tune_grid_middle_8bit_h100.log)
 TILES = {(8, 128): Tile(64, 4, 2), (4, 128): Tile(128, 2, 2, paired="kv"), (8, 64): Tile(128, 4, 2),
          (4, 64): Tile(256, 4, 2)}
 # ... where a call has fewer than SHORT_KEYS keys in all (batch x context), which few large tiles serve badly
