@@ -261,6 +261,33 @@ def test_narrow_tables_two_block_splits_match_the_reference():
         torch.testing.assert_close(score.cpu().double(), want_score, atol=1e-5, rtol=1e-4)
 
 
+def test_a_tables_tile_sets_the_split_and_the_paired_scales_of_a_default_call(monkeypatch):
+    """A call that names no tile takes its table's: `split_blocks` blocks a program and `paired` scale loads (on the
+    CPU every table's tile is bf16's, so the GPU's is put in its place here); out and scores as the reference's."""
+    from kvbound.kernels import triton_decode
+    from kvbound.kernels.triton_decode import Tile
+    launches, split_kernel = [], triton_decode._split_kernel
+
+    class Recorder:  # the split kernel's launch grid (batch, KV heads, programs a sequence), then the kernel
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return split_kernel[grid]
+    monkeypatch.setattr(triton_decode, "_split_kernel", Recorder())
+    monkeypatch.setattr(triton_decode, "kernel_tile", lambda *a, **kw: Tile(32, 4, 2, split_blocks=2, paired="kv"))
+    q, k, v, table, n = _case(17, 2, 6, 2, 128, [257, 130], slots=400)
+    (kc, kscale, kbias), (vc, vscale, vbias) = quantize(k, 4, 64), quantize(v, 4, 64)
+    kd, vd = dequantize(kc, kscale, kbias, 4, 64), dequantize(vc, vscale, vbias, 4, 64)
+    quant = {key: t if isinstance(t, int) else t.to(DEV) for key, t in dict(
+        bits=4, group=64, k_scale=kscale, k_bias=kbias, v_scale=vscale, v_bias=vbias).items()}
+    score = torch.zeros(2, table.shape[1], 2, device=DEV)
+    out = decode_attention(*(t.to(DEV) for t in (q, kc, vc, table, n)), quant=quant, score=score,
+                           score_mode="cumulative", value_dot=True)
+    assert launches == [(2, 2, -(-table.shape[1] // 64))]  # 64 keys a program
+    want, want_score = _reference(q, kd, vd, table, n, "cumulative", torch.zeros(2, table.shape[1], 2), 0)
+    torch.testing.assert_close(out.cpu().double(), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(score.cpu().double(), want_score, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("d, mode", [(64, "cumulative"), (128, "ema"), (32, None)])
 def test_decode_attention_fp8_matches_dequantize_then_attend(d, mode):
     """float8 e4m3 codes with a scale per token and head (`Fp8KV`): the kernel applies the scales per key."""
