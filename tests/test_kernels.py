@@ -81,8 +81,8 @@ def test_decode_attention_quantized_matches_dequantize_then_attend(bits, d, grou
     score = torch.zeros(2, 129, 2, device=DEV)
     dev = [t.to(DEV) for t in (q, kc, vc, table, n, kscale, kbias, vscale, vbias)]
     out = decode_attention(*dev[:5], score=score, score_mode="cumulative", split=64, block_n=32, value_dot=value_dot,
-                           paired=paired, quant=dict(bits=bits, group=group, k_scale=dev[5], k_bias=dev[6], v_scale=dev[7],
-                                      v_bias=dev[8])).cpu()
+                           paired=paired, quant=dict(bits=bits, group=group, k_scale=dev[5], k_bias=dev[6],
+                                                     v_scale=dev[7], v_bias=dev[8])).cpu()
     score = score.cpu()
     want, want_score = _reference(q, kd, vd, table, n, "cumulative", torch.zeros(2, 129, 2), 0)
     torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
@@ -222,7 +222,8 @@ def test_contiguous_buffers_read_from_their_first_slot_equal_the_table(bits):
 def test_kernel_tile_follows_the_table_width_on_the_gpu():
     """Tiles on the GPU: long tables (4k keys or more) take 256-key blocks at d=64 (4-bit with 8 warps) and 128-key
     ones at two programs an SM at d=128; bounded caches' narrow tables two-block splits in every format; fp8 elsewhere
-    takes bf16's tile; 4-bit's middle and long tables at d=128 read paired scales; on the CPU every call takes bf16's."""
+    takes bf16's tile; 4-bit's middle and long tables at d=128 read paired scales, 8-bit's middle ones run 8 programs
+    an SM; on the CPU every call takes bf16's."""
     from kvbound.kernels.triton_decode import Tile, kernel_tile
     bf16 = kernel_tile(16, 64, 43, 8192)
     assert kernel_tile(8, 64, 43, 8192) == kernel_tile("fp8", 64, 43, 8192) == Tile(256, 4, 2)
@@ -230,7 +231,7 @@ def test_kernel_tile_follows_the_table_width_on_the_gpu():
     assert kernel_tile(8, 128, 7, 8192) == Tile(128, 8, 2, programs_per_sm=2)
     assert kernel_tile(16, 128, 1, 32768) == kernel_tile("fp8", 128, 7, 8192) == Tile(128, 4, 2, programs_per_sm=2)
     assert kernel_tile(4, 128, 7, 8192) == kernel_tile(4, 128, 64, 2048) == Tile(128, 2, 2, paired="kv")
-    assert kernel_tile(8, 128, 64, 2048) == Tile(64, 4, 2)  # 8-bit reads its scales a group at a time
+    assert kernel_tile(8, 128, 64, 2048) == Tile(64, 4, 2, programs_per_sm=8)  # its scales a group at a time
     for fmt in (16, 8, 4, "fp8"):  # h2o 256's 272-wide tables, at any batch
         assert kernel_tile(fmt, 64, 256, 272) == kernel_tile(fmt, 64, 64, 272) == Tile(64, 4, 2, split_blocks=2)
     assert kernel_tile(8, 128, 64, 272) == Tile(64, 4, 2, split_blocks=2)

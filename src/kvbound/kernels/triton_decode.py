@@ -63,10 +63,11 @@ class Tile(NamedTuple):
 # 4-bit at d=128 reads both groups' scales paired (its long tables take this entry too): 64 x 2k keys 0.170 -> 0.164 ms,
 # 7 x 4k (8k tables) 0.050 -> 0.047, 1 x 32k 0.068 -> 0.065, 16 x 8k 0.167 -> 0.162 (bf16: 0.186, 0.047, 0.059, 0.182);
 # 8-bit read slower paired: V's up to 1.8x on long tables, K's 1.07x -> 1.14x at 16 x 8k (results/paired_scales_h100.log).
-# Its middle tile stays: without scores, K's paired or 128-key blocks were faster (1.29-1.46x bf16 -> 0.97-1.12x), but
-# with h2o's scores both were slower, also in the engine at budget 2048 (results/tune_grid_middle_8bit_h100.log)
-TILES = {(8, 128): Tile(64, 4, 2), (4, 128): Tile(128, 2, 2, paired="kv"), (8, 64): Tile(128, 4, 2),
-         (4, 64): Tile(256, 4, 2)}
+# 8-bit's middle tables at d=128 take 8 programs an SM (twice the keys' splits of 4): 1.55-1.66x bf16 -> 1.30-1.38x,
+# with h2o's scores 1.37-1.53x -> 1.17-1.26x (16-64 sequences, 1-2k keys); an 8B h2o-2048 engine step at 29 running
+# 11.64 -> 10.56 ms. K's paired scales or 128-key blocks lost with scores (results/tune_grid_middle_8bit_h100.log)
+TILES = {(8, 128): Tile(64, 4, 2, programs_per_sm=8), (4, 128): Tile(128, 2, 2, paired="kv"),
+         (8, 64): Tile(128, 4, 2), (4, 64): Tile(256, 4, 2)}
 # ... where a call has fewer than SHORT_KEYS keys in all (batch x context), which few large tiles serve badly
 # (4-bit at d=64 was measured on h2o 256's 257-key tables at 64 running, 1.79 -> 1.75 ms a step,
 # results/engine_packed_tiles_sweep_smollm2_h100.log; such narrow tables now take TILES_NARROW first, so this entry
