@@ -106,8 +106,8 @@ def test_packed_decode_on_the_gpus_long_table_tiles_matches_dequantize_then_atte
         quant = dict(bits=fmt, group=32, k_scale=kscale, k_bias=kbias, v_scale=vscale, v_bias=vbias)
     tile = kernel_tile(fmt, d, 2, LONG_KEYS, cuda=True)
     out = decode_attention(*(t.to(DEV) for t in (q, kc, vc, table, n)), block_n=tile.keys, num_warps=tile.warps,
-                           num_stages=tile.stages, programs_per_sm=tile.programs_per_sm, quant={key: t if isinstance(t, str) or isinstance(t, int) else t.to(DEV)
-                                                     for key, t in quant.items()}).cpu()
+                           num_stages=tile.stages, programs_per_sm=tile.programs_per_sm, paired=tile.paired,
+                           quant={key: t if isinstance(t, (str, int)) else t.to(DEV) for key, t in quant.items()}).cpu()
     want, _ = _reference(q, kd, vd, table, n, None, torch.zeros(2, LONG_KEYS, 2), 0)
     torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
 

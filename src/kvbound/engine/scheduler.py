@@ -11,10 +11,11 @@ state (blocks, positions, scores), restored as it was. Without room there it is 
 could never fit in the pool is refused when it is added.
 
 Chunk boundaries of a bounded (evicting) sequence are fixed by the sequence alone: its prompt is fed in
-pieces ending at multiples of `prefill_chunk` (and where its question starts, if the request says), and tokens it generated (replayed after a preemption) one
-at a time, as its decode fed them. Eviction runs at the end of each piece, so the kept set - and the
-output - never depend on what else was in the batch. Unbounded sequences keep every token, so any split
-gives the same result; they take whatever the token budget leaves.
+pieces ending at multiples of `prefill_chunk` (and where its question starts, if the request says), and
+tokens it generated (replayed after a preemption) one at a time, as its decode fed them. Eviction runs at
+the end of each piece, so the kept set - and the output - never depend on what else was in the batch.
+Unbounded sequences keep every token, so any split gives the same result; they take whatever the token budget
+leaves.
 """
 from __future__ import annotations
 

@@ -3,9 +3,10 @@
 Each task builds a prompt of about `context` tokens and the answers a correct reply contains; a reply
 scores the fraction of its answers it contains (case-insensitive). The question goes after the context
 ("after": compression cannot see it coming) or also before it ("before": a query-aware policy can), as
-kvpress's query_aware does. With `question_piece` the question is a prefill piece of its own, so the context's
-evictions never see it: kvpress's protocol (context compressed, then the question) when the pieces hold the context. Haystacks: the package's text, files (`--haystack`), or RULER's repeated
-noise sentences ("noise").
+kvpress's query_aware does. With `question_piece` the question is a prefill piece of its own, so the
+context's evictions never see it: kvpress's protocol (context compressed, then the question) when the pieces
+hold the context. Haystacks: the package's text, files (`--haystack`), or RULER's repeated noise sentences
+("noise").
 
 Tasks (RULER's families): niah_single, niah_multikey, niah_multivalue, niah_multiquery (needles in a
 haystack), vt (variable tracking over chained assignments), cwe / fwe (common and frequent words

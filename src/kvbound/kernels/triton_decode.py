@@ -62,7 +62,8 @@ class Tile(NamedTuple):
 # (bits or "fp8" or 16 for bf16, head_dim) -> the kernel's Tile on the GPU; packed formats' middle tables:
 # 4-bit at d=128 reads both groups' scales paired (its long tables take this entry too): 64 x 2k keys 0.170 -> 0.164 ms,
 # 7 x 4k (8k tables) 0.050 -> 0.047, 1 x 32k 0.068 -> 0.065, 16 x 8k 0.167 -> 0.162 (bf16: 0.186, 0.047, 0.059, 0.182);
-# 8-bit read slower paired: V's up to 1.8x on long tables, K's 1.07x -> 1.14x at 16 x 8k (results/paired_scales_h100.log).
+# 8-bit read slower paired: V's up to 1.8x on long tables, K's 1.07x -> 1.14x at 16 x 8k
+# (results/paired_scales_h100.log).
 # 8-bit's middle tables at d=128 take 8 programs an SM (twice the keys' splits of 4): 1.55-1.66x bf16 -> 1.30-1.38x,
 # with h2o's scores 1.37-1.53x -> 1.17-1.26x (16-64 sequences, 1-2k keys); an 8B h2o-2048 engine step at 29 running
 # 11.64 -> 10.56 ms. K's paired scales or 128-key blocks lost with scores (results/tune_grid_middle_8bit_h100.log)
@@ -172,8 +173,7 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
             if PAIR_V and D // GS == 2:
                 vs, vb, vs_hi, vb_hi = _paired_scales(VS, VB, sp, valid)
             else:
-                vs = tl.load(VS + sp, mask=valid, other=0.0).to(tl.float32)
-                vb = tl.load(VB + sp, mask=valid, other=0.0).to(tl.float32)
+                vs, vb = _scale_bias(VS, VB, sp, valid)
             ps, pb, codes = _value_group(p, vp, vs, vb, valid)
             if BITS == 8:
                 acc = _codes_dot(acc, alpha, ps, pb, codes, IEEE)
@@ -182,8 +182,7 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                 acc_odd = _codes_dot(acc_odd, alpha, ps, pb, codes >> 4, IEEE)
             if D // GS == 2:
                 if not PAIR_V:
-                    vs_hi = tl.load(VS + sp + 1, mask=valid, other=0.0).to(tl.float32)
-                    vb_hi = tl.load(VB + sp + 1, mask=valid, other=0.0).to(tl.float32)
+                    vs_hi, vb_hi = _scale_bias(VS, VB, sp + 1, valid)
                 ps, pb, codes = _value_group(p, vp + W, vs_hi, vb_hi, valid)
                 if BITS == 8:
                     acc_hi = _codes_dot(acc_hi, alpha, ps, pb, codes, IEEE)
@@ -229,6 +228,13 @@ def _ring_entry(p, SINK: tl.constexpr, RECENT: tl.constexpr):
 
 
 PV_SCALE: tl.constexpr = tl.constexpr(64.0)  # keeps p * v_scale clear of fp16 subnormals; exact (a power of 2)
+
+
+@triton.jit
+def _scale_bias(S, B, sp, valid):
+    """Scale and bias of one group of the keys at offsets `sp`, in fp32."""
+    return (tl.load(S + sp, mask=valid, other=0.0).to(tl.float32),
+            tl.load(B + sp, mask=valid, other=0.0).to(tl.float32))
 
 
 @triton.jit
@@ -313,9 +319,7 @@ def _packed_qk(Q, K, KS, KB, slot, h, valid, q_row, stride_ks, stride_kh, stride
                    + _dot(qo, tl.trans(_codes(codes >> 4)), IEEE))
             qsum = tl.sum(qg, 1) + tl.sum(qo, 1)
         if not (PAIRED and NG == 2):
-            sp = slot * stride_ss + h * stride_sh + gi
-            ks = tl.load(KS + sp, mask=valid, other=0.0).to(tl.float32)
-            kb = tl.load(KB + sp, mask=valid, other=0.0).to(tl.float32)
+            ks, kb = _scale_bias(KS, KB, slot * stride_ss + h * stride_sh + gi, valid)
         elif gi == 0:
             ks, kb = ks0, kb0
         else:
