@@ -375,10 +375,11 @@ def tune_export():
         torch.cuda.empty_cache()
 
 
-def tune_grid(configs, bits_list):
+def tune_grid(configs, bits_list, variants=None):
     """Tiles and split sizes (keys per program) of every format on the engine's tables, which are wider than
     their contexts (a graph's width bucket): `configs` of (shape, batch, context, table width, export). With
-    export the call also scores (cumulative), as h2o's step does. Each row against bf16's default call."""
+    export the call also scores (cumulative), as h2o's step does. Each row against bf16's default call.
+    variants: instead of the grid, these tiles (keys, warps, stages, programs per SM, paired) beside the default."""
     print(f"{'shape':<8}{'B':>4}{'ctx':>6}{'width':>6}{'bits':>5}{'blk':>4}{'w':>3}{'st':>3}{'split':>6}{'ms':>8}"
           f"{'vs bf16':>8}")
     tiles = {64: [(32, 2, 2), (32, 4, 2), (64, 2, 2), (64, 4, 2), (128, 4, 2)],
@@ -394,11 +395,17 @@ def tune_grid(configs, bits_list):
             kc, vc, quant = packed(k, v, bits) if bits != 16 else (k, v, None)
             splits = (lambda blk: [blk * m for m in (1, 2, 4, 8) if blk * m <= width]) if width < 4096 else \
                 (lambda blk: [256, 512, 1024, 2048, 4096])
-            runs = [(None, None, None, None)] + [(*t, split) for t in tiles[d] for split in splits(t[0])]
-            for blk, w, st, split in runs:
-                kw = dict(base, quant=quant, block_n=blk, num_warps=w, num_stages=st, split=split)
-                label = (f"{name:<8}{bsz:>4}{ctx:>6}{width:>6}{bits!s:>5}{blk or 'def':>4}{w or '':>3}{st or '':>3}"
-                         f"{split or 'def':>6}")
+            runs = [(f"{'def':>4}{'':>6}{'def':>6}", {})]
+            if variants is None:
+                runs += [(f"{blk:>4}{w:>3}{st:>3}{split:>6}", dict(block_n=blk, num_warps=w, num_stages=st, split=split))
+                         for blk, w, st in tiles[d] for split in splits(blk)]
+            else:
+                runs += [(f"{blk:>4}{w:>3}{st:>3}{f'pps{pps}':>6} {paired or '-'}",
+                          dict(block_n=blk, num_warps=w, num_stages=st, programs_per_sm=pps, paired=paired))
+                         for blk, w, st, pps, paired in variants]
+            for tile, run in runs:
+                kw = dict(base, quant=quant, **run)
+                label = f"{name:<8}{bsz:>4}{ctx:>6}{width:>6}{bits!s:>5}{tile}"
                 ms = tried(label, lambda: timed(lambda i: decode_attention(qs[i], kc, vc, tables[i], lens, **kw), sets))
                 if ms is not None:
                     print(f"{label}{ms:>8.4f}{ms / ref:>8.2f}", flush=True)
@@ -419,6 +426,18 @@ def tune_configs(spec: str, fields: int) -> list:
     return configs
 
 
+def tile_variants(spec: str) -> list:
+    """keys:warps:stages:programs_per_sm:paired,... -> [(keys, warps, stages, programs per SM, paired)], paired k,
+    v, kv or - (`Tile.paired`)."""
+    variants = []
+    for entry in spec.split(","):
+        parts = entry.split(":")
+        if len(parts) != 5 or not all(p.isdigit() for p in parts[:4]) or parts[4] not in ("-", "k", "v", "kv"):
+            raise ValueError(f"{entry!r} is not keys:warps:stages:programs_per_sm:paired with paired k, v, kv or -")
+        variants.append((*map(int, parts[:4]), parts[4].strip("-")))
+    return variants
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one small config per shape")
@@ -435,6 +454,9 @@ def main():
     ap.add_argument("--tune-grid", help="only sweep tiles and split sizes of every format (--quant-bits) on "
                     "shape:batch:context:width:export,... (export 0/1), e.g. smollm2:64:257:272:1 (h2o 256 at 64 "
                     "running, as the engine's graph calls it)")
+    ap.add_argument("--tile-variants", help="with --tune-grid: time these tiles beside the default call instead of "
+                    "the grid, keys:warps:stages:programs_per_sm:paired,... (paired k, v, kv or -), e.g. "
+                    "64:4:2:4:-,64:4:2:8:-")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     try:
@@ -443,8 +465,9 @@ def main():
         bits_list = [b if b == "fp8" else int(b) for b in args.quant_bits.split(",")]
         quant_configs = tune_configs(args.tune_configs, 3) if args.tune_configs else None
         grid_configs = tune_configs(args.tune_grid, 5) if args.tune_grid else None
+        variants = tile_variants(args.tile_variants) if args.tile_variants else None
     except ValueError as e:
-        ap.error(f"--quant-bits / --tune-configs / --tune-grid: {e}")
+        ap.error(f"--quant-bits / --tune-configs / --tune-grid / --tile-variants: {e}")
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     if args.tune:
@@ -454,7 +477,7 @@ def main():
     if args.tune_split:
         return tune_split()
     if args.tune_grid:
-        return tune_grid(grid_configs, bits_list)
+        return tune_grid(grid_configs, bits_list, variants)
     if args.tune_export:
         return tune_export()
     copy = copy_bandwidth()
