@@ -17,6 +17,8 @@ context and question go through the press together, compressed once, and keep co
 kvbound's one-piece runs (`--prefill-chunk` at least the prompt) do. kvpress's own protocol on kvbound's side is
 `eval ruler --prefill-chunk N --question-piece` (`gpu --question-piece`): the context in one piece, evicted once,
 then the question in a piece of its own (the question's piece and the reply are then evicted to the budget too).
+With `--budget-of context` as well, kvbound's budget is kvpress's cache once it has read the question (keep x
+context + question), which kvpress's then outgrows by the reply: equal memory at that point, less after it.
 
 python benchmarks/peer_kvpress.py export --out prompts.json
 /path/to/kvpress-venv/bin/python benchmarks/peer_kvpress.py run --prompts prompts.json \\
@@ -156,6 +158,7 @@ def gpu(args):
     aware = ["--query-aware"] if args.query_aware else []
     one_piece = ["--prefill-chunk", str(args.context)] if args.query_aware or args.question_piece else []
     one_piece += ["--question-piece"] if args.question_piece else []
+    one_piece += ["--budget-of", args.budget_of]
     tag = "_qa" if args.query_aware else ""
     jobs, parts = [], []
     dtype = "float32" if args.device == "cpu" else "bfloat16"
@@ -201,14 +204,19 @@ def report(args):
                if r["sample"] < first]
     for path in args.kvbound or []:
         for r in json.load(open(path))["results"]:
-            tag = " (question apart)" if r.get("question_piece") else " (one piece)" if "onepiece" in path else ""
+            tags = ["question apart"] if r.get("question_piece") else ["one piece"] if "onepiece" in path else []
+            tags += ["equal memory"] if r.get("budget_of") == "context" else []
+            tag = f" ({', '.join(tags)})" if tags else ""
             if r["sample"] < first:
                 results.append({**r, "strategy": f"kvbound {r['strategy']}{tag}"})
     rows, tasks, grid = ruler_table(results)
     aware = any("(query-aware)" in r["press"] for f in files for r in f["replies"])
     kvpress_keeps = "the whole prompt (query-aware)" if aware else "the context (question uncompressed)"
-    print(f"RULER-style score, {data['context']}-token prompts; kvpress keeps a fraction of {kvpress_keeps}, "
-          f"kvbound a fraction of the whole prompt")
+    budgets = {"prompt": "kvbound's budget a fraction of the whole prompt",
+               "context": "kvbound's budget (equal memory) kvpress's cache once the question is read"}
+    ours = {r.get("budget_of", "prompt") for r in results if r["strategy"].startswith("kvbound")}
+    print(f"RULER-style score, {data['context']}-token prompts; kvpress keeps a fraction of {kvpress_keeps}; "
+          + "; ".join(budgets[of] for of in budgets if of in ours))
     print(f"{'strategy@keep':<44}" + "".join(f"{t:>16}" for t in tasks) + f"{'mean':>7}")
     for row, cells in sorted(zip(rows, grid), key=lambda x: (x[0].split("@")[1], x[0])):
         mean = sum(cells) / len(cells)
@@ -282,6 +290,8 @@ def main():
                           "one piece")
     protocol.add_argument("--question-piece", action="store_true", help="kvbound prefills the context in one piece and "
                           "the question in another (kvpress's protocol; presses do not see the question)")
+    g.add_argument("--budget-of", choices=["prompt", "context"], default="prompt", help="kvbound's budget: a fraction "
+                   "of the prompt, or of the context plus the question whole (`eval ruler --budget-of`)")
     g.add_argument("--deadline", type=float, default=540, help="seconds before unfinished processes are stopped")
     g.add_argument("--out-dir", required=True)
     p = sub.add_parser("report")

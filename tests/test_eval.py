@@ -256,8 +256,36 @@ def test_ruler_question_piece_feeds_the_question_apart_in_both_paths(tiny):
     assert not any(r["question_piece"] for r in ruler_runs(*args))
     r = run("ruler", "--model", str(tiny), "--context", "160", "--samples", "1", "--tasks", "qa", "--budget-frac",
             "0.5", "--max-tokens", "2", "--haystack", "noise", "--strategies", "snapkv", "--prefill-chunk", "256",
-            "--question-piece")  # its own process: the CLI flushes subnormals process-wide
-    assert "question after the context, in a prefill piece of its own" in r.stdout
+            "--question-piece", "--budget-of", "context")  # its own process: the CLI flushes subnormals process-wide
+    assert "question after the context, in a prefill piece of its own; budget a fraction of the context, plus the " \
+           "question" in r.stdout
+
+
+def test_ruler_budget_of_context_is_kvpress_cache_once_the_question_is_read(tiny):
+    """`--budget-of context`: a bounded run's budget is the fraction of the tokens before the closing question plus
+    the question whole, per instance (kvpress's cache after the question), in both paths alike; the records say so."""
+    import random
+    import zlib
+    from kvbound.errors import KvboundError
+    from kvbound.eval.ruler import haystack_ids, instance_budget, question_ids, ruler_runs, sized_prompt
+    from kvbound.eval.strategies import CacheOptions
+    from kvbound.models import load
+    model, tok = load(str(tiny))
+    args = (model, tok, ["baseline", "window", "keydiff"], [200], ["niah_single", "qa"], [0.25, 0.5],
+            CacheOptions(prefill_chunk=256), 2, "after", ["noise"], 3)
+    alone = ruler_runs(*args, question_piece=True, budget_of="context")
+    batched = ruler_runs(*args, engine=True, question_piece=True, budget_of="context")
+    assert [r["reply"] for r in batched] == [r["reply"] for r in alone]
+    filler = haystack_ids(tok, ["noise"], 200)
+    for r in (r for r in alone if r["strategy"] != "baseline"):
+        rng = random.Random(zlib.crc32(f"0/{r['task']}/200/{r['sample']}".encode()))
+        sample, ids = sized_prompt(tok, r["task"], 200, "after", rng, filler)
+        tail = len(question_ids(tok, sample))
+        assert r["budget"] == int(r["budget_frac"] * (len(ids) - tail)) + tail and r["budget_of"] == "context"
+    assert instance_budget(0.5, 200, 180, 20, "prompt") == 100 and instance_budget(0.5, 200, 180, 20, "context") == 110
+    assert {r["budget_of"] for r in ruler_runs(*args)} == {"prompt"}
+    with pytest.raises(KvboundError, match="--budget-of must be prompt or context, got 'question'"):
+        ruler_runs(*args, budget_of="question")
 
 
 @pytest.mark.parametrize("engine", [False, True])

@@ -127,11 +127,12 @@ def cmd_ruler(args):
     results = ruler_runs(model, tok, with_baseline(args.strategies), args.context, tasks, args.budget_frac,
                          cache_options(args), args.samples, args.query, args.haystack, args.max_tokens, args.device,
                          dtype, engine=args.engine, finished=PartialJSON(args.json), question_piece=args.question_piece,
-                         **policy_defaults(args))
+                         budget_of=args.budget_of, **policy_defaults(args))
     rows, tasks, grid = ruler_table(results)
     apart = ", in a prefill piece of its own" if args.question_piece else ""
+    of = "the prompt" if args.budget_of == "prompt" else "the context, plus the question"
     print(f"\nruler score (mean of {args.samples} samples per task; contexts {', '.join(map(str, args.context))}; "
-          f"question {args.query} the context{apart})")
+          f"question {args.query} the context{apart}; budget a fraction of {of})")
     print(f"{'strategy@budget':<26} " + " ".join(f"{t:>15}" for t in tasks) + f" {'mean':>6}")
     for row, cells in zip(rows, grid):
         print(f"{row:<26} " + " ".join(f"{v:>15.0%}" for v in cells) + f" {sum(cells) / len(cells):>6.0%}")
@@ -210,6 +211,10 @@ def add_eval_parser(sub):
     p.add_argument("--question-piece", action="store_true", help="feed the closing question as a prefill piece of "
                    "its own, so the context's evictions never see it; with --prefill-chunk at least the context, "
                    "kvpress's protocol (the context compressed once, then the question)")
+    p.add_argument("--budget-of", choices=["prompt", "context"], default="prompt", help="what --budget-frac is a "
+                   "fraction of: the whole prompt, or the context before the closing question with room for the "
+                   "question on top (kvpress's cache once it has read the question: kvbound never holds more) "
+                   "(default: %(default)s)")
     p.add_argument("--haystack", nargs="+", default=None, help="text files or folders to hide facts in, or "
                    "'noise' for RULER's repeated sentences (default: the package's text)")
     p.add_argument("--max-tokens", type=positive_int, default=32)

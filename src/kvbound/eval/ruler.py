@@ -203,15 +203,18 @@ def score(reply: str, answers: list[str]) -> float:
 
 def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheOptions, samples=20,
                query="after", haystack=None, max_tokens=32, device="cpu", dtype=None, seed=0, engine=False,
-               finished=None, question_piece=False, **policy_defaults) -> list[dict]:
+               finished=None, question_piece=False, budget_of="prompt", **policy_defaults) -> list[dict]:
     """Every strategy on `samples` instances of every task, context and budget fraction (the same instances
     for every strategy). One record per run: its score, the reply, the budget. `engine`: every run is a
     request of one continuous batch (`engine_replies`) instead of a single-sequence cache after another.
     `finished(records_so_far)`, if given, is called as each run ends; records_so_far() builds the records of
     every run done so far (a caller that saves them now and then keeps them when a long run is cut short).
-    question_piece: the question is fed as a prefill piece of its own (see the module's docstring)."""
+    question_piece: the question is fed as a prefill piece of its own (see the module's docstring).
+    budget_of: what a budget fraction is of (`instance_budget`)."""
     if query not in ("before", "after"):
         raise KvboundError(f"--query must be before or after, got {query!r}")
+    if budget_of not in ("prompt", "context"):
+        raise KvboundError(f"--budget-of must be prompt or context, got {budget_of!r}")
     for task in tasks:
         make_sample(task, random.Random(0), 10)  # unknown names fail before any run
     jobs = []
@@ -222,9 +225,11 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
         for i, task in ((i, task) for i in range(samples) for task in tasks):
             rng = random.Random(zlib.crc32(f"{seed}/{task}/{context}/{i}".encode()))  # same in every run
             sample, ids = sized_prompt(tok, task, context, query, rng, filler)
-            start = len(ids) - len(question_ids(tok, sample)) if question_piece else None
+            tail = len(question_ids(tok, sample))
+            start = len(ids) - tail if question_piece else None
             for frac in budget_fracs:
-                strategies = parse_strategies(names, fraction_budget(frac, context), options, **policy_defaults)
+                budget = instance_budget(frac, context, len(ids) - tail, tail, budget_of)
+                strategies = parse_strategies(names, budget, options, **policy_defaults)
                 if engine:
                     check_engine_strategies(strategies, options)
                 jobs += [(context, task, i, frac, name, pol, bits, ids, start, sample)
@@ -238,7 +243,7 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
     def done(k, reply_ids):  # the k-th run of `todo` ended
         text[todo[k]] = tok.decode(reply_ids)
         if finished is not None:
-            finished(lambda: _records(jobs, first, text, query))
+            finished(lambda: _records(jobs, first, text, query, budget_of))
     if engine:
         engine_replies(model, tok, [jobs[j][5:9] for j in todo], options, max_tokens, done=done)
     else:
@@ -247,10 +252,19 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
             cache = make_cache(model, pol, bits, options, device, dtype)
             done(k, list(generate_ids(model, ids, SamplingParams(max_tokens=max_tokens), cache, tok.eos_ids,
                                       options.prefill_chunk, start)))
-    return _records(jobs, first, text, query)
+    return _records(jobs, first, text, query, budget_of)
 
 
-def _records(jobs, first, text, query) -> list[dict]:
+def instance_budget(frac: float, context: int, before_question: int, question: int, budget_of: str) -> int:
+    """A bounded run's budget: `frac` of the `context`-token prompt ("prompt"), or ("context") `frac` of the
+    tokens before the closing question plus the question whole, which is kvpress's cache once it has read the
+    question; kvpress's then grows by the reply while kvbound's stays, so kvbound never holds more."""
+    if budget_of == "prompt":
+        return fraction_budget(frac, context)
+    return fraction_budget(frac, before_question) + question
+
+
+def _records(jobs, first, text, query, budget_of) -> list[dict]:
     """One record per job whose run (`first[j]`, shared by the full cache's budgets) has a reply in `text`."""
     results = []
     for j, (context, task, i, frac, name, pol, bits, ids, start, sample) in enumerate(jobs):
@@ -258,7 +272,8 @@ def _records(jobs, first, text, query) -> list[dict]:
             continue
         reply = text[first[j]]
         results.append({"strategy": name, "context": context, "task": task, "sample": i, "budget_frac": frac,
-                        "budget": pol.budget, "query": query, "question_piece": start is not None,
+                        "budget": pol.budget, "budget_of": budget_of, "query": query,
+                        "question_piece": start is not None,
                         "score": score(reply, sample.answers),
                         "answers": sample.answers, "reply": reply.strip()})
     return results
