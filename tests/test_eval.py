@@ -58,7 +58,10 @@ def test_ppl_json_format_and_kv_bytes(tiny, tmp_path):
     held = {k: v["kv_held_bytes"] for k, v in s.items()}
     assert held["h2o-heavy+kv4"] < held["h2o-heavy+kv8"] < held["h2o-heavy"] < held["baseline"]
     for name in ("adakv", "pyramidkv"):  # the same tokens held as a uniform budget (each entry names its head)
-        assert held["snapkv"] < held[name] <= held["snapkv"] * 1.01 and s[name]["ppl"] != s["snapkv"]["ppl"]
+        assert held["snapkv"] < held[name] <= held["snapkv"] * 1.01
+    # adakv shares a layer's places by score mass, which this random model's near-uniform attention may split
+    # evenly, as snapkv does, on some CPUs (its kept sets: test_policies' brute-force reference)
+    assert s["pyramidkv"]["ppl"] != s["snapkv"]["ppl"]
     assert res["config"]["seq_len"] == 64 and (tmp_path / "p.png").stat().st_size > 1000
 
 
@@ -263,7 +266,8 @@ def test_ruler_question_piece_feeds_the_question_apart_in_both_paths(tiny):
 
 def test_ruler_budget_of_context_is_kvpress_cache_once_the_question_is_read(tiny):
     """`--budget-of context`: a bounded run's budget is the fraction of the tokens before the closing question plus
-    the question whole, per instance (kvpress's cache after the question), in both paths alike; the records say so."""
+    the question whole, per instance (kvpress's cache after the question) in whole 16-token blocks, in both paths
+    alike; the records say so."""
     import random
     import zlib
     from kvbound.errors import KvboundError
@@ -281,8 +285,9 @@ def test_ruler_budget_of_context_is_kvpress_cache_once_the_question_is_read(tiny
         rng = random.Random(zlib.crc32(f"0/{r['task']}/200/{r['sample']}".encode()))
         sample, ids = sized_prompt(tok, r["task"], 200, "after", rng, filler)
         tail = len(question_ids(tok, sample))
-        assert r["budget"] == int(r["budget_frac"] * (len(ids) - tail)) + tail and r["budget_of"] == "context"
-    assert instance_budget(0.5, 200, 180, 20, "prompt") == 100 and instance_budget(0.5, 200, 180, 20, "context") == 110
+        assert r["budget"] == (int(r["budget_frac"] * (len(ids) - tail)) + tail) // 16 * 16
+        assert r["budget_of"] == "context"
+    assert instance_budget(0.5, 200, 180, 20, "prompt") == 100 and instance_budget(0.5, 200, 180, 20, "context") == 96
     assert {r["budget_of"] for r in ruler_runs(*args)} == {"prompt"}
     with pytest.raises(KvboundError, match="--budget-of must be prompt or context, got 'question'"):
         ruler_runs(*args, budget_of="question")

@@ -48,3 +48,8 @@ class StackedMeta:
 
     def give(self, row: int):
         self.free.append(row)
+
+    @property
+    def idle(self) -> bool:
+        """No cache holds a row."""
+        return len(self.free) == self.scratch_row

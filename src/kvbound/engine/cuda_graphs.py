@@ -84,6 +84,15 @@ class DecodeGraphs:
             rows[:size], table[:size] = meta.scratch_row, self.scratch
             self._capture(GroupKey(kind, meta), size)
 
+    def drop(self, meta):
+        """Forget the evict graphs of a policy's stacked metadata and their buffers (no cache uses it any more);
+        their memory in the graphs' pool goes to later captures."""
+        self.evict_buffers.pop(meta, None)
+        for key in [key for key in self.graphs if key[0].meta is meta]:
+            del self.graphs[key], self.logits[key], self.attn[key]
+        if self.last is not None and self.last[0].meta is meta:
+            self.last = None
+
     def run(self, batch, keys, fill=None):
         """Logits [B, vocab] of a decode step that a graph covers, else None. The caller does the caches'
         bookkeeping (`runner.finish_step`). fill: (rows on the device, () -> tokens there), the input ids of

@@ -110,6 +110,14 @@ class PoolCaches:
                                                self.device, ring)
         return self.stacked[policy]
 
+    def drop_idle(self, seen: set, keep) -> tuple[list, set]:
+        """Drop the stacked metadata of policies idle now and in the last call's `seen` (the set it returned), other
+        than `keep`'s: a server that meets many per-request budgets holds rows only for those in use, and one
+        idle for a moment keeps them. Returns (the dropped policies' metadata, whose graphs the engine forgets;
+        the policies idle now but kept)."""
+        idle = {p for p, meta in self.stacked.items() if meta.idle and p != keep}
+        return [self.stacked.pop(p) for p in idle & seen], idle - seen
+
     def __call__(self, policy, hits: list[int]) -> KVCache:
         stacked = None
         if stackable(policy):
@@ -179,6 +187,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._sampled: list[tuple] = []  # (sequence, token, logprob) of each token read in the last step() call
         self._inflight: Launched | None = None  # a step whose tokens are still on the device
+        self._idle_policies: set = set()  # policies whose stacked metadata no cache held at the last step's start
         self.async_scheduling = self.device.type == "cuda" if async_scheduling is None else async_scheduling
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
@@ -292,6 +301,11 @@ class LLMEngine:
         the step after it, feeding them there, and reads them while the GPU runs it (vLLM's async scheduling).
         A sequence that ended on a token read late has run one step more, whose token is dropped."""
         self._open()
+        dropped, self._idle_policies = self.caches.drop_idle(self._idle_policies, self.default_policy)
+        if dropped and self.graphs is not None:
+            torch.cuda.current_stream().synchronize()  # a step in flight may still replay their graphs
+            for meta in dropped:
+                self.graphs.drop(meta)
         launched, self._inflight = self._inflight, None
         self._sampled, touched = [], {}
         if launched is not None:

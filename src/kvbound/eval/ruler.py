@@ -238,6 +238,8 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
     # the full cache does not depend on the budget: each of its runs is made once
     first = [once.get((c, t, i, n), j) if not pol.bounded else j for j, (c, t, i, _, n, pol, *_) in enumerate(jobs)]
     todo = [j for j in range(len(jobs)) if first[j] == j]
+    if budget_of == "context":  # budgets vary by instance: the engine serves one budget's runs together
+        todo.sort(key=lambda j: jobs[j][5].budget or 0)
     text: dict[int, str] = {}
 
     def done(k, reply_ids):  # the k-th run of `todo` ended
@@ -258,10 +260,11 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
 def instance_budget(frac: float, context: int, before_question: int, question: int, budget_of: str) -> int:
     """A bounded run's budget: `frac` of the `context`-token prompt ("prompt"), or ("context") `frac` of the
     tokens before the closing question plus the question whole, which is kvpress's cache once it has read the
-    question; kvpress's then grows by the reply while kvbound's stays, so kvbound never holds more."""
+    question, in whole 16-token pool blocks: kvpress's then grows by the reply while kvbound's stays, so
+    kvbound never holds more."""
     if budget_of == "prompt":
         return fraction_budget(frac, context)
-    return fraction_budget(frac, before_question) + question
+    return max(16, (fraction_budget(frac, before_question) + question) // 16 * 16)
 
 
 def _records(jobs, first, text, query, budget_of) -> list[dict]:
