@@ -89,10 +89,11 @@ def test_decode_attention_quantized_matches_dequantize_then_attend(bits, d, grou
     torch.testing.assert_close(score.double(), want_score, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fmt, d", [(8, 64), (4, 64), ("fp8", 64), (8, 128)])
-def test_packed_decode_on_the_gpus_long_table_tiles_matches_dequantize_then_attend(fmt, d):
-    """The tile a 4k-wide table takes on the GPU (at d=64 256 keys, 4-bit's with 8 warps; 8-bit's 8 warps at d=128),
-    with the kernel's own splits."""
+@pytest.mark.parametrize("fmt, d, scores", [(8, 64, False), (4, 64, False), ("fp8", 64, False), (8, 128, False),
+                                             (8, 128, True)])
+def test_packed_decode_on_the_gpus_long_table_tiles_matches_dequantize_then_attend(fmt, d, scores):
+    """The tile a 4k-wide table takes on the GPU (at d=64 256 keys, 4-bit's with 8 warps; 8-bit's 8 warps at d=128,
+    4 when it exports scores), with the kernel's own splits."""
     from kvbound.cache.quant import Fp8KV
     from kvbound.kernels.triton_decode import LONG_KEYS, kernel_tile
     q, k, v, table, n = _case(5, 2, 6, 2, d, [LONG_KEYS, 1500], slots=LONG_KEYS + 1600)
@@ -104,12 +105,17 @@ def test_packed_decode_on_the_gpus_long_table_tiles_matches_dequantize_then_atte
         (kc, kscale, kbias), (vc, vscale, vbias) = quantize(k, fmt, 32), quantize(v, fmt, 32)
         kd, vd = dequantize(kc, kscale, kbias, fmt, 32), dequantize(vc, vscale, vbias, fmt, 32)
         quant = dict(bits=fmt, group=32, k_scale=kscale, k_bias=kbias, v_scale=vscale, v_bias=vbias)
-    tile = kernel_tile(fmt, d, 2, LONG_KEYS, cuda=True)
+    tile = kernel_tile(fmt, d, 2, LONG_KEYS, cuda=True, scores=scores)
+    score = torch.zeros(2, LONG_KEYS, 2, device=DEV) if scores else None
     out = decode_attention(*(t.to(DEV) for t in (q, kc, vc, table, n)), block_n=tile.keys, num_warps=tile.warps,
                            num_stages=tile.stages, programs_per_sm=tile.programs_per_sm, paired=tile.paired,
+                           score=score, score_mode="cumulative" if scores else None,
                            quant={key: t if isinstance(t, (str, int)) else t.to(DEV) for key, t in quant.items()}).cpu()
-    want, _ = _reference(q, kd, vd, table, n, None, torch.zeros(2, LONG_KEYS, 2), 0)
+    mode = "cumulative" if scores else None
+    want, want_score = _reference(q, kd, vd, table, n, mode, torch.zeros(2, LONG_KEYS, 2), 0)
     torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
+    if scores:
+        torch.testing.assert_close(score.cpu().double(), want_score, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("d, group", [(64, 32), (128, 64)])
@@ -223,7 +229,7 @@ def test_kernel_tile_follows_the_table_width_on_the_gpu():
     """Tiles on the GPU: long tables (4k keys or more) take 256-key blocks at d=64 (4-bit with 8 warps) and 128-key
     ones at two programs an SM at d=128; bounded caches' narrow tables two-block splits in every format; fp8 elsewhere
     takes bf16's tile; 4-bit's middle and long tables at d=128 read paired scales, 8-bit's middle ones run 8 programs
-    an SM; on the CPU every call takes bf16's."""
+    an SM (16 exporting scores, and its long ones 4 warps then); on the CPU every call takes bf16's."""
     from kvbound.kernels.triton_decode import Tile, kernel_tile
     bf16 = kernel_tile(16, 64, 43, 8192)
     assert kernel_tile(8, 64, 43, 8192) == kernel_tile("fp8", 64, 43, 8192) == Tile(256, 4, 2)
@@ -232,6 +238,11 @@ def test_kernel_tile_follows_the_table_width_on_the_gpu():
     assert kernel_tile(16, 128, 1, 32768) == kernel_tile("fp8", 128, 7, 8192) == Tile(128, 4, 2, programs_per_sm=2)
     assert kernel_tile(4, 128, 7, 8192) == kernel_tile(4, 128, 64, 2048) == Tile(128, 2, 2, paired="kv")
     assert kernel_tile(8, 128, 64, 2048) == Tile(64, 4, 2, programs_per_sm=8)  # its scales a group at a time
+    # exporting scores (h2o's step), 8-bit at d=128: 16 programs an SM on middle tables, 4 warps on long ones
+    assert kernel_tile(8, 128, 29, 2048, scores=True) == Tile(64, 4, 2, programs_per_sm=16)
+    assert kernel_tile(8, 128, 7, 8192, scores=True) == Tile(128, 4, 2, programs_per_sm=2)
+    assert kernel_tile(8, 128, 64, 272, scores=True) == kernel_tile(8, 128, 64, 272)  # narrow tables: the same
+    assert kernel_tile(4, 128, 7, 8192, scores=True) == kernel_tile(4, 128, 7, 8192)  # other formats: the same
     for fmt in (16, 8, 4, "fp8"):  # h2o 256's 272-wide tables, at any batch
         assert kernel_tile(fmt, 64, 256, 272) == kernel_tile(fmt, 64, 64, 272) == Tile(64, 4, 2, split_blocks=2)
     assert kernel_tile(8, 128, 64, 272) == Tile(64, 4, 2, split_blocks=2)

@@ -91,6 +91,11 @@ TILES_LONG = {(8, 64): Tile(256, 4, 2), ("fp8", 64): Tile(256, 4, 2), (4, 64): T
               **{(f, 128): Tile(128, 4, 2, programs_per_sm=2) for f in (16, "fp8")},
               (8, 128): Tile(128, 8, 2, programs_per_sm=2)}
 LONG_KEYS = 4096
+# ... and where the call also exports scores (h2o's evict step), middle and long tables: 8-bit at d=128 with 16
+# programs an SM on middle tables, 1.26x -> 1.18x bf16 at 29 x 2k and 1.20x -> 1.15x at 64 x 1k in 2k tables; with 4
+# warps on long ones, 1.62x -> 1.30x at 7 x 4k in 8k tables (results/tile_variants_h100.log)
+TILES_SCORES = {(8, 128): Tile(64, 4, 2, programs_per_sm=16)}
+TILES_LONG_SCORES = {(8, 128): Tile(128, 4, 2, programs_per_sm=2)}
 
 
 @triton.jit
@@ -589,9 +594,11 @@ def _resid_args(resid, dummy):
                 sink=resid["sink"], recent=resid["recent"])
 
 
-def kernel_tile(fmt, d: int, bsz: int, max_len: int, contiguous: bool = False, cuda: bool = True) -> Tile:
-    """The split kernel's Tile for a call of `bsz` tables `max_len` wide in format `fmt` (16 for bf16, 8 / 4 / "fp8"):
-    on the GPU the tables' entry by head size and table width, else bf16's default (packed formats' middle one)."""
+def kernel_tile(fmt, d: int, bsz: int, max_len: int, contiguous: bool = False, cuda: bool = True,
+                scores: bool = False) -> Tile:
+    """The split kernel's Tile for a call of `bsz` tables `max_len` wide in format `fmt` (16 for bf16, 8 / 4 / "fp8"),
+    exporting `scores` or not: on the GPU the tables' entry by head size and table width, else bf16's default
+    (packed formats' middle one)."""
     if contiguous and fmt in (16, "fp8") and d >= 128:
         # direct loads pipeline deeper, and three stages of 128-wide K/V tiles cost occupancy: 1.08x paged at
         # batch 64, 0.97x with one stage (results/contig_decode_h100.log)
@@ -600,13 +607,14 @@ def kernel_tile(fmt, d: int, bsz: int, max_len: int, contiguous: bool = False, c
     if not cuda:
         return tile
     tile = TILES.get((fmt, d), tile if fmt in (16, "fp8") else Tile(64, 2, 2))
+    middle, long = (TILES_SCORES, TILES_LONG_SCORES) if scores else ({}, {})
     if max_len < NARROW_KEYS and (fmt, d) in TILES_NARROW:
         return TILES_NARROW[fmt, d]
     if bsz * max_len < SHORT_KEYS:
         return TILES_SHORT.get((fmt, d), tile)
     if max_len >= LONG_KEYS:
-        return TILES_LONG.get((fmt, d), tile)
-    return tile
+        return long.get((fmt, d)) or TILES_LONG.get((fmt, d), tile)
+    return middle.get((fmt, d), tile)
 
 
 def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=None, score_mode=None,
@@ -644,7 +652,11 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     # (results/tune_quant_d64_h100.log at d=64; tune_quant_q8_d128_h100.log, _q4_d128_h100.log and _short_h100.log at
     # d=128), where other tiles spill registers (up to 9x slower)
     bits, gs, fp8, scales = _quant_args(quant, k_pool, d)
-    tile = kernel_tile("fp8" if fp8 else bits, d, bsz, max_len, contiguous, q.is_cuda)
+    if score_mode not in MODE_IDS:
+        raise ValueError(f"unknown score_mode {score_mode!r} (choose from {', '.join(map(str, SCORE_MODES[1:]))})")
+    mode = MODE_IDS[score_mode]
+    export = mode != 0
+    tile = kernel_tile("fp8" if fp8 else bits, d, bsz, max_len, contiguous, q.is_cuda, export)
     explicit = block_n is not None  # a caller's block size takes no table's split
     block_n = block_n or tile.keys
     num_warps = num_warps or tile.warps
@@ -673,10 +685,6 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     part_o = torch.empty(bsz, hq, num_splits, d, device=q.device, dtype=torch.float32)
     part_m = torch.empty(bsz, hq, num_splits, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
-    if score_mode not in MODE_IDS:
-        raise ValueError(f"unknown score_mode {score_mode!r} (choose from {', '.join(map(str, SCORE_MODES[1:]))})")
-    mode = MODE_IDS[score_mode]
-    export = mode != 0
     if export:  # probabilities relative to their block's running max: half precision for half inputs
         e_dtype = torch.float32 if q.dtype == torch.float32 else torch.float16
         e = torch.empty(bsz, hq, max_len, device=q.device, dtype=e_dtype)
