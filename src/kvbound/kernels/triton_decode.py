@@ -93,7 +93,9 @@ TILES_LONG = {(8, 64): Tile(256, 4, 2), ("fp8", 64): Tile(256, 4, 2), (4, 64): T
 LONG_KEYS = 4096
 # ... and where the call also exports scores (h2o's evict step), middle and long tables: 8-bit at d=128 with 16
 # programs an SM on middle tables, 1.26x -> 1.18x bf16 at 29 x 2k and 1.20x -> 1.15x at 64 x 1k in 2k tables; with 4
-# warps on long ones, 1.62x -> 1.30x at 7 x 4k in 8k tables (results/tile_variants_h100.log)
+# warps on long ones, 1.62x -> 1.30x at 7 x 4k in 8k tables (results/tile_variants_h100.log). In the engine (8B,
+# h2o 4096, 7 running) 9.54 -> 9.03 ms a step, bf16 8.36; h2o 2048 at 29 running 10.60 -> 10.52
+# (results/scores_tiles_engine_h100.log)
 TILES_SCORES = {(8, 128): Tile(64, 4, 2, programs_per_sm=16)}
 TILES_LONG_SCORES = {(8, 128): Tile(128, 4, 2, programs_per_sm=2)}
 
