@@ -337,28 +337,40 @@ def test_layer_granularity_decodes_in_the_evict_group(model, monkeypatch, spec):
     assert (pos >= 0).any() and (pos == pos[..., :1]).all()
 
 
-def test_per_request_budgets_hold_stacked_rows_only_while_in_use(model):
-    """Each budget a request brings is a policy with stacked metadata of its own. A step after its last cache is
-    gone it is dropped, so the rows held follow the budgets in use (they piled up before); a policy met again
-    gets fresh rows and gives the same replies as a cache of its own."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs"))])
+def test_per_request_budgets_hold_stacked_rows_only_while_in_use(model, device):
+    """Each budget a request brings is a policy with stacked metadata (and on CUDA evict graphs) of its own. A step
+    after its last cache is gone they are dropped, so what is held follows the budgets in use (they piled up
+    before); a policy met again gets fresh rows and graphs and gives the same replies as a cache of its own."""
     from kvbound.engine import LLMEngine
     pols = [parse_policy(f"window:budget={b},sink=2") for b in (12, 16, 20)]
     pols.append(parse_policy("h2o:sink=2,heavy=8,recent=8"))
     reqs = [prompt(70 + i, 40) for i in range(len(pols))]
-    engine = LLMEngine(model, num_blocks=128, block_size=8, prefill_chunk=16)
+    gpu = model.to(device)
+    try:
+        engine = LLMEngine(gpu, num_blocks=128, block_size=8, prefill_chunk=16)
+        evict_graphs = lambda: {key[0].meta for key in engine.graphs.graphs if key[0].meta is not None}
 
-    def wave():
-        ids = {engine.add_request(r, GREEDY, policy=p): i for i, (r, p) in enumerate(zip(reqs, pols))}
-        out, held = {}, set()
-        while engine.has_unfinished():
-            held |= set(engine.caches.stacked)
-            out.update({ids[f.request_id]: f.outputs[0].token_ids for f in engine.step(only_finished=True)})
-        return [out[i] for i in range(len(pols))], held
-    first, held = wave()
-    assert held == set(pols)
-    engine.step(), engine.step()
-    assert engine.caches.stacked == {}
-    assert wave()[0] == first == [alone(model, ids, pol, GREEDY, 16) for ids, pol in zip(reqs, pols)]
+        def wave():  # one request at a time: a step of one policy's rows alone replays its evict graph
+            out, held, graphed = [], set(), set()
+            for r, p in zip(reqs, pols):
+                engine.add_request(r, GREEDY, policy=p)
+                while engine.has_unfinished():
+                    held |= set(engine.caches.stacked)
+                    graphed |= evict_graphs() if engine.graphs is not None else set()
+                    out += [f.outputs[0].token_ids for f in engine.step(only_finished=True)]
+            return out, held, graphed
+        first, held, graphed = wave()
+        assert held == set(pols) and (engine.graphs is None or {meta.policy for meta in graphed} == set(pols))
+        engine.step(), engine.step()
+        assert engine.caches.stacked == {} and (engine.graphs is None or not evict_graphs())
+        again = [alone(gpu, ids, pol, GREEDY, 16) if device == "cpu" else
+                 list(generate_ids(gpu, ids, GREEDY, sequence_cache(gpu.config, pol, device=device), (), 16))
+                 for ids, pol in zip(reqs, pols)]
+        assert wave()[0] == first == again
+    finally:
+        model.cpu()
 
 
 def test_forked_bounded_completions_equal_separate_seeded_runs(model):
