@@ -373,6 +373,42 @@ def test_per_request_budgets_hold_stacked_rows_only_while_in_use(model, device):
         model.cpu()
 
 
+@pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=8,recent=8", "adakv:sink=2,heavy=12,recent=10,window=6"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs"))])
+def test_stacked_rows_grow_as_sequences_come(model, device, spec):
+    """A policy's stacked metadata starts with FIRST_ROWS rows and doubles when a sequence finds none free: the rows
+    in use are copied and their caches re-pointed, and on CUDA the evict graphs captured over the old rows are
+    captured again (AdaKV's shared places too). Sequences running across the growth, and those after it, equal
+    their own caches."""
+    from kvbound.engine.llm_engine import FIRST_ROWS
+    pol = parse_policy(spec)
+    reqs = [prompt(90 + i, 30 + i) for i in range(FIRST_ROWS + 4)]
+    gpu = model.to(device)
+    try:
+        engine = LLMEngine(gpu, num_blocks=1024, block_size=8, prefill_chunk=16, max_num_seqs=64)
+        ids, out = {}, {}
+
+        def steps(n):
+            for _ in range(n):
+                out.update({ids[f.request_id]: f.outputs[0].token_ids for f in engine.step(only_finished=True)})
+        ids.update({engine.add_request(r, GREEDY, policy=pol): i for i, r in enumerate(reqs[:3])})
+        steps(12)  # the first three decode in steady state (on CUDA in their evict graph)
+        meta = engine.caches.stacked[pol]
+        assert meta.rows == FIRST_ROWS and meta.generation == 0 and meta.pos.shape[0] == FIRST_ROWS + 1
+        before = engine.graphs is not None and any(key[0].meta is meta for key in engine.graphs.graphs)
+        assert before == (device == "cuda")
+        ids.update({engine.add_request(r, GREEDY, policy=pol): i + 3 for i, r in enumerate(reqs[3:])})
+        while engine.has_unfinished():
+            steps(1)
+        assert meta.rows == 2 * FIRST_ROWS and meta.generation == 1 and meta.pos.shape[0] == 2 * FIRST_ROWS + 1
+        for i, ids_ in enumerate(reqs):
+            cache = sequence_cache(gpu.config, pol, device=device)
+            assert out[i] == list(generate_ids(gpu, ids_, GREEDY, cache, (), 16)), i
+    finally:
+        model.cpu()
+
+
 def test_forked_bounded_completions_equal_separate_seeded_runs(model):
     """n > 1 under an evicting policy: each fork owns its metadata and copies shared blocks before writing."""
     ids = prompt(12, 45)  # longer than the budget

@@ -55,9 +55,8 @@ class AdaptiveKVCache:
                                                                 config.head_dim, device, dtype)
         self.stacked = stacked
         if stacked is not None:
-            meta, row = stacked
-            self.owner, self.pos, self.score, self.spare = (x[row] for x in (meta.owner, meta.pos, meta.score,
-                                                                              meta.spare))
+            self.bind_stacked()
+            stacked[0].hold(stacked[1], self)
             self.owner.fill_(-1)
             self.pos.fill_(-1)
             self.score.zero_()
@@ -87,6 +86,11 @@ class AdaptiveKVCache:
     @property
     def capacity(self) -> int:
         return self.store_rows
+
+    def bind_stacked(self):
+        """Point owner, pos, score and spare at this cache's row of its stacked metadata (again when rows grow)."""
+        meta, row = self.stacked
+        self.owner, self.pos, self.score, self.spare = (x[row] for x in (meta.owner, meta.pos, meta.score, meta.spare))
 
     def __len__(self) -> int:
         """Tokens held per head in the first layer, on average (read from the device: a cache's truth value is

@@ -91,7 +91,8 @@ class KVCache:
             layers, cap, h, config.head_dim, device, dtype, kv_bits, kv_group_size, quantized_kv_start)
         self.stacked = stacked if self.bounded else None
         if self.stacked is not None:
-            self.pos, self.score, self.spare = stacked[0].views(stacked[1])
+            self.bind_stacked()
+            stacked[0].hold(stacked[1], self)
             self.pos.fill_(-1)
             if self.score is not None:
                 self.score.zero_()
@@ -115,6 +116,10 @@ class KVCache:
     @property
     def capacity(self) -> int:
         return self.pos.shape[1]
+
+    def bind_stacked(self):
+        """Point pos, score and spare at this cache's row of its stacked metadata (again when the rows grow)."""
+        self.pos, self.score, self.spare = self.stacked[0].views(self.stacked[1])
 
     def __len__(self) -> int:
         return self.n[0]

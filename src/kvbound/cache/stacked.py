@@ -23,33 +23,63 @@ def release(cache):
 
 
 class StackedMeta:
-    def __init__(self, policy, layers: int, heads: int, rows: int, device, ring=None):
-        """ring: mixed widths' residuals (`quant.RecentResiduals`) of rows + 1 rows, or None."""
-        cap = policy.capacity
-        self.policy, self.ring = policy, ring
-        self.pos = torch.full((rows + 1, layers, cap, heads), -1, dtype=torch.int32, device=device)
-        self.score = torch.zeros((rows + 1, layers, cap, heads), device=device) if policy.score else None
-        self.spare = torch.zeros((rows + 1, layers, heads), dtype=torch.long, device=device)
+    def __init__(self, policy, layers: int, heads: int, rows: int, device, ring=None, first_rows: int | None = None):
+        """Up to `rows` rows, `first_rows` of them allocated at first (all by default), twice as many whenever a
+        cache finds none free: a policy that few sequences use holds few rows. ring: mixed widths' residuals
+        (`quant.RecentResiduals`) of rows + 1 rows, or None (then every row is allocated at once)."""
+        self.policy, self.ring, self.max_rows = policy, ring, rows
+        self.sure = policy.head_budgets(0, layers)[0]
+        self.rows = rows if ring is not None or first_rows is None else min(rows, first_rows)
+        # the scratch row, last, is where the padding rows of a decode graph write
+        shape = (self.rows + 1, layers, policy.capacity, heads)
+        self.pos = torch.full(shape, -1, dtype=torch.int32, device=device)
+        self.score = torch.zeros(shape, device=device) if policy.score else None
+        self.spare = torch.zeros(shape[:2] + shape[3:], dtype=torch.long, device=device)
         # heads sharing a layer's places (AdaKV): each place's head, and spare holds places (slot * heads + column);
         # each head's guaranteed places, every layer alike (layered policies are not stackable)
-        self.owner = (torch.full((rows + 1, layers, cap, heads), -1, dtype=torch.int16, device=device)
-                      if policy.adapts else None)
-        self.sure = policy.head_budgets(0, layers)[0]
-        self.scratch_row = rows  # the padding rows of a decode graph update this one
-        self.free = list(range(rows - 1, -1, -1))
+        self.owner = torch.full(shape, -1, dtype=torch.int16, device=device) if policy.adapts else None
+        self.free = list(range(self.rows - 1, -1, -1))
+        self.holders: dict = {}  # row -> the cache whose views point into it (`bind` re-points them after growing)
+        self.generation = 0  # how many times the rows grew: graphs captured over older tensors are stale
+
+    @property
+    def scratch_row(self) -> int:
+        return self.rows
 
     def take(self) -> int | None:
-        """A free row, or None when every row is in use."""
+        """A free row (grown into if none is free and the rows may grow), or None when every row is in use."""
+        if not self.free and self.rows < self.max_rows:
+            self._grow(min(self.max_rows, 2 * self.rows))
         return self.free.pop() if self.free else None
+
+    def _grow(self, rows: int):
+        """Reallocate for `rows` rows, copying the rows in use (stream-ordered after any step still running on
+        them), and re-point their caches' views."""
+        def grown(t, fill):
+            if t is None:
+                return None
+            out = torch.full((rows + 1,) + t.shape[1:], fill, dtype=t.dtype, device=t.device)
+            out[:self.rows] = t[:self.rows]
+            return out
+        self.pos, self.score, self.owner = grown(self.pos, -1), grown(self.score, 0), grown(self.owner, -1)
+        self.spare = grown(self.spare, 0)
+        self.free = list(range(rows - 1, self.rows - 1, -1)) + self.free
+        self.rows, self.generation = rows, self.generation + 1
+        for cache in self.holders.values():
+            cache.bind_stacked()
+
+    def hold(self, row: int, cache):
+        self.holders[row] = cache
 
     def views(self, row: int):
         """(pos, score, spare) of one row: [layers, cap, heads] twice (score None without scores), [layers, heads]."""
         return self.pos[row], None if self.score is None else self.score[row], self.spare[row]
 
     def give(self, row: int):
+        self.holders.pop(row, None)
         self.free.append(row)
 
     @property
     def idle(self) -> bool:
         """No cache holds a row."""
-        return len(self.free) == self.scratch_row
+        return len(self.free) == self.rows

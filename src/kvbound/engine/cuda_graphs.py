@@ -36,6 +36,7 @@ class DecodeGraphs:
         self.lens = torch.ones(top, dtype=torch.int32, device=dev)
         self.table = torch.full((top, self.widths[-1] * bs), self.scratch, dtype=torch.int32, device=dev)
         self.evict_buffers = {}  # StackedMeta -> (rows, table)
+        self.generations = {}  # StackedMeta -> its generation when its graphs were captured (rows grow)
         self.graphs, self.logits, self.attn = {}, {}, {}
         self.last = None  # the key of the graph the last step replayed (benchmarks time it alone)
         self.mempool = torch.cuda.graph_pool_handle()
@@ -75,6 +76,7 @@ class DecodeGraphs:
         """Capture the evict graphs (or "shared": AdaKV's) of one policy's stacked metadata (all batch sizes by
         default). Their warm-up runs execute, so the buffers point at the scratch row and slot while capturing."""
         dev = self.ids.device
+        self.generations[meta] = meta.generation
         if meta not in self.evict_buffers:
             self.evict_buffers[meta] = (
                 torch.full((self.sizes[-1],), meta.scratch_row, dtype=torch.long, device=dev),
@@ -85,9 +87,10 @@ class DecodeGraphs:
             self._capture(GroupKey(kind, meta), size)
 
     def drop(self, meta):
-        """Forget the evict graphs of a policy's stacked metadata and their buffers (no cache uses it any more);
-        their memory in the graphs' pool goes to later captures."""
+        """Forget the evict graphs of a policy's stacked metadata and their buffers (no cache uses it any more, or
+        its rows grew into new tensors); their memory in the graphs' pool goes to later captures."""
         self.evict_buffers.pop(meta, None)
+        self.generations.pop(meta, None)
         for key in [key for key in self.graphs if key[0].meta is meta]:
             del self.graphs[key], self.logits[key], self.attn[key]
         if self.last is not None and self.last[0].meta is meta:
@@ -112,8 +115,12 @@ class DecodeGraphs:
                 return None
             if (key, size, width) not in self.graphs:
                 self.capture_append(size, width)
-        elif (key, size, None) not in self.graphs:
-            self.capture_evict(key.meta, [size], key.kind)
+        else:
+            if self.generations.get(key.meta, key.meta.generation) != key.meta.generation:
+                torch.cuda.current_stream().synchronize()  # its rows grew: a step in flight may replay the old graphs
+                self.drop(key.meta)
+            if (key, size, None) not in self.graphs:
+                self.capture_evict(key.meta, [size], key.kind)
         ids = [s.feed(1)[0] for s in seqs]
         if key.kind == "append":
             host = to_device([ids, [s.cache.seen for s in seqs], new, lens], dev)

@@ -90,6 +90,9 @@ def _plain(seq) -> bool:
     return seq.params.logprobs is None
 
 
+FIRST_ROWS = 16  # stacked rows a policy's metadata starts with: per-request budgets each make a policy
+
+
 class PoolCaches:
     """Makes the caches of admitted sequences over the engine's pool: a paged store from the prefix-cache hit
     blocks, and a row of the policy's stacked metadata when one is free. The scheduler holds it, and it holds
@@ -102,12 +105,14 @@ class PoolCaches:
         self.mixed = mixed
         self.stacked: dict = {}  # policy -> StackedMeta of its bounded caches
 
-    def stacked_meta(self, policy) -> StackedMeta:
+    def stacked_meta(self, policy, grow: bool = True) -> StackedMeta:
+        """The policy's stacked metadata, made on first use with FIRST_ROWS rows that grow as sequences come
+        (`grow`), or all of them (a policy whose graphs are captured up front)."""
         if policy not in self.stacked:
             ring = recent_residuals(self.config, policy, self.mixed, self.pool.packed.group, self.device,
                                     self.rows + 1) if self.mixed else None
             self.stacked[policy] = StackedMeta(policy, self.config.num_layers, self.config.num_kv_heads, self.rows,
-                                               self.device, ring)
+                                               self.device, ring, FIRST_ROWS if grow else None)
         return self.stacked[policy]
 
     def drop_idle(self, seen: set, keep) -> tuple[list, set]:
@@ -193,7 +198,7 @@ class LLMEngine:
         if cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.pool, max_num_seqs, graph_max_len, cfg.max_position_embeddings)
             if stackable(self.default_policy):  # its evict graphs (AdaKV's "shared" ones), pre-warmed
-                self.graphs.capture_evict(self.caches.stacked_meta(self.default_policy),
+                self.graphs.capture_evict(self.caches.stacked_meta(self.default_policy, grow=False),
                                           kind="shared" if self.default_policy.adapts else "evict")
 
     def describe_pool(self) -> str:
