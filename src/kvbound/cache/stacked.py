@@ -39,7 +39,7 @@ class StackedMeta:
         # each head's guaranteed places, every layer alike (layered policies are not stackable)
         self.owner = torch.full(shape, -1, dtype=torch.int16, device=device) if policy.adapts else None
         self.free = list(range(self.rows - 1, -1, -1))
-        self.holders: dict = {}  # row -> the cache whose views point into it (`bind` re-points them after growing)
+        self.holders: dict = {}  # row -> the cache whose views point into it (`bind_stacked` after growing)
         self.generation = 0  # how many times the rows grew: graphs captured over older tensors are stale
 
     @property
