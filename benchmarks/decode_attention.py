@@ -414,6 +414,26 @@ def tune_grid(configs, bits_list, variants=None):
         torch.cuda.empty_cache()
 
 
+def value_dot_grid(configs, bits_list):
+    """Packed values read as (p * scale) @ codes per group (value_dot on) or dequantized (off), and the kernel's
+    choice (None), on `configs` of (shape, batch, context, table width), each against bf16's default call."""
+    print(f"{'shape':<8}{'B':>4}{'ctx':>7}{'width':>7}{'bits':>5}{'value_dot':>10}{'ms':>9}{'vs bf16':>8}")
+    for name, bsz, ctx, width in configs:
+        sets, k, v, tables, lens, qs = tune_inputs(name, bsz, width, block=16)
+        lens.fill_(ctx)
+        ref = timed(lambda i: decode_attention(qs[i], k, v, tables[i], lens), sets)
+        for bits in bits_list:
+            kc, vc, quant = packed(k, v, bits)
+            for value_dot in (None, True, False):
+                ms = timed(lambda i: decode_attention(qs[i], kc, vc, tables[i], lens, quant=quant, value_dot=value_dot),
+                           sets)
+                print(f"{name:<8}{bsz:>4}{ctx:>7}{width:>7}{bits!s:>5}{value_dot!s:>10}{ms:>9.4f}{ms / ref:>8.2f}",
+                      flush=True)
+            del kc, vc
+        del k, v
+        torch.cuda.empty_cache()
+
+
 def tune_configs(spec: str, fields: int) -> list:
     """shape:int:int...,... -> [(shape, int, ...)], each entry `fields` long (shape first)."""
     configs = []
@@ -457,6 +477,8 @@ def main():
     ap.add_argument("--tile-variants", help="with --tune-grid: time these tiles beside the default call instead of "
                     "the grid, keys:warps:stages:programs_per_sm:paired,... (paired k, v, kv or -), e.g. "
                     "64:4:2:4:-,64:4:2:8:-")
+    ap.add_argument("--value-dot-grid", help="only time packed values read with value_dot on, off and the kernel's "
+                    "choice (--quant-bits 8 / 4) on shape:batch:context:width,..., e.g. 8b:7:4096:8192")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     try:
@@ -466,8 +488,9 @@ def main():
         quant_configs = tune_configs(args.tune_configs, 3) if args.tune_configs else None
         grid_configs = tune_configs(args.tune_grid, 5) if args.tune_grid else None
         variants = tile_variants(args.tile_variants) if args.tile_variants else None
+        value_dot_configs = tune_configs(args.value_dot_grid, 4) if args.value_dot_grid else None
     except ValueError as e:
-        ap.error(f"--quant-bits / --tune-configs / --tune-grid / --tile-variants: {e}")
+        ap.error(f"--quant-bits / --tune-configs / --tune-grid / --tile-variants / --value-dot-grid: {e}")
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     if args.tune:
@@ -478,6 +501,8 @@ def main():
         return tune_split()
     if args.tune_grid:
         return tune_grid(grid_configs, bits_list, variants)
+    if args.value_dot_grid:
+        return value_dot_grid(value_dot_configs, bits_list)
     if args.tune_export:
         return tune_export()
     copy = copy_bandwidth()
