@@ -161,6 +161,25 @@ def test_logprobs(live):
     assert all(abs(t.logprob - t.top_logprobs[0].logprob) < 1e-5 for t in content)
 
 
+def test_concurrent_requests_each_with_its_own_budget(live):
+    """Requests in flight together, each with a budget of its own (a policy each, with stacked rows of its own in the
+    engine): every reply equals the one its request gets alone, none mixed up with another's."""
+    texts = [" ".join(PROMPTS[i:] + PROMPTS[:i]) * 3 for i in range(5)]
+    specs = [f"h2o:sink=4,heavy={h},recent=24" for h in (16, 20, 24, 28, 32)]
+
+    async def go(together):
+        async with live.client() as c:
+            calls = [lambda t=t, s=s: c.completions.create(model=NAME, prompt=t, max_tokens=6, temperature=0,
+                                                           extra_body={"kv_policy": s}) for t, s in zip(texts, specs)]
+            if together:
+                return await asyncio.gather(*(call() for call in calls))
+            return [await call() for call in calls]
+    alone, together = asyncio.run(go(False)), asyncio.run(go(True))
+    assert [r.model_extra["kv"]["policy"] for r in together] == [parse_policy(spec).describe() for spec in specs]
+    assert [r.choices[0].text for r in together] == [r.choices[0].text for r in alone]
+    assert len({r.choices[0].text for r in alone}) > 1  # a mix-up would show
+
+
 def test_per_request_kv_policy(live, offline):
     text = " ".join(PROMPTS * 6)
     spec = "h2o:sink=4,heavy=24,recent=36"
