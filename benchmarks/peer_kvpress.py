@@ -156,9 +156,9 @@ def gpu(args):
     subprocess.run(script + ["export", "--model", args.model, "--context", str(args.context),
                              "--samples", str(args.samples), "--out", prompts], check=True)
     aware = ["--query-aware"] if args.query_aware else []
-    one_piece = ["--prefill-chunk", str(args.context)] if args.query_aware or args.question_piece else []
-    one_piece += ["--question-piece"] if args.question_piece else []
-    one_piece += ["--budget-of", args.budget_of]
+    protocol_flags = ["--prefill-chunk", str(args.context)] if args.query_aware or args.question_piece else []
+    protocol_flags += ["--question-piece"] if args.question_piece else []
+    protocol_flags += ["--budget-of", args.budget_of]
     tag = "_qa" if args.query_aware else ""
     jobs, parts = [], []
     dtype = "float32" if args.device == "cpu" else "bfloat16"
@@ -172,7 +172,7 @@ def gpu(args):
         out = os.path.join(args.out_dir, f"kvbound_{frac}{tag}.json")
         jobs.append(([sys.executable, "-m", "kvbound", "eval", "ruler", "--model", args.model, "--device", args.device,
                       "--context", str(args.context), "--samples", str(args.samples), "--budget-frac", frac,
-                      "--strategies", args.strategies, "--engine", "--json", out] + one_piece,
+                      "--strategies", args.strategies, "--engine", "--json", out] + protocol_flags,
                      os.environ.get("PYTHONPATH", ""), out))
     procs = [subprocess.Popen(cmd, stdout=open(out + ".log", "w"), stderr=subprocess.STDOUT,
                               env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"})

@@ -55,7 +55,6 @@ class AdaptiveKVCache:
                                                                 config.head_dim, device, dtype)
         self.stacked = stacked
         if stacked is not None:
-            self.bind_stacked()
             stacked[0].hold(stacked[1], self)
             self.owner.fill_(-1)
             self.pos.fill_(-1)

@@ -91,7 +91,6 @@ class KVCache:
             layers, cap, h, config.head_dim, device, dtype, kv_bits, kv_group_size, quantized_kv_start)
         self.stacked = stacked if self.bounded else None
         if self.stacked is not None:
-            self.bind_stacked()
             stacked[0].hold(stacked[1], self)
             self.pos.fill_(-1)
             if self.score is not None:

@@ -69,7 +69,9 @@ class StackedMeta:
             cache.bind_stacked()
 
     def hold(self, row: int, cache):
+        """Point `cache`'s views at its row, now and whenever the rows grow."""
         self.holders[row] = cache
+        cache.bind_stacked()
 
     def views(self, row: int):
         """(pos, score, spare) of one row: [layers, cap, heads] twice (score None without scores), [layers, heads]."""

@@ -88,7 +88,9 @@ class DecodeGraphs:
 
     def drop(self, meta):
         """Forget the evict graphs of a policy's stacked metadata and their buffers (no cache uses it any more, or
-        its rows grew into new tensors); their memory in the graphs' pool goes to later captures."""
+        its rows grew into new tensors), once a step in flight that may replay them is done; their memory in the
+        graphs' pool goes to later captures."""
+        torch.cuda.current_stream().synchronize()
         self.evict_buffers.pop(meta, None)
         self.generations.pop(meta, None)
         for key in [key for key in self.graphs if key[0].meta is meta]:
@@ -117,8 +119,7 @@ class DecodeGraphs:
                 self.capture_append(size, width)
         else:
             if self.generations.get(key.meta, key.meta.generation) != key.meta.generation:
-                torch.cuda.current_stream().synchronize()  # its rows grew: a step in flight may replay the old graphs
-                self.drop(key.meta)
+                self.drop(key.meta)  # its rows grew: the graphs read the old tensors
             if (key, size, None) not in self.graphs:
                 self.capture_evict(key.meta, [size], key.kind)
         ids = [s.feed(1)[0] for s in seqs]

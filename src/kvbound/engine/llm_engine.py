@@ -307,10 +307,8 @@ class LLMEngine:
         A sequence that ended on a token read late has run one step more, whose token is dropped."""
         self._open()
         dropped, self._idle_policies = self.caches.drop_idle(self._idle_policies, self.default_policy)
-        if dropped and self.graphs is not None:
-            torch.cuda.current_stream().synchronize()  # a step in flight may still replay their graphs
-            for meta in dropped:
-                self.graphs.drop(meta)
+        for meta in dropped if self.graphs is not None else ():
+            self.graphs.drop(meta)
         launched, self._inflight = self._inflight, None
         self._sampled, touched = [], {}
         if launched is not None:

@@ -615,7 +615,7 @@ def kernel_tile(fmt, d: int, bsz: int, max_len: int, contiguous: bool = False, c
     if bsz * max_len < SHORT_KEYS:
         return TILES_SHORT.get((fmt, d), tile)
     if max_len >= LONG_KEYS:
-        return long.get((fmt, d)) or TILES_LONG.get((fmt, d), tile)
+        return long.get((fmt, d), TILES_LONG.get((fmt, d), tile))
     return middle.get((fmt, d), tile)
 
 
