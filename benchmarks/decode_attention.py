@@ -396,13 +396,16 @@ def tune_grid(configs, bits_list, variants=None):
             splits = (lambda blk: [blk * m for m in (1, 2, 4, 8) if blk * m <= width]) if width < 4096 else \
                 (lambda blk: [256, 512, 1024, 2048, 4096])
             runs = [(f"{'def':>4}{'':>6}{'def':>6}", {})]
+            if bits in (8, 4):  # the default tile with codes converted the portable way (`Tile.permute`)
+                runs.append((f"{'def':>4}{'':>6}{'def':>6}   -", dict(permute=False)))
             if variants is None:
                 runs += [(f"{blk:>4}{w:>3}{st:>3}{split:>6}", dict(block_n=blk, num_warps=w, num_stages=st, split=split))
                          for blk, w, st in tiles[d] for split in splits(blk)]
             else:
-                runs += [(f"{blk:>4}{w:>3}{st:>3}{f'pps{pps}':>6} {paired or '-'}",
-                          dict(block_n=blk, num_warps=w, num_stages=st, programs_per_sm=pps, paired=paired))
-                         for blk, w, st, pps, paired in variants]
+                runs += [(f"{blk:>4}{w:>3}{st:>3}{f'pps{pps}':>6} {paired or '-'} {'p' if permute else '-'}",
+                          dict(block_n=blk, num_warps=w, num_stages=st, programs_per_sm=pps, paired=paired,
+                               permute=permute and bits != 16))
+                         for blk, w, st, pps, paired, permute in variants]
             for tile, run in runs:
                 kw = dict(base, quant=quant, **run)
                 label = f"{name:<8}{bsz:>4}{ctx:>6}{width:>6}{bits!s:>5}{tile}"
@@ -447,14 +450,18 @@ def tune_configs(spec: str, fields: int) -> list:
 
 
 def tile_variants(spec: str) -> list:
-    """keys:warps:stages:programs_per_sm:paired,... -> [(keys, warps, stages, programs per SM, paired)], paired k,
-    v, kv or - (`Tile.paired`)."""
+    """keys:warps:stages:programs_per_sm:paired[:permute],... -> [(keys, warps, stages, programs per SM, paired,
+    permute)], paired k, v, kv or - (`Tile.paired`), permute p (on, the default) or - (`Tile.permute`)."""
     variants = []
     for entry in spec.split(","):
         parts = entry.split(":")
-        if len(parts) != 5 or not all(p.isdigit() for p in parts[:4]) or parts[4] not in ("-", "k", "v", "kv"):
-            raise ValueError(f"{entry!r} is not keys:warps:stages:programs_per_sm:paired with paired k, v, kv or -")
-        variants.append((*map(int, parts[:4]), parts[4].strip("-")))
+        if len(parts) == 5:
+            parts.append("p")
+        if (len(parts) != 6 or not all(p.isdigit() for p in parts[:4]) or parts[4] not in ("-", "k", "v", "kv")
+                or parts[5] not in ("p", "-")):
+            raise ValueError(f"{entry!r} is not keys:warps:stages:programs_per_sm:paired[:permute] with paired k, v, "
+                             "kv or -, permute p or -")
+        variants.append((*map(int, parts[:4]), parts[4].strip("-"), parts[5] == "p"))
     return variants
 
 
@@ -475,8 +482,9 @@ def main():
                     "shape:batch:context:width:export,... (export 0/1), e.g. smollm2:64:257:272:1 (h2o 256 at 64 "
                     "running, as the engine's graph calls it)")
     ap.add_argument("--tile-variants", help="with --tune-grid: time these tiles beside the default call instead of "
-                    "the grid, keys:warps:stages:programs_per_sm:paired,... (paired k, v, kv or -), e.g. "
-                    "64:4:2:4:-,64:4:2:8:-")
+                    "the grid, keys:warps:stages:programs_per_sm:paired[:permute],... (paired k, v, kv or -; permute p, "
+                    "the default, or -), e.g. 64:4:2:4:-,64:4:2:8:-:-; packed formats also time their default "
+                    "tile without permute")
     ap.add_argument("--value-dot-grid", help="only time packed values read with value_dot on, off and the kernel's "
                     "choice (--quant-bits 8 / 4) on shape:batch:context:width,..., e.g. 8b:7:4096:8192")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))

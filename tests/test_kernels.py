@@ -89,13 +89,14 @@ def test_decode_attention_quantized_matches_dequantize_then_attend(bits, d, grou
     torch.testing.assert_close(score.double(), want_score, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fmt, d, scores", [(8, 64, False), (4, 64, False), ("fp8", 64, False), (8, 128, False),
-                                             (8, 128, True)])
-def test_packed_decode_on_the_gpus_long_table_tiles_matches_dequantize_then_attend(fmt, d, scores):
-    """The tile a 4k-wide table takes on the GPU (at d=64 256 keys, 4-bit's with 8 warps; 8-bit's 8 warps at d=128,
-    4 when it exports scores), with the kernel's own splits."""
+@pytest.mark.parametrize("fmt, d, scores, many", [(8, 64, False, False), (4, 64, False, False), (4, 64, False, True),
+                                                   ("fp8", 64, False, False), (8, 128, False, False),
+                                                   (8, 128, True, False)])
+def test_packed_decode_on_the_gpus_long_table_tiles_matches_dequantize_then_attend(fmt, d, scores, many):
+    """The tile a 4k-wide table takes on the GPU (at d=64 256 keys, 4-bit's with 8 warps, or, for `many` sequences,
+    128 keys with byte permutes; 8-bit's 8 warps at d=128, 4 when it exports scores), with the kernel's own splits."""
     from kvbound.cache.quant import Fp8KV
-    from kvbound.kernels.triton_decode import LONG_KEYS, kernel_tile
+    from kvbound.kernels.triton_decode import LONG_KEYS, MANY_SEQS, kernel_tile
     q, k, v, table, n = _case(5, 2, 6, 2, d, [LONG_KEYS, 1500], slots=LONG_KEYS + 1600)
     if fmt == "fp8":
         (kc, ks), (vc, vs) = Fp8KV._pack(k), Fp8KV._pack(v)
@@ -105,10 +106,11 @@ def test_packed_decode_on_the_gpus_long_table_tiles_matches_dequantize_then_atte
         (kc, kscale, kbias), (vc, vscale, vbias) = quantize(k, fmt, 32), quantize(v, fmt, 32)
         kd, vd = dequantize(kc, kscale, kbias, fmt, 32), dequantize(vc, vscale, vbias, fmt, 32)
         quant = dict(bits=fmt, group=32, k_scale=kscale, k_bias=kbias, v_scale=vscale, v_bias=vbias)
-    tile = kernel_tile(fmt, d, 2, LONG_KEYS, cuda=True, scores=scores)
+    tile = kernel_tile(fmt, d, MANY_SEQS if many else 2, LONG_KEYS, cuda=True, scores=scores)
     score = torch.zeros(2, LONG_KEYS, 2, device=DEV) if scores else None
     out = decode_attention(*(t.to(DEV) for t in (q, kc, vc, table, n)), block_n=tile.keys, num_warps=tile.warps,
                            num_stages=tile.stages, programs_per_sm=tile.programs_per_sm, paired=tile.paired,
+                           permute=tile.permute and DEV == "cuda",
                            score=score, score_mode="cumulative" if scores else None,
                            quant={key: t if isinstance(t, (str, int)) else t.to(DEV) for key, t in quant.items()}).cpu()
     mode = "cumulative" if scores else None
@@ -226,14 +228,17 @@ def test_contiguous_buffers_read_from_their_first_slot_equal_the_table(bits):
 
 
 def test_kernel_tile_follows_the_table_width_on_the_gpu():
-    """Tiles on the GPU: long tables (4k keys or more) take 256-key blocks at d=64 (4-bit with 8 warps) and 128-key
-    ones at two programs an SM at d=128; bounded caches' narrow tables two-block splits in every format; fp8 elsewhere
-    takes bf16's tile; 4-bit's middle and long tables at d=128 read paired scales, 8-bit's middle ones run 8 programs
-    an SM (16 exporting scores, and its long ones 4 warps then); on the CPU every call takes bf16's."""
-    from kvbound.kernels.triton_decode import Tile, kernel_tile
+    """Tiles on the GPU: long tables (4k keys or more) take 256-key blocks at d=64 (4-bit with 8 warps and no byte
+    permutes, or with MANY_SEQS sequences 128-key blocks) and 128-key ones at two programs an SM at d=128; bounded
+    caches' narrow tables two-block splits in every format; fp8 elsewhere takes bf16's tile; 4-bit's middle and long
+    tables at d=128 read paired scales, 8-bit's middle ones run 8 programs an SM (16 exporting scores, and its long
+    ones 4 warps then); 8-bit's middle and narrow tables at d=64 convert codes without permutes; on the CPU every call
+    takes bf16's."""
+    from kvbound.kernels.triton_decode import MANY_SEQS, Tile, kernel_tile
     bf16 = kernel_tile(16, 64, 43, 8192)
     assert kernel_tile(8, 64, 43, 8192) == kernel_tile("fp8", 64, 43, 8192) == Tile(256, 4, 2)
-    assert kernel_tile(4, 64, 43, 8192) == Tile(256, 8, 2)
+    assert kernel_tile(4, 64, 43, 8192) == Tile(256, 8, 2, permute=False)
+    assert kernel_tile(4, 64, MANY_SEQS, 8192) == Tile(128, 4, 2) and kernel_tile(8, 64, MANY_SEQS, 8192) == Tile(256, 4, 2)
     assert kernel_tile(8, 128, 7, 8192) == Tile(128, 8, 2, programs_per_sm=2)
     assert kernel_tile(16, 128, 1, 32768) == kernel_tile("fp8", 128, 7, 8192) == Tile(128, 4, 2, programs_per_sm=2)
     assert kernel_tile(4, 128, 7, 8192) == kernel_tile(4, 128, 64, 2048) == Tile(128, 2, 2, paired="kv")
@@ -244,10 +249,11 @@ def test_kernel_tile_follows_the_table_width_on_the_gpu():
     assert kernel_tile(8, 128, 64, 272, scores=True) == kernel_tile(8, 128, 64, 272)  # narrow tables: the same
     assert kernel_tile(4, 128, 7, 8192, scores=True) == kernel_tile(4, 128, 7, 8192)  # other formats: the same
     for fmt in (16, 8, 4, "fp8"):  # h2o 256's 272-wide tables, at any batch
-        assert kernel_tile(fmt, 64, 256, 272) == kernel_tile(fmt, 64, 64, 272) == Tile(64, 4, 2, split_blocks=2)
+        assert kernel_tile(fmt, 64, 256, 272) == kernel_tile(fmt, 64, 64, 272) == Tile(64, 4, 2, split_blocks=2,
+                                                                                          permute=fmt != 8)
     assert kernel_tile(8, 128, 64, 272) == Tile(64, 4, 2, split_blocks=2)
     assert kernel_tile(4, 128, 64, 272) == Tile(128, 2, 2, split_blocks=2) and kernel_tile(16, 128, 64, 272) == bf16
-    assert kernel_tile(8, 64, 64, 2048) == Tile(128, 4, 2) and kernel_tile("fp8", 64, 64, 2048) == bf16
+    assert kernel_tile(8, 64, 64, 2048) == Tile(128, 4, 2, permute=False) and kernel_tile("fp8", 64, 64, 2048) == bf16
     assert kernel_tile(4, 128, 4, 2048) == Tile(32, 4, 3)  # under SHORT_KEYS keys in all
     assert kernel_tile(8, 64, 43, 8192, cuda=False) == bf16 == Tile(64, 4, None)
     assert kernel_tile(16, 128, 4, 8192, contiguous=True) == kernel_tile("fp8", 128, 4, 8192, contiguous=True) \
@@ -791,3 +797,21 @@ def test_silu_mul_matches_the_separate_ops(dtype):
     want = torch.nn.functional.silu(gate) * up
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
     torch.testing.assert_close(silu_mul(x.to(DEV)).cpu(), want, **tol)
+
+
+@pytest.mark.parametrize("bits, d", [(8, 64), (4, 64), (8, 128), (4, 128)])
+def test_byte_permutes_give_the_portable_conversions_result(bits, d):
+    """Codes made fp16 by inline PTX's byte permutes (`Tile.permute`) give the portable conversion's output (values
+    read dequantized at d=64, as codes at d=128); where the kernel is interpreted, asking for them is one clear error."""
+    q, k, v, table, n = _case(70 + bits + d, 3, 6, 2, d, [200, 77, 1])
+    group = d // 2  # two groups a head: values go to the tensor cores as codes at d=128
+    (kc, *ks), (vc, *vs) = quantize(k, bits, group), quantize(v, bits, group)
+    quant = dict(bits=bits, group=group, k_scale=ks[0], k_bias=ks[1], v_scale=vs[0], v_bias=vs[1])
+    args = [t.to(DEV) for t in (q.half(), kc, vc, table, n)]
+    quant = {key: t if isinstance(t, int) else t.to(DEV) for key, t in quant.items()}
+    if DEV != "cuda":
+        with pytest.raises(ValueError, match="permute"):
+            decode_attention(*args, quant=quant, permute=True)
+        return
+    plain = decode_attention(*args, quant=quant, permute=False, block_n=64)
+    torch.testing.assert_close(decode_attention(*args, quant=quant, permute=True, block_n=64), plain, atol=0, rtol=0)

@@ -34,6 +34,7 @@ the fused evict step's reference is the PyTorch route of `cache.steps.evict_deco
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -50,13 +51,15 @@ class Tile(NamedTuple):
     """The split kernel's launch: keys per block, warps, pipeline stages (None: Triton's), and how many keys each
     program takes: `split_blocks` blocks, or (None) enough programs to put programs_per_sm on every SM, each at least
     4 blocks. paired: whose per-group scales and biases ("k", "v", both or none) a key's two groups (d=128)
-    read in one load each instead of one load a group; it changes the compiled code either way."""
+    read in one load each instead of one load a group; it changes the compiled code either way. permute: packed codes
+    become fp16 by byte permutes in inline PTX (`_codes`) where the kernel is compiled."""
     keys: int
     warps: int
     stages: int | None = None
     split_blocks: int | None = None
     programs_per_sm: int = 4
     paired: str = ""
+    permute: bool = True
 
 
 # (bits or "fp8" or 16 for bf16, head_dim) -> the kernel's Tile on the GPU; packed formats' middle tables:
@@ -67,8 +70,12 @@ class Tile(NamedTuple):
 # 8-bit's middle tables at d=128 take 8 programs an SM (twice the keys' splits of 4): 1.55-1.66x bf16 -> 1.30-1.38x,
 # with h2o's scores 1.37-1.53x -> 1.17-1.26x (16-64 sequences, 1-2k keys); an 8B h2o-2048 engine step at 29 running
 # 11.64 -> 10.56 ms. K's paired scales or 128-key blocks lost with scores (results/tune_grid_middle_8bit_h100.log)
+# Codes become fp16 by inline PTX's byte permutes (`Tile.permute`), except in 8-bit's middle and narrow tables at d=64,
+# where that ran 1.12x -> 1.51x and 1.08x -> 1.23x bf16 (64 x 1k keys in 2k tables, 64 x 257 in 272), and 4-bit's long
+# ones at d=64 with few sequences (TILES_LONG_MANY). At d=128, 4-bit went 0.90-1.09x -> 0.82-1.05x bf16 and 8-bit
+# 1.07-1.29x -> 1.06-1.27x (results/permute_tiles_h100.log, kernel alone)
 TILES = {(8, 128): Tile(64, 4, 2, programs_per_sm=8), (4, 128): Tile(128, 2, 2, paired="kv"),
-         (8, 64): Tile(128, 4, 2), (4, 64): Tile(256, 4, 2)}
+         (8, 64): Tile(128, 4, 2, permute=False), (4, 64): Tile(256, 4, 2)}
 # ... where a call has fewer than SHORT_KEYS keys in all (batch x context), which few large tiles serve badly
 # (4-bit at d=64 was measured on h2o 256's 257-key tables at 64 running, 1.79 -> 1.75 ms a step,
 # results/engine_packed_tiles_sweep_smollm2_h100.log; such narrow tables now take TILES_NARROW first, so this entry
@@ -79,7 +86,7 @@ TILES_SHORT, SHORT_KEYS = {(4, 128): Tile(32, 4, 3), (4, 64): Tile(64, 4, 2)}, 3
 # call with scores (split, merge, fold) from 17.5 / 22.9 / 22.3 / 19.7 us (bf16 / 8 / 4 / fp8) to 16.0 / 17.1 / 17.9 /
 # 16.3, and from 37.7 / 53.7 / 58.9 / 42.7 to 33.1 / 43.4 / 45.6 / 41.2; 8B's d=128 at 64 from 57.9 / 52.2 (8 / 4) to
 # 48.1 / 46.9 (results/tune_grid_short_h100.log)
-TILES_NARROW, NARROW_KEYS = {**{(f, 64): Tile(64, 4, 2, split_blocks=2) for f in (16, 8, 4, "fp8")},
+TILES_NARROW, NARROW_KEYS = {**{(f, 64): Tile(64, 4, 2, split_blocks=2, permute=f != 8) for f in (16, 8, 4, "fp8")},
                              (8, 128): Tile(64, 4, 2, split_blocks=2), (4, 128): Tile(128, 2, 2, split_blocks=2)}, 1024
 # ... and where its table is at least LONG_KEYS wide: at d=64, 256-key blocks took a full-cache engine step of 43
 # sequences x 4k (8k-wide graph tables) from 3.57 to 3.21 ms (8-bit) and from 3.97 to 2.91 ms (fp8), against bf16's
@@ -87,10 +94,15 @@ TILES_NARROW, NARROW_KEYS = {**{(f, 64): Tile(64, 4, 2, split_blocks=2) for f in
 # warps from 3.36 to 3.02 (results/engine_packed_tiles_sweep_smollm2_h100.log). At d=128, 128-key blocks and two
 # programs an SM (8-bit with 8 warps): 1 x 32k keys from 69.4 / 84.1 / 75.4 us (bf16 / 8 / fp8) to 59.3 / 64.6 /
 # 52.4, 7 x 4k (8k tables) from 51.2 / 61.1 / 58.6 to 47.9 / 56.6 / 43.0 (results/tune_grid_long_h100.log)
-TILES_LONG = {(8, 64): Tile(256, 4, 2), ("fp8", 64): Tile(256, 4, 2), (4, 64): Tile(256, 8, 2),
+TILES_LONG = {(8, 64): Tile(256, 4, 2), ("fp8", 64): Tile(256, 4, 2), (4, 64): Tile(256, 8, 2, permute=False),
               **{(f, 128): Tile(128, 4, 2, programs_per_sm=2) for f in (16, "fp8")},
               (8, 128): Tile(128, 8, 2, programs_per_sm=2)}
 LONG_KEYS = 4096
+# ... and where MANY_SEQS or more sequences read long tables: 4-bit at d=64 in 128-key blocks with permutes took the
+# SmolLM2-shape engine step at its full fit of 155 x 4k from 8.27 to 6.51 ms; at 43 running it took 3.06 -> 3.56, so
+# fewer keep TILES_LONG's entry (results/permute_engine_h100.log)
+TILES_LONG_MANY, MANY_SEQS = {(4, 64): Tile(128, 4, 2)}, 96
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"  # as triton.jit decides: no PTX then
 # ... and where the call also exports scores (h2o's evict step), middle and long tables: 8-bit at d=128 with 16
 # programs an SM on middle tables, 1.26x -> 1.18x bf16 at 29 x 2k and 1.20x -> 1.15x at 64 x 1k in 2k tables; with 4
 # warps on long ones, 1.62x -> 1.30x at 7 x 4k in 8k tables (results/tile_variants_h100.log). In the engine (8B,
@@ -111,7 +123,7 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                   BITS: tl.constexpr, GS: tl.constexpr, EXPORT: tl.constexpr, IEEE: tl.constexpr,
                   VDOT: tl.constexpr, FP8: tl.constexpr, CONTIG: tl.constexpr,
                   RESID: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, PAIR_K: tl.constexpr,
-                  PAIR_V: tl.constexpr):
+                  PAIR_V: tl.constexpr, PERMUTE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -158,13 +170,13 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
             qk = _dot(q, tl.trans(tl.load(K + kv_ptr, mask=valid[:, None], other=0.0)), IEEE)
         else:
             qk = _packed_qk(Q, K, KS, KB, slot, h, valid, q_row, stride_ks, stride_kh, stride_ss, stride_sh, scale,
-                            G_PAD, BLOCK_N, D, BITS, GS, IEEE, PAIR_K)
+                            G_PAD, BLOCK_N, D, BITS, GS, IEEE, PAIR_K, PERMUTE)
         if RESID:
             p_key = tl.load(RPos + ring_row * stride_rpr + offs_n * stride_rpj + h, mask=valid, other=-1).to(tl.int64)
             held = valid & (p_key >= 0) & ((p_key < SINK) | (p_key >= first - RECENT))
             rslot = ring_row * ring_row_entries + tl.where(held, _ring_entry(p_key, SINK, RECENT), 0)
             qk += _packed_qk(Q, RK, RKS, RKB, rslot, h, held, q_row, stride_rks, stride_rkh, stride_rss, stride_rsh,
-                             scale, G_PAD, BLOCK_N, D, 4, GS, IEEE, PAIR_K)
+                             scale, G_PAD, BLOCK_N, D, 4, GS, IEEE, PAIR_K, PERMUTE)
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
         alpha = tl.exp(m - m_new)
@@ -183,19 +195,19 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                 vs, vb = _scale_bias(VS, VB, sp, valid)
             ps, pb, codes = _value_group(p, vp, vs, vb, valid)
             if BITS == 8:
-                acc = _codes_dot(acc, alpha, ps, pb, codes, IEEE)
+                acc = _codes_dot(acc, alpha, ps, pb, _codes(codes, PERMUTE), IEEE)
             else:
-                acc = _codes_dot(acc, alpha, ps, pb, codes & 0xF, IEEE)
-                acc_odd = _codes_dot(acc_odd, alpha, ps, pb, codes >> 4, IEEE)
+                acc = _codes_dot(acc, alpha, ps, pb, _low_codes(codes, PERMUTE), IEEE)
+                acc_odd = _codes_dot(acc_odd, alpha, ps, pb, _high_codes(codes, PERMUTE), IEEE)
             if D // GS == 2:
                 if not PAIR_V:
                     vs_hi, vb_hi = _scale_bias(VS, VB, sp + 1, valid)
                 ps, pb, codes = _value_group(p, vp + W, vs_hi, vb_hi, valid)
                 if BITS == 8:
-                    acc_hi = _codes_dot(acc_hi, alpha, ps, pb, codes, IEEE)
+                    acc_hi = _codes_dot(acc_hi, alpha, ps, pb, _codes(codes, PERMUTE), IEEE)
                 else:
-                    acc_hi = _codes_dot(acc_hi, alpha, ps, pb, codes & 0xF, IEEE)
-                    acc_hi_odd = _codes_dot(acc_hi_odd, alpha, ps, pb, codes >> 4, IEEE)
+                    acc_hi = _codes_dot(acc_hi, alpha, ps, pb, _low_codes(codes, PERMUTE), IEEE)
+                    acc_hi_odd = _codes_dot(acc_hi_odd, alpha, ps, pb, _high_codes(codes, PERMUTE), IEEE)
         elif FP8:  # p @ (codes * scale) = top * ((p * scale / top) @ codes), top the row's largest p * scale: fp16
             v = tl.load(V + kv_ptr, mask=valid[:, None], other=0.0).to(tl.float16)  # inputs without underflow
             ps = p * tl.load(VS + sp, mask=valid, other=0.0).to(tl.float32)[None, :]
@@ -206,10 +218,10 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                 v = tl.load(V + kv_ptr, mask=valid[:, None], other=0.0)
             else:
                 v = _dequant(V, VS, VB, slot, h, valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS,
-                             IEEE)
+                             IEEE, PERMUTE)
                 if RESID:
                     v += _dequant(RV, RVS, RVB, rslot, h, held, stride_rks, stride_rkh, stride_rss, stride_rsh, D, 4,
-                                  GS, IEEE)
+                                  GS, IEEE, PERMUTE)
             acc = acc * alpha[:, None] + _dot(p, v, IEEE)
         m = m_new
     o_ptr = PartO + b * stride_ob + heads[:, None] * stride_oh + s * stride_os
@@ -264,30 +276,79 @@ def _value_group(p, code_ptr, vs, vb, valid):
 
 @triton.jit
 def _codes_dot(acc, alpha, ps, pb, codes, IEEE: tl.constexpr):
-    """acc * alpha + (p * scale) @ codes + p @ bias, in units of 1 / PV_SCALE."""
-    return acc * alpha[:, None] + _dot(ps, _codes(codes), IEEE) + pb
+    """acc * alpha + (p * scale) @ codes + p @ bias, in units of 1 / PV_SCALE; codes as exact fp16 (`_codes`)."""
+    return acc * alpha[:, None] + _dot(ps, codes, IEEE) + pb
 
 
 @triton.jit
-def _codes(c):
+def _codes(c, PERMUTE: tl.constexpr):
     """Integer codes (< 256) -> exact fp16 without int->float conversions, which bound the packed kernel
-    on the GPU: 0x6400 | c is the fp16 bit pattern of 1024 + c, so one OR and one subtract."""
+    on the GPU: 0x6400 | c is the fp16 bit pattern of 1024 + c, so one OR and one subtract. PERMUTE (compiled
+    only): bytes four at a time through two byte permutes and two paired subtracts (`_BYTES_TO_HALVES`)."""
+    if PERMUTE:
+        return tl.inline_asm_elementwise(_BYTES_TO_HALVES, "=r,=r,r", [c], dtype=tl.float16, is_pure=True, pack=4)
     return (c.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
 
 
 @triton.jit
+def _low_codes(c, PERMUTE: tl.constexpr):
+    """The low nibbles of packed 4-bit codes as exact fp16 (`_codes`)."""
+    if PERMUTE:
+        return tl.inline_asm_elementwise(_LOW_NIBBLES, "=r,=r,r", [c], dtype=tl.float16, is_pure=True,
+                                         pack=4)
+    return _codes(c & 0xF, False)
+
+
+@triton.jit
+def _high_codes(c, PERMUTE: tl.constexpr):
+    """The high nibbles of packed 4-bit codes as exact fp16 (`_codes`)."""
+    if PERMUTE:
+        return tl.inline_asm_elementwise(_HIGH_NIBBLES, "=r,=r,r", [c], dtype=tl.float16, is_pure=True,
+                                         pack=4)
+    return _codes(c >> 4, False)
+
+
+# Four bytes of $2 -> four fp16 in $0, $1: prmt puts 0x64 above each byte (the bits of 1024 + code), and a paired
+# subtract takes the 1024 off
+_BYTES_TO_HALVES: tl.constexpr = tl.constexpr("""{
+.reg .b32 k;
+mov.b32 k, 0x64006400;
+prmt.b32 $0, $2, 0x64646464, 0x4140;
+prmt.b32 $1, $2, 0x64646464, 0x4342;
+sub.f16x2 $0, $0, k;
+sub.f16x2 $1, $1, k;
+}""")
+# ... and of four bytes' nibbles (low: shift 0, high: shift 4): each byte into a 16-bit lane, shifted, masked to
+# its nibble and given the exponent bits of 1024 in one lop3 ((a & b) | c), then the paired subtract
+_NIBBLES_TO_HALVES = """{{
+.reg .b32 k, t0, t1;
+mov.b32 k, 0x64006400;
+prmt.b32 t0, $2, 0, 0x4140;
+prmt.b32 t1, $2, 0, 0x4342;
+shr.b32 t0, t0, {shift};
+shr.b32 t1, t1, {shift};
+lop3.b32 $0, t0, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 $1, t1, 0x000f000f, 0x64006400, 0xea;
+sub.f16x2 $0, $0, k;
+sub.f16x2 $1, $1, k;
+}}"""
+_LOW_NIBBLES: tl.constexpr = tl.constexpr(_NIBBLES_TO_HALVES.format(shift=0))
+_HIGH_NIBBLES: tl.constexpr = tl.constexpr(_NIBBLES_TO_HALVES.format(shift=4))
+
+
+@triton.jit
 def _dequant(P, S, B, slot, h, valid, stride_ps, stride_ph, stride_ss, stride_sh, D: tl.constexpr,
-             BITS: tl.constexpr, GS: tl.constexpr, IEEE: tl.constexpr):
+             BITS: tl.constexpr, GS: tl.constexpr, IEEE: tl.constexpr, PERMUTE: tl.constexpr):
     """Packed codes of len(slot) tokens -> [len(slot), D]: code * scale[group] + bias[group], in fp16
-    registers on the GPU (fp32 when IEEE)."""
+    registers on the GPU (fp32 when IEEE); PERMUTE as `_codes`."""
     N: tl.constexpr = slot.shape[0]
     DP: tl.constexpr = D if BITS == 8 else D // 2
     offs_p = tl.arange(0, DP)
     packed = tl.load(P + slot[:, None] * stride_ps + h * stride_ph + offs_p[None, :], mask=valid[:, None], other=0)
     if BITS == 8:
-        codes = _codes(packed)
+        codes = _codes(packed, PERMUTE)
     else:
-        codes = tl.reshape(tl.join(_codes(packed & 0xF), _codes(packed >> 4)), [N, D])
+        codes = tl.reshape(tl.join(_low_codes(packed, PERMUTE), _high_codes(packed, PERMUTE)), [N, D])
     if IEEE:
         codes = codes.to(tl.float32)
     NG: tl.constexpr = D // GS
@@ -302,7 +363,7 @@ def _dequant(P, S, B, slot, h, valid, stride_ps, stride_ph, stride_ss, stride_sh
 @triton.jit
 def _packed_qk(Q, K, KS, KB, slot, h, valid, q_row, stride_ks, stride_kh, stride_ss, stride_sh, scale,
                G_PAD: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
-               IEEE: tl.constexpr, PAIRED: tl.constexpr):
+               IEEE: tl.constexpr, PAIRED: tl.constexpr, PERMUTE: tl.constexpr):
     """q.k of packed keys without dequantizing them: per group, scale * (q . codes) + bias * sum(q), with
     2-D dots of q against the raw codes. PAIRED: two groups' scales in one load each (`_paired_scales`)."""
     W: tl.constexpr = GS if BITS == 8 else GS // 2
@@ -318,12 +379,12 @@ def _packed_qk(Q, K, KS, KB, slot, h, valid, q_row, stride_ks, stride_kh, stride
         codes = tl.load(K + slot[:, None] * stride_ks + h * stride_kh + gi * W + offs_w[None, :], mask=valid[:, None],
                         other=0)
         if BITS == 8:
-            raw = _dot(qg, tl.trans(_codes(codes)), IEEE)
+            raw = _dot(qg, tl.trans(_codes(codes, PERMUTE)), IEEE)
             qsum = tl.sum(qg, 1)
         else:
             qo = tl.load(qp + 1).to(tl.float32) * scale
-            raw = (_dot(qg, tl.trans(_codes(codes & 0xF)), IEEE)
-                   + _dot(qo, tl.trans(_codes(codes >> 4)), IEEE))
+            raw = (_dot(qg, tl.trans(_low_codes(codes, PERMUTE)), IEEE)
+                   + _dot(qo, tl.trans(_high_codes(codes, PERMUTE)), IEEE))
             qsum = tl.sum(qg, 1) + tl.sum(qo, 1)
         if not (PAIRED and NG == 2):
             ks, kb = _scale_bias(KS, KB, slot * stride_ss + h * stride_sh + gi, valid)
@@ -490,7 +551,7 @@ def _read_keys(K, KS, KB, Out, slot, h, valid, stride_ks, stride_kh, stride_ss, 
     elif BITS == 16:
         k = tl.load(K + slot[:, None] * stride_ks + h * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0)
     else:
-        k = _dequant(K, KS, KB, slot, h, valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, True)
+        k = _dequant(K, KS, KB, slot, h, valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, True, False)
         k = k.to(Out.dtype.element_ty)
     return k.to(tl.float32)
 
@@ -615,14 +676,15 @@ def kernel_tile(fmt, d: int, bsz: int, max_len: int, contiguous: bool = False, c
     if bsz * max_len < SHORT_KEYS:
         return TILES_SHORT.get((fmt, d), tile)
     if max_len >= LONG_KEYS:
-        return long.get((fmt, d), TILES_LONG.get((fmt, d), tile))
+        many = TILES_LONG_MANY.get((fmt, d)) if bsz >= MANY_SEQS else None
+        return long.get((fmt, d), many or TILES_LONG.get((fmt, d), tile))
     return middle.get((fmt, d), tile)
 
 
 def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=None, score_mode=None,
                      ema_decay=0.95, quant=None, split=None, block_n=None, out=None, programs_per_sm=None,
                      num_warps=None, rows=None, victim=None, num_stages=None, value_dot=None, contiguous=False,
-                     resid=None, layer=False, paired=None):
+                     resid=None, layer=False, paired=None, permute=None):
     """q: [B, Hq, D]; k_pool/v_pool: [slots, Hkv, D] (or packed codes [slots, Hkv, D*bits/8] with
     quant=dict(bits=, group=, k_scale=, k_bias=, v_scale=, v_bias=) of [slots, Hkv, D/group]; or float8 e4m3
     codes [slots, Hkv, D] with quant=dict(bits="fp8", k_scale=, v_scale=) of [slots, Hkv, 1]);
@@ -641,6 +703,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     among the window before the step's first position adds its 4-bit residual to its codes (values dequantized).
     layer: granularity "layer", every head folding in the sum over the layer's heads (the reference's `layer`).
     paired: `Tile.paired` (None: the table's tile's).
+    permute: `Tile.permute` (None: the table's tile's; only where the kernel is compiled).
     Returns out [B, Hq, D] in q's dtype."""
     bsz, hq, d = q.shape
     if d & (d - 1):
@@ -706,6 +769,11 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     if value_dot and resid is not None:
         raise ValueError("residuals read values dequantized (value_dot=False)")
     ieee = q.dtype == torch.float32 or not q.is_cuda
+    compiled = q.is_cuda and not INTERPRETING
+    if permute is None:
+        permute = tile.permute and compiled
+    if permute and not compiled:
+        raise ValueError("permute: inline PTX runs only in kernels compiled for the GPU (not TRITON_INTERPRET=1)")
     rt = _resid_args(resid, part_m)
     _split_kernel[(bsz, hkv, num_splits)](
         q, k_pool, v_pool, *scales, slot_table, ctx_lens, part_o, part_m, part_l, e, m_blk,
@@ -714,7 +782,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), scale, min_split, *rt["reads"], *rt["ring"],
         G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee, VDOT=value_dot,
         FP8=fp8, CONTIG=bool(contiguous), RESID=resid is not None, SINK=rt["sink"], RECENT=rt["recent"],
-        PAIR_K="k" in paired, PAIR_V="v" in paired, num_warps=num_warps,
+        PAIR_K="k" in paired, PAIR_V="v" in paired, PERMUTE=permute, num_warps=num_warps,
         **({} if num_stages is None else dict(num_stages=num_stages)))
     _merge_kernel[(bsz, hkv)](
         part_o, part_m, part_l, out, ctx_lens,

@@ -66,7 +66,8 @@ def _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks
         k = tl.load(K + slot[:, None] * stride_ks + c[:, None] * stride_kh + offs_d[None, :], mask=valid[:, None],
                     other=0.0)
     else:
-        k = _dequant(K, KS, KB, slot, c[:, None], valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, IEEE)
+        k = _dequant(K, KS, KB, slot, c[:, None], valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, IEEE,
+                     False)
     qk = tl.where(valid[None, :], _dot(q, tl.trans(k), IEEE), float("-inf"))
     return valid, slot, c, j, qk
 
@@ -112,7 +113,7 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, Table, Rows, Owner, PartO, PartM, Par
                         other=0.0)
         else:
             v = _dequant(V, VS, VB, slot, c[:, None], valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS,
-                         IEEE)
+                         IEEE, False)
         acc = acc * alpha[:, None] + _dot(p, v, IEEE)
         owned += tl.sum(valid.to(tl.int32), 0)
         m = m_new
