@@ -19,6 +19,8 @@ kvbound's one-piece runs (`--prefill-chunk` at least the prompt) do. kvpress's o
 then the question in a piece of its own (the question's piece and the reply are then evicted to the budget too).
 With `--budget-of context` as well, kvbound's budget is kvpress's cache once it has read the question (keep x
 context + question), which kvpress's then outgrows by the reply: equal memory at that point, less after it.
+`--keep-question` (on both `gpu` and `eval ruler`) grows kvbound's recent windows, within that budget, to hold
+the question and the reply, which kvpress keeps uncompressed.
 
 python benchmarks/peer_kvpress.py export --out prompts.json
 /path/to/kvpress-venv/bin/python benchmarks/peer_kvpress.py run --prompts prompts.json \\
@@ -159,6 +161,7 @@ def gpu(args):
     protocol_flags = ["--prefill-chunk", str(args.context)] if args.query_aware or args.question_piece else []
     protocol_flags += ["--question-piece"] if args.question_piece else []
     protocol_flags += ["--budget-of", args.budget_of]
+    protocol_flags += ["--keep-question"] if args.keep_question else []
     tag = "_qa" if args.query_aware else ""
     jobs, parts = [], []
     dtype = "float32" if args.device == "cpu" else "bfloat16"
@@ -205,6 +208,7 @@ def report(args):
     for path in args.kvbound or []:
         for r in json.load(open(path))["results"]:
             tags = ["question apart"] if r.get("question_piece") else ["one piece"] if "onepiece" in path else []
+            tags += ["question kept"] if r.get("keep_question") else []
             tags += ["equal memory"] if r.get("budget_of") == "context" else []
             tag = f" ({', '.join(tags)})" if tags else ""
             if r["sample"] < first:
@@ -292,6 +296,8 @@ def main():
                           "the question in another (kvpress's protocol; presses do not see the question)")
     g.add_argument("--budget-of", choices=["prompt", "context"], default="prompt", help="kvbound's budget: a fraction "
                    "of the prompt, or of the context plus the question whole (`eval ruler --budget-of`)")
+    g.add_argument("--keep-question", action="store_true", help="kvbound's recent windows hold the question and the "
+                   "reply, as kvpress keeps both (`eval ruler --keep-question`)")
     g.add_argument("--deadline", type=float, default=540, help="seconds before unfinished processes are stopped")
     g.add_argument("--out-dir", required=True)
     p = sub.add_parser("report")

@@ -257,11 +257,12 @@ def test_ruler_question_piece_feeds_the_question_apart_in_both_paths(tiny):
     alone, batched = ruler_runs(*args, question_piece=True), ruler_runs(*args, engine=True, question_piece=True)
     assert [r["reply"] for r in batched] == [r["reply"] for r in alone] and all(r["question_piece"] for r in alone)
     assert not any(r["question_piece"] for r in ruler_runs(*args))
+    # its own process: the CLI flushes subnormals process-wide
     r = run("ruler", "--model", str(tiny), "--context", "160", "--samples", "1", "--tasks", "qa", "--budget-frac",
             "0.5", "--max-tokens", "2", "--haystack", "noise", "--strategies", "snapkv", "--prefill-chunk", "256",
-            "--question-piece", "--budget-of", "context")  # its own process: the CLI flushes subnormals process-wide
-    assert "question after the context, in a prefill piece of its own; budget a fraction of the context, plus the " \
-           "question" in r.stdout
+            "--question-piece", "--budget-of", "context", "--keep-question")
+    assert "question after the context, in a prefill piece of its own, kept in bounded policies' recent windows with " \
+           "the reply; budget a fraction of the context, plus the question" in r.stdout
 
 
 def test_ruler_budget_of_context_is_kvpress_cache_once_the_question_is_read(tiny):
@@ -383,3 +384,27 @@ def test_perplexity_through_the_engine_equals_the_harness(tiny):
     assert got["ppl"] == pytest.approx(want["ppl"], rel=1e-4)
     assert harness["h2o-heavy+kv4"]["ppl"] != want["ppl"] != harness["h2o-heavy+kv8"]["ppl"]
     assert engine["h2o-heavy+kv4"]["kv_held_bytes"] < got["kv_held_bytes"]  # the window's residuals count
+
+
+def test_ruler_keep_question_grows_recent_windows_to_hold_the_question_and_reply(tiny):
+    """`--keep-question`: windowed policies' recent windows grow, within the same budget, to the question plus the
+    reply in whole 16-token blocks (never past the budget's heavy part; window and full unchanged); the engine's
+    replies equal the single caches', and the records and the CLI's header say so."""
+    from kvbound.cache.policies import KeyDiffPolicy, parse_policy
+    from kvbound.eval.ruler import question_kept, ruler_runs
+    from kvbound.eval.strategies import CacheOptions
+    from kvbound.models import load
+    pol = parse_policy("keydiff", 200)
+    kept = question_kept(pol, 37, 32)
+    assert (kept.recent, kept.budget, kept.sink) == (80, pol.budget, pol.sink) and isinstance(kept, KeyDiffPolicy)
+    assert question_kept(pol, 5, 8) == pol  # the window already holds them
+    assert question_kept(parse_policy("h2o:sink=4,heavy=10,recent=6"), 40, 32).recent == 16  # all but the sinks
+    assert question_kept(parse_policy("window", 64), 40, 32) == parse_policy("window", 64)
+    model, tok = load(str(tiny))
+    args = (model, tok, ["baseline", "window", "keydiff", "h2o-heavy"], [200], ["niah_multiquery"], [0.5],
+            CacheOptions(prefill_chunk=256), 2, "after", ["noise"], 3)
+    alone = ruler_runs(*args, question_piece=True, budget_of="context", keep_question=True)
+    batched = ruler_runs(*args, engine=True, question_piece=True, budget_of="context", keep_question=True)
+    assert [r["reply"] for r in batched] == [r["reply"] for r in alone]
+    assert {r["keep_question"] for r in alone} == {True}
+    assert {r["keep_question"] for r in ruler_runs(*args)} == {False}

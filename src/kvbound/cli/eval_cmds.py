@@ -127,9 +127,10 @@ def cmd_ruler(args):
     results = ruler_runs(model, tok, with_baseline(args.strategies), args.context, tasks, args.budget_frac,
                          cache_options(args), args.samples, args.query, args.haystack, args.max_tokens, args.device,
                          dtype, engine=args.engine, finished=PartialJSON(args.json), question_piece=args.question_piece,
-                         budget_of=args.budget_of, **policy_defaults(args))
+                         budget_of=args.budget_of, keep_question=args.keep_question, **policy_defaults(args))
     rows, tasks, grid = ruler_table(results)
     apart = ", in a prefill piece of its own" if args.question_piece else ""
+    apart += ", kept in bounded policies' recent windows with the reply" if args.keep_question else ""
     of = "the prompt" if args.budget_of == "prompt" else "the context, plus the question"
     print(f"\nruler score (mean of {args.samples} samples per task; contexts {', '.join(map(str, args.context))}; "
           f"question {args.query} the context{apart}; budget a fraction of {of})")
@@ -215,6 +216,9 @@ def add_eval_parser(sub):
                    "fraction of: the whole prompt, or the context before the closing question with room for the "
                    "question on top (kvpress's cache once it has read the question: kvbound never holds more) "
                    "(default: %(default)s)")
+    p.add_argument("--keep-question", action="store_true", help="bounded policies with a recent window (h2o, snapkv, "
+                   "keydiff, ...) grow it, within their budget, to hold the closing question and the reply, as kvpress "
+                   "keeps both uncompressed")
     p.add_argument("--haystack", nargs="+", default=None, help="text files or folders to hide facts in, or "
                    "'noise' for RULER's repeated sentences (default: the package's text)")
     p.add_argument("--max-tokens", type=positive_int, default=32)

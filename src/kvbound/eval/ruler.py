@@ -5,7 +5,8 @@ scores the fraction of its answers it contains (case-insensitive). The question 
 ("after": compression cannot see it coming) or also before it ("before": a query-aware policy can), as
 kvpress's query_aware does. With `question_piece` the question is a prefill piece of its own, so the
 context's evictions never see it: kvpress's protocol (context compressed, then the question) when the pieces
-hold the context. Haystacks: the package's text, files (`--haystack`), or RULER's repeated noise sentences
+hold the context. kvpress then keeps the question and its reply uncompressed; `keep_question` gives bounded
+policies a recent window that holds both (`question_kept`). Haystacks: the package's text, files (`--haystack`), or RULER's repeated noise sentences
 ("noise").
 
 Tasks (RULER's families): niah_single, niah_multikey, niah_multivalue, niah_multiquery (needles in a
@@ -17,10 +18,11 @@ from __future__ import annotations
 import random
 import zlib
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tqdm import tqdm
 
+from ..cache.policies import H2OPolicy
 from ..engine import SamplingParams, generate_ids
 from ..errors import KvboundError
 from .data import chat_frame, joined_text, sentence_end
@@ -203,14 +205,16 @@ def score(reply: str, answers: list[str]) -> float:
 
 def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheOptions, samples=20,
                query="after", haystack=None, max_tokens=32, device="cpu", dtype=None, seed=0, engine=False,
-               finished=None, question_piece=False, budget_of="prompt", **policy_defaults) -> list[dict]:
+               finished=None, question_piece=False, budget_of="prompt", keep_question=False,
+               **policy_defaults) -> list[dict]:
     """Every strategy on `samples` instances of every task, context and budget fraction (the same instances
     for every strategy). One record per run: its score, the reply, the budget. `engine`: every run is a
     request of one continuous batch (`engine_replies`) instead of a single-sequence cache after another.
     `finished(records_so_far)`, if given, is called as each run ends; records_so_far() builds the records of
     every run done so far (a caller that saves them now and then keeps them when a long run is cut short).
     question_piece: the question is fed as a prefill piece of its own (see the module's docstring).
-    budget_of: what a budget fraction is of (`instance_budget`)."""
+    budget_of: what a budget fraction is of (`instance_budget`). keep_question: bounded policies' recent windows
+    hold the closing question and the reply (`question_kept`)."""
     if query not in ("before", "after"):
         raise KvboundError(f"--query must be before or after, got {query!r}")
     if budget_of not in ("prompt", "context"):
@@ -230,6 +234,9 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
             for frac in budget_fracs:
                 budget = instance_budget(frac, context, len(ids) - tail, tail, budget_of)
                 strategies = parse_strategies(names, budget, options, **policy_defaults)
+                if keep_question:
+                    strategies = {name: (question_kept(pol, tail, max_tokens), bits)
+                                  for name, (pol, bits) in strategies.items()}
                 if engine:
                     check_engine_strategies(strategies, options)
                 jobs += [(context, task, i, frac, name, pol, bits, ids, start, sample)
@@ -245,7 +252,7 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
     def done(k, reply_ids):  # the k-th run of `todo` ended
         text[todo[k]] = tok.decode(reply_ids)
         if finished is not None:
-            finished(lambda: _records(jobs, first, text, query, budget_of))
+            finished(lambda: _records(jobs, first, text, query, budget_of, keep_question))
     if engine:
         engine_replies(model, tok, [jobs[j][5:9] for j in todo], options, max_tokens, done=done)
     else:
@@ -254,7 +261,19 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
             cache = make_cache(model, pol, bits, options, device, dtype)
             done(k, list(generate_ids(model, ids, SamplingParams(max_tokens=max_tokens), cache, tok.eos_ids,
                                       options.prefill_chunk, start)))
-    return _records(jobs, first, text, query, budget_of)
+    return _records(jobs, first, text, query, budget_of, keep_question)
+
+
+def question_kept(policy, question: int, max_tokens: int):
+    """`policy` with its recent window grown, at its heavy hitters' expense (the budget stays), to hold the closing
+    question and a reply of `max_tokens` in whole 16-token blocks, as kvpress keeps both uncompressed. Policies
+    without a window of their own (full, window) come back as they are."""
+    if not isinstance(policy, H2OPolicy):
+        return policy
+    window = min(policy.heavy + policy.recent, -(-(question + max_tokens) // 16) * 16)
+    if window <= policy.recent:
+        return policy
+    return replace(policy, heavy=policy.heavy + policy.recent - window, recent=window)
 
 
 def instance_budget(frac: float, context: int, before_question: int, question: int, budget_of: str) -> int:
@@ -267,7 +286,7 @@ def instance_budget(frac: float, context: int, before_question: int, question: i
     return max(16, (fraction_budget(frac, before_question) + question) // 16 * 16)
 
 
-def _records(jobs, first, text, query, budget_of) -> list[dict]:
+def _records(jobs, first, text, query, budget_of, keep_question) -> list[dict]:
     """One record per job whose run (`first[j]`, shared by the full cache's budgets) has a reply in `text`."""
     results = []
     for j, (context, task, i, frac, name, pol, bits, ids, start, sample) in enumerate(jobs):
@@ -276,7 +295,7 @@ def _records(jobs, first, text, query, budget_of) -> list[dict]:
         reply = text[first[j]]
         results.append({"strategy": name, "context": context, "task": task, "sample": i, "budget_frac": frac,
                         "budget": pol.budget, "budget_of": budget_of, "query": query,
-                        "question_piece": start is not None,
+                        "question_piece": start is not None, "keep_question": keep_question,
                         "score": score(reply, sample.answers),
                         "answers": sample.answers, "reply": reply.strip()})
     return results
