@@ -94,7 +94,8 @@ def test_decode_attention_quantized_matches_dequantize_then_attend(bits, d, grou
                                                    (8, 128, True, False)])
 def test_packed_decode_on_the_gpus_long_table_tiles_matches_dequantize_then_attend(fmt, d, scores, many):
     """The tile a 4k-wide table takes on the GPU (at d=64 256 keys, 4-bit's with 8 warps, or, for `many` sequences,
-    128 keys with byte permutes; 8-bit's 8 warps at d=128, 4 when it exports scores), with the kernel's own splits."""
+    128 keys with byte permutes; 8-bit's 8 warps and 3 stages at d=128, 4 warps when it exports scores), with the
+    kernel's own splits."""
     from kvbound.cache.quant import Fp8KV
     from kvbound.kernels.triton_decode import LONG_KEYS, MANY_SEQS, kernel_tile
     q, k, v, table, n = _case(5, 2, 6, 2, d, [LONG_KEYS, 1500], slots=LONG_KEYS + 1600)
@@ -239,7 +240,7 @@ def test_kernel_tile_follows_the_table_width_on_the_gpu():
     assert kernel_tile(8, 64, 43, 8192) == kernel_tile("fp8", 64, 43, 8192) == Tile(256, 4, 2)
     assert kernel_tile(4, 64, 43, 8192) == Tile(256, 8, 2, permute=False)
     assert kernel_tile(4, 64, MANY_SEQS, 8192) == Tile(128, 4, 2) and kernel_tile(8, 64, MANY_SEQS, 8192) == Tile(256, 4, 2)
-    assert kernel_tile(8, 128, 7, 8192) == Tile(128, 8, 2, programs_per_sm=2)
+    assert kernel_tile(8, 128, 7, 8192) == Tile(128, 8, 3, programs_per_sm=2)
     assert kernel_tile(16, 128, 1, 32768) == kernel_tile("fp8", 128, 7, 8192) == Tile(128, 4, 2, programs_per_sm=2)
     assert kernel_tile(4, 128, 7, 8192) == kernel_tile(4, 128, 64, 2048) == Tile(128, 2, 2, paired="kv")
     assert kernel_tile(8, 128, 64, 2048) == Tile(64, 4, 2, programs_per_sm=8)  # its scales a group at a time

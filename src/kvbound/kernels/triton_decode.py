@@ -94,9 +94,11 @@ TILES_NARROW, NARROW_KEYS = {**{(f, 64): Tile(64, 4, 2, split_blocks=2, permute=
 # warps from 3.36 to 3.02 (results/engine_packed_tiles_sweep_smollm2_h100.log). At d=128, 128-key blocks and two
 # programs an SM (8-bit with 8 warps): 1 x 32k keys from 69.4 / 84.1 / 75.4 us (bf16 / 8 / fp8) to 59.3 / 64.6 /
 # 52.4, 7 x 4k (8k tables) from 51.2 / 61.1 / 58.6 to 47.9 / 56.6 / 43.0 (results/tune_grid_long_h100.log)
+# 8-bit's at d=128 with three stages since its codes take permutes: 1.03-1.16x bf16 against 1.07-1.19x in the kernel, an
+# 8B engine step at 7 x 4k 8.57 -> 8.51 ms (bf16 8.13) and at 7 x 8k 10.02 -> 9.94 (results/eight_bit_stages_h100.log)
 TILES_LONG = {(8, 64): Tile(256, 4, 2), ("fp8", 64): Tile(256, 4, 2), (4, 64): Tile(256, 8, 2, permute=False),
               **{(f, 128): Tile(128, 4, 2, programs_per_sm=2) for f in (16, "fp8")},
-              (8, 128): Tile(128, 8, 2, programs_per_sm=2)}
+              (8, 128): Tile(128, 8, 3, programs_per_sm=2)}
 LONG_KEYS = 4096
 # ... and where MANY_SEQS or more sequences read long tables: 4-bit at d=64 in 128-key blocks with permutes took the
 # SmolLM2-shape engine step at its full fit of 155 x 4k from 8.27 to 6.51 ms; at 43 running it took 3.06 -> 3.56, so
