@@ -342,7 +342,8 @@ def test_layer_granularity_decodes_in_the_evict_group(model, monkeypatch, spec):
 def test_per_request_budgets_hold_stacked_rows_only_while_in_use(model, device):
     """Each budget a request brings is a policy with stacked metadata (and on CUDA evict graphs) of its own. A step
     after its last cache is gone they are dropped, so what is held follows the budgets in use (they piled up
-    before); a policy met again gets fresh rows and graphs and gives the same replies as a cache of its own."""
+    before), and `release_idle` drops them at once when nothing runs; a policy met again gets fresh rows and graphs
+    and gives the same replies as a cache of its own."""
     from kvbound.engine import LLMEngine
     pols = [parse_policy(f"window:budget={b},sink=2") for b in (12, 16, 20)]
     pols.append(parse_policy("h2o:sink=2,heavy=8,recent=8"))
@@ -363,7 +364,7 @@ def test_per_request_budgets_hold_stacked_rows_only_while_in_use(model, device):
             return out, held, graphed
         first, held, graphed = wave()
         assert held == set(pols) and (engine.graphs is None or {meta.policy for meta in graphed} == set(pols))
-        engine.step(), engine.step()
+        engine.release_idle()  # what an idle server's loop does before it waits (two empty steps)
         assert engine.caches.stacked == {} and (engine.graphs is None or not evict_graphs())
         again = [alone(gpu, ids, pol, GREEDY, 16) if device == "cpu" else
                  list(generate_ids(gpu, ids, GREEDY, sequence_cache(gpu.config, pol, device=device), (), 16))
@@ -371,6 +372,33 @@ def test_per_request_budgets_hold_stacked_rows_only_while_in_use(model, device):
         assert wave()[0] == first == again
     finally:
         model.cpu()
+
+
+def test_an_idle_servers_loop_gives_back_per_request_budgets_rows(model):
+    """The server's engine loop, with nothing left to run, releases every per-request policy's stacked rows before
+    it waits for the next request (the bounded default policy's stay); `release_idle` refuses while requests run."""
+    pytest.importorskip("fastapi")  # the serve package's (the GPU machine has none)
+    from kvbound.engine import LLMEngine
+    from kvbound.serve.engine_loop import EngineLoop
+    default = parse_policy("window:budget=24,sink=2")
+    engine = LLMEngine(model, policy=default, num_blocks=128, block_size=8, prefill_chunk=16)
+    pols = [parse_policy(f"h2o:sink=2,heavy={h},recent=8") for h in (6, 8)] + [None]
+    inbox = [("add", f"r{i}", prompt(90 + i, 30), GREEDY, p, False, 0.0) for i, p in enumerate(pols)]
+    held_at_wait, replies = [], []
+
+    def receive(block):
+        if inbox:
+            return inbox.pop(0)
+        if not block:
+            return None
+        held_at_wait.append(set(engine.caches.stacked))
+        return ("stop",)
+    EngineLoop(engine, receive, lambda out: replies.extend(out["updates"]), 4).run()
+    assert len(replies) == 3 and held_at_wait == [{default}]
+    engine = LLMEngine(model, num_blocks=128, block_size=8, prefill_chunk=16)
+    engine.add_request(prompt(99, 30), GREEDY, policy=pols[0])
+    with pytest.raises(RuntimeError, match="requests are still running"):
+        engine.release_idle()
 
 
 @pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=8,recent=8", "adakv:sink=2,heavy=12,recent=10,window=6"])

@@ -298,6 +298,17 @@ class LLMEngine:
                                  status=FINISHED, finish_reason="abort"))
         return self._output(request_id)
 
+    def release_idle(self):
+        """With nothing left to run, give back every idle policy's stacked rows and evict graphs now: a step drops
+        them one step after they go idle, and an idle server takes no steps (a burst of per-request budgets would
+        hold them until the next request). Two empty steps: the first reads any step still in flight."""
+        if self.has_unfinished():
+            raise RuntimeError("release_idle: requests are still running")
+        if set(self.caches.stacked) <= {self.default_policy} and self._inflight is None:
+            return
+        for _ in range(2):
+            self.step(only_finished=True)
+
     # --- one step -------------------------------------------------------------------------------
     def step(self, only_finished: bool = False) -> list[RequestOutput]:
         """Run one batch; returns the requests that got new tokens or finished (finished ones are dropped),

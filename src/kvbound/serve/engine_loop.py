@@ -74,6 +74,8 @@ class EngineLoop:
 
     def run(self):
         while True:
+            if not self.engine.has_unfinished():
+                self.engine.release_idle()  # per-request budgets' rows and graphs go back before the wait
             msgs = [] if self.engine.has_unfinished() else [self.receive(True)]
             while (msg := self.receive(False)) is not None:
                 msgs.append(msg)
