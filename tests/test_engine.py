@@ -875,6 +875,40 @@ def test_key_ranks_on_packed_cuda_pools_equal_the_pytorch_steps(model32, bits, m
         model32.cpu()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs"))])
+def test_mixed_widths_stacked_rows_grow_with_their_residuals(model32, device):
+    """heavy=4,recent=8: a policy's stacked rows start with FIRST_ROWS rows and their residual ring as many; when
+    they grow, the ring grows with them (rows in use copied, caches re-pointed, on CUDA the evict graphs captured
+    again). Sequences running across the growth, and those after it, equal their own mixed caches."""
+    from kvbound.engine.llm_engine import FIRST_ROWS
+    mixed, pol = {"heavy": 4, "recent": 8}, parse_policy("h2o:sink=2,heavy=8,recent=8")
+    reqs = [prompt(110 + i, 30 + i) for i in range(FIRST_ROWS + 4)]
+    gpu = model32.to(device)
+    try:
+        engine = LLMEngine(gpu, num_blocks=1024, block_size=8, prefill_chunk=16, max_num_seqs=64, kv_bits=mixed,
+                           kv_group_size=32)
+        ids, out = {}, {}
+
+        def steps(n):
+            for _ in range(n):
+                out.update({ids[f.request_id]: f.outputs[0].token_ids for f in engine.step(only_finished=True)})
+        ids.update({engine.add_request(r, GREEDY, policy=pol): i for i, r in enumerate(reqs[:3])})
+        steps(12)
+        meta = engine.caches.stacked[pol]
+        assert meta.rows == FIRST_ROWS and meta.ring.k.codes.shape[0] == FIRST_ROWS + 1
+        ids.update({engine.add_request(r, GREEDY, policy=pol): i + 3 for i, r in enumerate(reqs[3:])})
+        while engine.has_unfinished():
+            steps(1)
+        assert meta.rows == 2 * FIRST_ROWS and meta.generation == 1
+        assert all(t.shape[0] == 2 * FIRST_ROWS + 1 for t in meta.ring.tensors())
+        for i, ids_ in enumerate(reqs):
+            cache = KVCache(gpu.config, pol, device=device, kv_bits=mixed, kv_group_size=32)
+            assert out[i] == list(generate_ids(gpu, ids_, GREEDY, cache, (), 16)), i
+    finally:
+        model32.cpu()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="mixed widths' evict steps in CUDA graphs")
 def test_mixed_widths_on_cuda_in_graphs_equal_alone(model32):
     """heavy=4,recent=8 on CUDA: the batched evict steps (PyTorch route, residuals in the stacked rows) replay

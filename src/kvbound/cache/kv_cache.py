@@ -117,8 +117,12 @@ class KVCache:
         return self.pos.shape[1]
 
     def bind_stacked(self):
-        """Point pos, score and spare at this cache's row of its stacked metadata (again when the rows grow)."""
-        self.pos, self.score, self.spare = self.stacked[0].views(self.stacked[1])
+        """Point pos, score, spare (and mixed widths' residuals) at this cache's row of its stacked metadata (again
+        when the rows grow)."""
+        meta, row = self.stacked
+        self.pos, self.score, self.spare = meta.views(row)
+        if meta.ring is not None and self.ring is not None:
+            self.ring = meta.ring.row(row)
 
     def __len__(self) -> int:
         return self.n[0]

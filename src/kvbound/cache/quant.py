@@ -315,6 +315,15 @@ class RecentResiduals:
             side.codes, side.scale, side.bias = (fn(t) for t in side.tensors())
         return twin
 
+    def grown(self, rows: int, keep: int) -> "RecentResiduals":
+        """A twin of `rows` rows with tensors of its own, its first `keep` rows copied from this one's (a stacked
+        meta's rows growing)."""
+        def grow(t):
+            out = t.new_zeros((rows,) + t.shape[1:])
+            out[:keep] = t[:keep]
+            return out
+        return self._mapped(grow)
+
     def row(self, r: int) -> "RecentResiduals":
         """Row r alone, as a one-row view of the same memory (a stacked cache's own steps)."""
         return self._mapped(lambda t: t[r:r + 1])

@@ -25,11 +25,12 @@ def release(cache):
 class StackedMeta:
     def __init__(self, policy, layers: int, heads: int, rows: int, device, ring=None, first_rows: int | None = None):
         """Up to `rows` rows, `first_rows` of them allocated at first (all by default), twice as many whenever a
-        cache finds none free: a policy that few sequences use holds few rows. ring: mixed widths' residuals
-        (`quant.RecentResiduals`) of rows + 1 rows, or None (then every row is allocated at once)."""
-        self.policy, self.ring, self.max_rows = policy, ring, rows
+        cache finds none free: a policy that few sequences use holds few rows. ring: mixed widths' residuals for a
+        number of rows (a function giving `quant.RecentResiduals`), or None; they grow with the rows."""
+        self.policy, self.max_rows = policy, rows
         self.sure = policy.head_budgets(0, layers)[0]
-        self.rows = rows if ring is not None or first_rows is None else min(rows, first_rows)
+        self.rows = rows if first_rows is None else min(rows, first_rows)
+        self.ring = None if ring is None else ring(self.rows + 1)
         # the scratch row, last, is where the padding rows of a decode graph write
         shape = (self.rows + 1, layers, policy.capacity, heads)
         self.pos = torch.full(shape, -1, dtype=torch.int32, device=device)
@@ -63,6 +64,8 @@ class StackedMeta:
             return out
         self.pos, self.score, self.owner = grown(self.pos, -1), grown(self.score, 0), grown(self.owner, -1)
         self.spare = grown(self.spare, 0)
+        if self.ring is not None:
+            self.ring = self.ring.grown(rows + 1, self.rows)
         self.free = list(range(rows - 1, self.rows - 1, -1)) + self.free
         self.rows, self.generation = rows, self.generation + 1
         for cache in self.holders.values():

@@ -109,8 +109,8 @@ class PoolCaches:
         """The policy's stacked metadata, made on first use with FIRST_ROWS rows that grow as sequences come
         (`grow`), or all of them (a policy whose graphs are captured up front)."""
         if policy not in self.stacked:
-            ring = recent_residuals(self.config, policy, self.mixed, self.pool.packed.group, self.device,
-                                    self.rows + 1) if self.mixed else None
+            ring = (lambda rows: recent_residuals(self.config, policy, self.mixed, self.pool.packed.group, self.device,
+                                                  rows)) if self.mixed else None
             self.stacked[policy] = StackedMeta(policy, self.config.num_layers, self.config.num_kv_heads, self.rows,
                                                self.device, ring, FIRST_ROWS if grow else None)
         return self.stacked[policy]
