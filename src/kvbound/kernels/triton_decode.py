@@ -10,7 +10,8 @@ per key and group. Packed values at d=128 take the same route: p @ (code * scale
 (p * scale) @ code + p @ bias (`_value_group`), so their codes go from shared memory to the tensor
 cores with only the fp16 conversion on the way; at d=64 they are dequantized in fp16 registers
 (code * scale + bias) and pass through shared memory as fp16 before p @ V (faster there).
-Codes become fp16 by a bit trick (`_codes`), not int->float conversions, which bound the kernel; the
+Codes become fp16 by a bit trick (`_codes`; compiled, four at a time by byte permutes in inline PTX, `Tile.permute`),
+not int->float conversions, which bound the kernel; the
 tensor-core inputs of the packed path are then fp16 (q, p, codes, values; exact for codes below 256;
 q * d^-0.5 and values must stay under fp16's 65504, which the fp16 scales already assume).
 Other variants measured slower (git history of benchmarks/README.md, sessions 3-5).
@@ -43,6 +44,7 @@ import triton.language as tl
 
 from .reference import SCORE_MODES
 
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"  # as triton.jit decides: no inline PTX then
 MODE_IDS = {mode: i for i, mode in enumerate(SCORE_MODES)}  # 0: no export, 1 cumulative, 2 normalized, 3 ema
 RANK_IDS = {rank: i for i, rank in enumerate(("attention", "age", "key-norm", "key-diff"))}  # `Policy.rank_source`
 
@@ -104,7 +106,6 @@ LONG_KEYS = 4096
 # SmolLM2-shape engine step at its full fit of 155 x 4k from 8.27 to 6.51 ms; at 43 running it took 3.06 -> 3.56, so
 # fewer keep TILES_LONG's entry (results/permute_engine_h100.log)
 TILES_LONG_MANY, MANY_SEQS = {(4, 64): Tile(128, 4, 2)}, 96
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"  # as triton.jit decides: no PTX then
 # ... and where the call also exports scores (h2o's evict step), middle and long tables: 8-bit at d=128 with 16
 # programs an SM on middle tables, 1.26x -> 1.18x bf16 at 29 x 2k and 1.20x -> 1.15x at 64 x 1k in 2k tables; with 4
 # warps on long ones, 1.62x -> 1.30x at 7 x 4k in 8k tables (results/tile_variants_h100.log). In the engine (8B,
