@@ -307,30 +307,21 @@ class RecentResiduals:
     def tensors(self):
         return self.k.tensors() + self.v.tensors()
 
-    def _mapped(self, fn) -> "RecentResiduals":
-        """A twin whose tensors are fn(tensor)."""
+    def mapped(self, fn) -> "RecentResiduals":
+        """A twin whose tensors are fn(tensor) (a row's view, a copy, a stacked meta's grown rows)."""
         twin = copy(self)
         twin.k, twin.v = copy(self.k), copy(self.v)
         for side in (twin.k, twin.v):
             side.codes, side.scale, side.bias = (fn(t) for t in side.tensors())
         return twin
 
-    def grown(self, rows: int, keep: int) -> "RecentResiduals":
-        """A twin of `rows` rows with tensors of its own, its first `keep` rows copied from this one's (a stacked
-        meta's rows growing)."""
-        def grow(t):
-            out = t.new_zeros((rows,) + t.shape[1:])
-            out[:keep] = t[:keep]
-            return out
-        return self._mapped(grow)
-
     def row(self, r: int) -> "RecentResiduals":
         """Row r alone, as a one-row view of the same memory (a stacked cache's own steps)."""
-        return self._mapped(lambda t: t[r:r + 1])
+        return self.mapped(lambda t: t[r:r + 1])
 
     def clone(self) -> "RecentResiduals":
         """A copy with tensors of its own (a forked sequence writes its own window)."""
-        return self._mapped(torch.clone)
+        return self.mapped(torch.clone)
 
     def _entry(self, layer, pos):
         """Entries of positions `pos` in `layer`'s part of a row."""

@@ -65,7 +65,7 @@ class StackedMeta:
         self.pos, self.score, self.owner = grown(self.pos, -1), grown(self.score, 0), grown(self.owner, -1)
         self.spare = grown(self.spare, 0)
         if self.ring is not None:
-            self.ring = self.ring.grown(rows + 1, self.rows)
+            self.ring = self.ring.mapped(lambda t: grown(t, 0))
         self.free = list(range(rows - 1, self.rows - 1, -1)) + self.free
         self.rows, self.generation = rows, self.generation + 1
         for cache in self.holders.values():

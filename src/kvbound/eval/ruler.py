@@ -6,8 +6,8 @@ scores the fraction of its answers it contains (case-insensitive). The question 
 kvpress's query_aware does. With `question_piece` the question is a prefill piece of its own, so the
 context's evictions never see it: kvpress's protocol (context compressed, then the question) when the pieces
 hold the context. kvpress then keeps the question and its reply uncompressed; `keep_question` gives bounded
-policies a recent window that holds both (`question_kept`). Haystacks: the package's text, files (`--haystack`), or RULER's repeated noise sentences
-("noise").
+policies a recent window that holds both (`question_kept`). Haystacks: the package's text, files
+(`--haystack`), or RULER's repeated noise sentences ("noise").
 
 Tasks (RULER's families): niah_single, niah_multikey, niah_multivalue, niah_multiquery (needles in a
 haystack), vt (variable tracking over chained assignments), cwe / fwe (common and frequent words
