@@ -281,6 +281,13 @@ def packed(k, v, bits, group=64):
     return kc, vc, dict(bits=bits, group=group, k_scale=ks, k_bias=kb, v_scale=vs, v_bias=vb)
 
 
+def head_major(quant):
+    """`quant` with its scales and biases stored [Hkv, slots, groups] behind [slots, Hkv, groups] views: a program's
+    keys (one head, a page of slots) then read their scales from a few sectors instead of one sector a key."""
+    return {name: x.transpose(0, 1).contiguous().transpose(0, 1) if torch.is_tensor(x) else x
+            for name, x in quant.items()}
+
+
 def unpacked(kc, vc, quant):
     """The bf16 K and V that packed pools hold (what the kernel should attend over)."""
     if quant["bits"] == "fp8":
@@ -396,8 +403,10 @@ def tune_grid(configs, bits_list, variants=None):
             splits = (lambda blk: [blk * m for m in (1, 2, 4, 8) if blk * m <= width]) if width < 4096 else \
                 (lambda blk: [256, 512, 1024, 2048, 4096])
             runs = [(f"{'def':>4}{'':>6}{'def':>6}", {})]
-            if bits in (8, 4):  # the default tile with codes converted the portable way (`Tile.permute`)
+            if bits in (8, 4):  # the default tile with codes converted the portable way (`Tile.permute`), and
+                # with scales and biases stored head by head (`head_major`)
                 runs.append((f"{'def':>4}{'':>6}{'def':>6}   -", dict(permute=False)))
+                runs.append((f"{'def':>4}{'':>6}{'def':>6}   H", dict(quant=head_major(quant))))
             if variants is None:
                 runs += [(f"{blk:>4}{w:>3}{st:>3}{split:>6}", dict(block_n=blk, num_warps=w, num_stages=st, split=split))
                          for blk, w, st in tiles[d] for split in splits(blk)]
@@ -407,7 +416,7 @@ def tune_grid(configs, bits_list, variants=None):
                                permute=permute and bits != 16))
                          for blk, w, st, pps, paired, permute in variants]
             for tile, run in runs:
-                kw = dict(base, quant=quant, **run)
+                kw = {**base, "quant": quant, **run}
                 label = f"{name:<8}{bsz:>4}{ctx:>6}{width:>6}{bits!s:>5}{tile}"
                 ms = tried(label, lambda: timed(lambda i: decode_attention(qs[i], kc, vc, tables[i], lens, **kw), sets))
                 if ms is not None:

@@ -69,20 +69,26 @@ class Tile(NamedTuple):
 # 7 x 4k (8k tables) 0.050 -> 0.047, 1 x 32k 0.068 -> 0.065, 16 x 8k 0.167 -> 0.162 (bf16: 0.186, 0.047, 0.059, 0.182);
 # 8-bit read slower paired: V's up to 1.8x on long tables, K's 1.07x -> 1.14x at 16 x 8k
 # (results/paired_scales_h100.log).
-# 8-bit's middle tables at d=128 take 8 programs an SM (twice the keys' splits of 4): 1.55-1.66x bf16 -> 1.30-1.38x,
+# Before byte permutes, 8-bit's middle tables at d=128 took 64-key blocks and 8 programs an SM (its short entry now):
+# 1.55-1.66x bf16 -> 1.30-1.38x,
 # with h2o's scores 1.37-1.53x -> 1.17-1.26x (16-64 sequences, 1-2k keys); an 8B h2o-2048 engine step at 29 running
 # 11.64 -> 10.56 ms. K's paired scales or 128-key blocks lost with scores (results/tune_grid_middle_8bit_h100.log)
 # Codes become fp16 by inline PTX's byte permutes (`Tile.permute`), except in 8-bit's middle and narrow tables at d=64,
 # where that ran 1.12x -> 1.51x and 1.08x -> 1.23x bf16 (64 x 1k keys in 2k tables, 64 x 257 in 272), and 4-bit's long
 # ones at d=64 with few sequences (TILES_LONG_MANY). At d=128, 4-bit went 0.90-1.09x -> 0.82-1.05x bf16 and 8-bit
 # 1.07-1.29x -> 1.06-1.27x (results/permute_tiles_h100.log, kernel alone)
-TILES = {(8, 128): Tile(64, 4, 2, programs_per_sm=8), (4, 128): Tile(128, 2, 2, paired="kv"),
+# 8-bit's middle tables at d=128 take the long ones' tile since its codes take permutes: 1.27-1.43x bf16 -> 1.03-1.12x
+# (16-128 sequences, 1-2k keys in 2k tables; the short entry keeps 64 keys where 4 x 1.5k went 1.32x -> 1.39x;
+# results/middle_8bit_h100.log); an 8B full-cache step at 1k prompts 8.64 -> 8.56 ms at 27 running (bf16 8.26) and
+# 10.92 -> 10.36 at 52 (results/middle_8bit_engine_h100.log)
+TILES = {(8, 128): Tile(128, 8, 3, programs_per_sm=2), (4, 128): Tile(128, 2, 2, paired="kv"),
          (8, 64): Tile(128, 4, 2, permute=False), (4, 64): Tile(256, 4, 2)}
 # ... where a call has fewer than SHORT_KEYS keys in all (batch x context), which few large tiles serve badly
 # (4-bit at d=64 was measured on h2o 256's 257-key tables at 64 running, 1.79 -> 1.75 ms a step,
 # results/engine_packed_tiles_sweep_smollm2_h100.log; such narrow tables now take TILES_NARROW first, so this entry
 # serves short calls over wider tables, where it has not been timed)
-TILES_SHORT, SHORT_KEYS = {(4, 128): Tile(32, 4, 3), (4, 64): Tile(64, 4, 2)}, 32768
+TILES_SHORT, SHORT_KEYS = {(4, 128): Tile(32, 4, 3), (4, 64): Tile(64, 4, 2),
+                            (8, 128): Tile(64, 4, 2, programs_per_sm=8)}, 32768
 # ... where the table is narrower than NARROW_KEYS, as bounded caches' are (checked first): two 64-key blocks a
 # program (128-key ones for 4-bit at d=128), every format. At 257 keys, d=64, 64 and 256 sequences, they took the
 # call with scores (split, merge, fold) from 17.5 / 22.9 / 22.3 / 19.7 us (bf16 / 8 / 4 / fp8) to 16.0 / 17.1 / 17.9 /
@@ -96,11 +102,10 @@ TILES_NARROW, NARROW_KEYS = {**{(f, 64): Tile(64, 4, 2, split_blocks=2, permute=
 # warps from 3.36 to 3.02 (results/engine_packed_tiles_sweep_smollm2_h100.log). At d=128, 128-key blocks and two
 # programs an SM (8-bit with 8 warps): 1 x 32k keys from 69.4 / 84.1 / 75.4 us (bf16 / 8 / fp8) to 59.3 / 64.6 /
 # 52.4, 7 x 4k (8k tables) from 51.2 / 61.1 / 58.6 to 47.9 / 56.6 / 43.0 (results/tune_grid_long_h100.log)
-# 8-bit's at d=128 with three stages since its codes take permutes: 1.03-1.16x bf16 against 1.07-1.19x in the kernel, an
+# 8-bit's at d=128 take TILES' entry, three stages since its codes take permutes: 1.03-1.16x bf16 against 1.07-1.19x in the kernel, an
 # 8B engine step at 7 x 4k 8.57 -> 8.51 ms (bf16 8.13) and at 7 x 8k 10.02 -> 9.94 (results/eight_bit_stages_h100.log)
 TILES_LONG = {(8, 64): Tile(256, 4, 2), ("fp8", 64): Tile(256, 4, 2), (4, 64): Tile(256, 8, 2, permute=False),
-              **{(f, 128): Tile(128, 4, 2, programs_per_sm=2) for f in (16, "fp8")},
-              (8, 128): Tile(128, 8, 3, programs_per_sm=2)}
+              **{(f, 128): Tile(128, 4, 2, programs_per_sm=2) for f in (16, "fp8")}}
 LONG_KEYS = 4096
 # ... and where MANY_SEQS or more sequences read long tables: 4-bit at d=64 in 128-key blocks with permutes took the
 # SmolLM2-shape engine step at its full fit of 155 x 4k from 8.27 to 6.51 ms; at 43 running it took 3.06 -> 3.56, so
