@@ -18,7 +18,10 @@ kvbound's one-piece runs (`--prefill-chunk` at least the prompt) do. kvpress's o
 `eval ruler --prefill-chunk N --question-piece` (`gpu --question-piece`): the context in one piece, evicted once,
 then the question in a piece of its own (the question's piece and the reply are then evicted to the budget too).
 With `--budget-of context` as well, kvbound's budget is kvpress's cache once it has read the question (keep x
-context + question), which kvpress's then outgrows by the reply: equal memory at that point, less after it.
+context + question), which kvpress's then outgrows by the reply: equal memory at that point, less after it. With
+`--budget-of peak`, it is kvpress's cache at its largest (keep x context + question + a 32-token reply), the memory a
+server reserves for the request in either engine: kvbound holds more than kvpress while it reads the question and
+less as the reply grows.
 `--keep-question` (on both `gpu` and `eval ruler`) grows kvbound's recent windows, within that budget, to hold
 the question and the reply, which kvpress keeps uncompressed.
 
@@ -209,7 +212,7 @@ def report(args):
         for r in json.load(open(path))["results"]:
             tags = ["question apart"] if r.get("question_piece") else ["one piece"] if "onepiece" in path else []
             tags += ["question kept"] if r.get("keep_question") else []
-            tags += ["equal memory"] if r.get("budget_of") == "context" else []
+            tags += {"context": ["equal memory"], "peak": ["equal peak memory"]}.get(r.get("budget_of"), [])
             tag = f" ({', '.join(tags)})" if tags else ""
             if r["sample"] < first:
                 results.append({**r, "strategy": f"kvbound {r['strategy']}{tag}"})
@@ -217,7 +220,8 @@ def report(args):
     aware = any("(query-aware)" in r["press"] for f in files for r in f["replies"])
     kvpress_keeps = "the whole prompt (query-aware)" if aware else "the context (question uncompressed)"
     budgets = {"prompt": "kvbound's budget a fraction of the whole prompt",
-               "context": "kvbound's budget (equal memory) kvpress's cache once the question is read"}
+               "context": "kvbound's budget (equal memory) kvpress's cache once the question is read",
+               "peak": "kvbound's budget (equal peak memory) kvpress's cache at its largest, after the reply"}
     ours = {r.get("budget_of", "prompt") for r in results if r["strategy"].startswith("kvbound")}
     print(f"RULER-style score, {data['context']}-token prompts; kvpress keeps a fraction of {kvpress_keeps}; "
           + "; ".join(budgets[of] for of in budgets if of in ours))
@@ -294,8 +298,9 @@ def main():
                           "one piece")
     protocol.add_argument("--question-piece", action="store_true", help="kvbound prefills the context in one piece and "
                           "the question in another (kvpress's protocol; presses do not see the question)")
-    g.add_argument("--budget-of", choices=["prompt", "context"], default="prompt", help="kvbound's budget: a fraction "
-                   "of the prompt, or of the context plus the question whole (`eval ruler --budget-of`)")
+    g.add_argument("--budget-of", choices=["prompt", "context", "peak"], default="prompt", help="kvbound's budget: a "
+                   "fraction of the prompt, of the context plus the question whole, or plus the question and the "
+                   "reply (`eval ruler --budget-of`)")
     g.add_argument("--keep-question", action="store_true", help="kvbound's recent windows hold the question and the "
                    "reply, as kvpress keeps both (`eval ruler --keep-question`)")
     g.add_argument("--deadline", type=float, default=540, help="seconds before unfinished processes are stopped")

@@ -265,10 +265,11 @@ def test_ruler_question_piece_feeds_the_question_apart_in_both_paths(tiny):
            "the reply; budget a fraction of the context, plus the question" in r.stdout
 
 
-def test_ruler_budget_of_context_is_kvpress_cache_once_the_question_is_read(tiny):
+@pytest.mark.parametrize("budget_of", ["context", "peak"])
+def test_ruler_budget_of_context_is_kvpress_cache_once_the_question_is_read(tiny, budget_of):
     """`--budget-of context`: a bounded run's budget is the fraction of the tokens before the closing question plus
     the question whole, per instance (kvpress's cache after the question) in whole 16-token blocks, in both paths
-    alike; the records say so."""
+    alike; `peak` adds the reply's max_tokens (kvpress's cache at its largest); the records say which."""
     import random
     import zlib
     from kvbound.errors import KvboundError
@@ -276,21 +277,23 @@ def test_ruler_budget_of_context_is_kvpress_cache_once_the_question_is_read(tiny
     from kvbound.eval.strategies import CacheOptions
     from kvbound.models import load
     model, tok = load(str(tiny))
+    reply = 3
     args = (model, tok, ["baseline", "window", "keydiff"], [200], ["niah_single", "qa"], [0.25, 0.5],
-            CacheOptions(prefill_chunk=256), 2, "after", ["noise"], 3)
-    alone = ruler_runs(*args, question_piece=True, budget_of="context")
-    batched = ruler_runs(*args, engine=True, question_piece=True, budget_of="context")
+            CacheOptions(prefill_chunk=256), 2, "after", ["noise"], reply)
+    alone = ruler_runs(*args, question_piece=True, budget_of=budget_of)
+    batched = ruler_runs(*args, engine=True, question_piece=True, budget_of=budget_of)
     assert [r["reply"] for r in batched] == [r["reply"] for r in alone]
     filler = haystack_ids(tok, ["noise"], 200)
     for r in (r for r in alone if r["strategy"] != "baseline"):
         rng = random.Random(zlib.crc32(f"0/{r['task']}/200/{r['sample']}".encode()))
         sample, ids = sized_prompt(tok, r["task"], 200, "after", rng, filler)
-        tail = len(question_ids(tok, sample))
-        assert r["budget"] == (int(r["budget_frac"] * (len(ids) - tail)) + tail) // 16 * 16
-        assert r["budget_of"] == "context"
-    assert instance_budget(0.5, 200, 180, 20, "prompt") == 100 and instance_budget(0.5, 200, 180, 20, "context") == 96
+        tail = len(question_ids(tok, sample)) + reply * (budget_of == "peak")
+        assert r["budget"] == (int(r["budget_frac"] * (len(ids) - len(question_ids(tok, sample)))) + tail) // 16 * 16
+        assert r["budget_of"] == budget_of
+    assert instance_budget(0.5, 200, 180, 20, "prompt", 12) == 100
+    assert instance_budget(0.5, 200, 180, 20, "context", 12) == 96 and instance_budget(0.5, 200, 180, 20, "peak", 12) == 112
     assert {r["budget_of"] for r in ruler_runs(*args)} == {"prompt"}
-    with pytest.raises(KvboundError, match="--budget-of must be prompt or context, got 'question'"):
+    with pytest.raises(KvboundError, match="--budget-of must be prompt, context or peak, got 'question'"):
         ruler_runs(*args, budget_of="question")
 
 

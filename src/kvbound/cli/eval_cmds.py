@@ -9,6 +9,7 @@ from ..eval.data import token_samples
 from ..eval.needle import Needle, found_lists, needle_grid, needle_runs, spread_depths
 from ..eval.perplexity import engine_perplexity, perplexity, print_ppl_table
 from ..eval.plots import heatmap, needle_heatmap, ppl_bars, sweep_lines
+from ..eval.ruler import BUDGETS_OF
 from ..eval.strategies import DEFAULT_STRATEGIES, parse_strategies, split_strategies, with_baseline
 from ..errors import KvboundError
 from .options import (add_cache_args, add_model_args, cache_options, float_list, int_list, load_model,
@@ -131,7 +132,8 @@ def cmd_ruler(args):
     rows, tasks, grid = ruler_table(results)
     apart = ", in a prefill piece of its own" if args.question_piece else ""
     apart += ", kept in bounded policies' recent windows with the reply" if args.keep_question else ""
-    of = "the prompt" if args.budget_of == "prompt" else "the context, plus the question"
+    of = {"prompt": "the prompt", "context": "the context, plus the question",
+          "peak": "the context, plus the question and the reply"}[args.budget_of]
     print(f"\nruler score (mean of {args.samples} samples per task; contexts {', '.join(map(str, args.context))}; "
           f"question {args.query} the context{apart}; budget a fraction of {of})")
     print(f"{'strategy@budget':<26} " + " ".join(f"{t:>15}" for t in tasks) + f" {'mean':>6}")
@@ -212,10 +214,11 @@ def add_eval_parser(sub):
     p.add_argument("--question-piece", action="store_true", help="feed the closing question as a prefill piece of "
                    "its own, so the context's evictions never see it; with --prefill-chunk at least the context, "
                    "kvpress's protocol (the context compressed once, then the question)")
-    p.add_argument("--budget-of", choices=["prompt", "context"], default="prompt", help="what --budget-frac is a "
-                   "fraction of: the whole prompt, or the context before the closing question with room for the "
-                   "question on top (kvpress's cache once it has read the question: kvbound never holds more) "
-                   "(default: %(default)s)")
+    p.add_argument("--budget-of", choices=BUDGETS_OF, default="prompt", help="what --budget-frac is a "
+                   "fraction of: the whole prompt; the context before the closing question with room for the "
+                   "question on top (context: kvpress's cache once it has read the question); or with room for the "
+                   "question and a --max-tokens reply on top (peak: kvpress's cache at its largest, what a server "
+                   "reserves); kvbound never holds more (default: %(default)s)")
     p.add_argument("--keep-question", action="store_true", help="bounded policies with a recent window (h2o, snapkv, "
                    "keydiff, ...) grow it, within their budget, to hold the closing question and the reply, as kvpress "
                    "keeps both uncompressed")

@@ -178,6 +178,9 @@ def build_prompt(tok, sample: Sample, context: int, query: str, rng, filler: lis
     return pre + body + post
 
 
+BUDGETS_OF = ("prompt", "context", "peak")  # what --budget-frac is a fraction of (`instance_budget`)
+
+
 def question_ids(tok, sample: Sample) -> list[int]:
     """The prompt's tail: the question and the reply's opening words (kvpress's `question`, after the context)."""
     return tok.encode(f"\n\nQuestion: {sample.question}{chat_frame(tok)[1]}{sample.answer_prefix}")
@@ -213,12 +216,12 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
     `finished(records_so_far)`, if given, is called as each run ends; records_so_far() builds the records of
     every run done so far (a caller that saves them now and then keeps them when a long run is cut short).
     question_piece: the question is fed as a prefill piece of its own (see the module's docstring).
-    budget_of: what a budget fraction is of (`instance_budget`). keep_question: bounded policies' recent windows
+    budget_of: what a budget fraction is of (`instance_budget`): "prompt", "context" or "peak". keep_question: bounded policies' recent windows
     hold the closing question and the reply (`question_kept`)."""
     if query not in ("before", "after"):
         raise KvboundError(f"--query must be before or after, got {query!r}")
-    if budget_of not in ("prompt", "context"):
-        raise KvboundError(f"--budget-of must be prompt or context, got {budget_of!r}")
+    if budget_of not in BUDGETS_OF:
+        raise KvboundError(f"--budget-of must be {', '.join(BUDGETS_OF[:-1])} or {BUDGETS_OF[-1]}, got {budget_of!r}")
     for task in tasks:
         make_sample(task, random.Random(0), 10)  # unknown names fail before any run
     jobs = []
@@ -232,7 +235,7 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
             tail = len(question_ids(tok, sample))
             start = len(ids) - tail if question_piece else None
             for frac in budget_fracs:
-                budget = instance_budget(frac, context, len(ids) - tail, tail, budget_of)
+                budget = instance_budget(frac, context, len(ids) - tail, tail, budget_of, max_tokens)
                 strategies = parse_strategies(names, budget, options, **policy_defaults)
                 if keep_question:
                     strategies = {name: (question_kept(pol, tail, max_tokens), bits)
@@ -245,7 +248,7 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
     # the full cache does not depend on the budget: each of its runs is made once
     first = [once.get((c, t, i, n), j) if not pol.bounded else j for j, (c, t, i, _, n, pol, *_) in enumerate(jobs)]
     todo = [j for j in range(len(jobs)) if first[j] == j]
-    if budget_of == "context":  # budgets vary by instance: the engine serves one budget's runs together
+    if budget_of != "prompt":  # budgets vary by instance: the engine serves one budget's runs together
         todo.sort(key=lambda j: jobs[j][5].budget or 0)
     text: dict[int, str] = {}
 
@@ -276,14 +279,16 @@ def question_kept(policy, question: int, max_tokens: int):
     return replace(policy, heavy=policy.heavy + policy.recent - window, recent=window)
 
 
-def instance_budget(frac: float, context: int, before_question: int, question: int, budget_of: str) -> int:
-    """A bounded run's budget: `frac` of the `context`-token prompt ("prompt"), or ("context") `frac` of the
+def instance_budget(frac: float, context: int, before_question: int, question: int, budget_of: str,
+                    reply: int = 0) -> int:
+    """A bounded run's budget: `frac` of the `context`-token prompt ("prompt"); or ("context") `frac` of the
     tokens before the closing question plus the question whole, which is kvpress's cache once it has read the
-    question, in whole 16-token pool blocks: kvpress's then grows by the reply while kvbound's stays, so
-    kvbound never holds more."""
+    question; or ("peak") that plus a `reply`-token reply, kvpress's cache at its largest, what a server reserves
+    for the request in either engine. In whole 16-token pool blocks, rounded down: kvbound never holds more than
+    kvpress's cache at that point."""
     if budget_of == "prompt":
         return fraction_budget(frac, context)
-    return max(16, (fraction_budget(frac, before_question) + question) // 16 * 16)
+    return max(16, (fraction_budget(frac, before_question) + question + reply * (budget_of == "peak")) // 16 * 16)
 
 
 def _records(jobs, first, text, query, budget_of, keep_question) -> list[dict]:
