@@ -230,37 +230,62 @@ def report(args):
         mean = sum(cells) / len(cells)
         print(f"{row:<44}" + "".join(f"{100 * c:>15.0f}%" for c in cells) + f"{100 * mean:>6.0f}%")
     print_bests(rows, tasks, grid, {side: len({r["sample"] for r in results if r["strategy"].startswith(side)})
-                                    for side in ("kvbound", "kvpress")})
+                                    for side in ("kvbound", "kvpress")}, instance_scores(results))
 
 
-def family_bests(rows, tasks, grid, side: str, keep: str) -> list[tuple[float, list[str]]]:
-    """Per task, the best score of one side's rows at one keep (the full cache left out) and who reaches it."""
-    mine = [(row.split("@")[0].split(" ", 1)[1], cells) for row, cells in zip(rows, grid)
+def family_bests(rows, tasks, grid, side: str, keep: str) -> list[tuple[float, list[str], str]]:
+    """Per task, the best score of one side's rows at one keep (the full cache left out), who reaches it, and the
+    first such row."""
+    mine = [(row, cells) for row, cells in zip(rows, grid)
             if row.startswith(side + " ") and row.endswith("@" + keep) and " baseline" not in row]
     bests = []
     for j in range(len(tasks)):
         top = max(cells[j] for _, cells in mine)
-        names = [name.split(" (")[0] for name, cells in mine if round(100 * cells[j]) == round(100 * top)]
-        bests.append((top, list(dict.fromkeys(names))))
+        tops = [row for row, cells in mine if round(100 * cells[j]) == round(100 * top)]
+        names = [row.split("@")[0].split(" ", 1)[1].split(" (")[0] for row in tops]
+        bests.append((top, list(dict.fromkeys(names)), tops[0]))
     return bests
 
 
-def print_bests(rows, tasks, grid, instances: dict):
+def paired_interval(ours: dict, theirs: dict, rounds: int = 10000, seed: int = 0) -> tuple[float, float, float]:
+    """Mean of ours - theirs over the instances both sides ran ({sample: score} each) and its 95% bootstrap
+    interval (instances resampled with replacement, the pairs kept together)."""
+    import numpy as np
+    both = sorted(set(ours) & set(theirs))
+    diff = np.array([ours[i] - theirs[i] for i in both])
+    means = diff[np.random.default_rng(seed).integers(0, len(diff), (rounds, len(diff)))].mean(1)
+    return float(diff.mean()), float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def instance_scores(results) -> dict:
+    """{row (strategy@keep): {task: {sample: score}}}, rows named as `ruler_table` names them."""
+    scores: dict = {}
+    for r in results:
+        scores.setdefault(f"{r['strategy']}@{r['budget_frac']:g}", {}).setdefault(r["task"], {})[r["sample"]] = r["score"]
+    return scores
+
+
+def print_bests(rows, tasks, grid, instances: dict, scores: dict):
     """The target's test: kvbound's best policy against kvpress's best press, task family by family (`instances`:
-    each side's instances a task, which `--first` makes equal)."""
+    each side's instances a task, which `--first` makes equal), with the paired 95% interval of the difference
+    between the two best rows (`paired_interval` over `scores`, `instance_scores`; it leaves out that each side's
+    best was picked among several rows)."""
     for keep in dict.fromkeys(row.split("@")[1] for row in rows):
         ours, theirs = (family_bests(rows, tasks, grid, side, keep) for side in ("kvbound", "kvpress"))
         if not ours[0][1] or not theirs[0][1]:
             continue
         print(f"\nkeep {keep}: best of each side per task family ({instances['kvbound']} instances a task on "
-              f"kvbound's side, {instances['kvpress']} on kvpress's)")
-        met = 0
-        for task, (a, who_a), (b, who_b) in zip(tasks, ours, theirs):
+              f"kvbound's side, {instances['kvpress']} on kvpress's); difference, paired 95% interval")
+        met = below = 0
+        for task, (a, who_a, row_a), (b, who_b, row_b) in zip(tasks, ours, theirs):
             ok = round(100 * a) >= round(100 * b)
+            mean, lo, hi = paired_interval(scores[row_a][task], scores[row_b][task])
             met += ok
+            below += hi < 0
             print(f"  {task:<16} kvbound {100 * a:4.0f}% ({', '.join(who_a[:3])})  kvpress {100 * b:4.0f}% "
-                  f"({', '.join(who_b[:3])})  {'yes' if ok else 'NO'}")
-        print(f"  kvbound >= kvpress on {met} of {len(tasks)} families")
+                  f"({', '.join(who_b[:3])})  {'yes' if ok else 'NO'}  {100 * mean:+.0f} pp "
+                  f"[{100 * lo:+.0f}, {100 * hi:+.0f}]")
+        print(f"  kvbound >= kvpress on {met} of {len(tasks)} families; below beyond the interval on {below}")
 
 
 def main():

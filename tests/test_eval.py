@@ -411,3 +411,28 @@ def test_ruler_keep_question_grows_recent_windows_to_hold_the_question_and_reply
     assert [r["reply"] for r in batched] == [r["reply"] for r in alone]
     assert {r["keep_question"] for r in alone} == {True}
     assert {r["keep_question"] for r in ruler_runs(*args)} == {False}
+
+
+def test_peer_kvpress_report_pairs_the_best_rows_instances_in_a_bootstrap_interval():
+    """peer_kvpress.py's verdict per family: the paired difference between the two sides' best rows and its 95%
+    bootstrap interval, over the instances both ran; rows keyed as `ruler_table` names them."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "peer_kvpress.py"
+    spec = importlib.util.spec_from_file_location("peer_kvpress", path)
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    same = {i: float(i % 2) for i in range(20)}
+    assert peer.paired_interval(same, same) == (0.0, 0.0, 0.0)
+    assert peer.paired_interval({i: 1.0 for i in range(20)}, {**dict.fromkeys(range(20), 0.0), 99: 5.0}) == \
+        (1.0, 1.0, 1.0)  # 99: theirs alone, left out
+    one_flip = {**same, 0: 1.0}  # ours wins one instance of 20: +5 pp, the interval from 0 to 15 pp
+    mean, lo, hi = peer.paired_interval(one_flip, same)
+    assert mean == pytest.approx(0.05) and lo == 0.0 and 0.05 <= hi <= 0.15
+    results = [{"strategy": "kvbound window", "budget_frac": 0.5, "task": "vt", "sample": 3, "score": 0.4},
+               {"strategy": "kvpress tova", "budget_frac": 0.25, "task": "qa", "sample": 0, "score": 1.0}]
+    assert peer.instance_scores(results) == {"kvbound window@0.5": {"vt": {3: 0.4}},
+                                             "kvpress tova@0.25": {"qa": {0: 1.0}}}
+    rows, grid = ["kvbound a@0.5", "kvbound b (equal memory)@0.5", "kvbound baseline@0.5"], [[0.2, 0.7], [0.5, 0.7], [1, 1]]
+    assert peer.family_bests(rows, ["t1", "t2"], grid, "kvbound", "0.5") == [
+        (0.5, ["b"], "kvbound b (equal memory)@0.5"), (0.7, ["a", "b"], "kvbound a@0.5")]
