@@ -59,7 +59,7 @@ def export(args):
     filler = haystack_ids(tok, None, args.context)
     rows = []
     for task in args.tasks.split(",") if args.tasks else TASKS:
-        for i in range(args.samples):
+        for i in range(args.sample_offset, args.sample_offset + args.samples):
             rng = random.Random(zlib.crc32(f"0/{task}/{args.context}/{i}".encode()))  # ruler_runs' instances
             sample, ids = sized_prompt(tok, task, args.context, "after", rng, filler)
             post = question_ids(tok, sample)
@@ -159,7 +159,8 @@ def gpu(args):
     os.makedirs(args.out_dir, exist_ok=True)
     prompts, script = os.path.join(args.out_dir, "prompts.json"), [sys.executable, os.path.abspath(__file__)]
     subprocess.run(script + ["export", "--model", args.model, "--context", str(args.context),
-                             "--samples", str(args.samples), "--out", prompts], check=True)
+                             "--samples", str(args.samples), "--sample-offset", str(args.sample_offset),
+                             "--out", prompts], check=True)
     aware = ["--query-aware"] if args.query_aware else []
     protocol_flags = ["--prefill-chunk", str(args.context)] if args.query_aware or args.question_piece else []
     protocol_flags += ["--question-piece"] if args.question_piece else []
@@ -177,7 +178,8 @@ def gpu(args):
     for frac in args.keep.split(","):
         out = os.path.join(args.out_dir, f"kvbound_{frac}{tag}.json")
         jobs.append(([sys.executable, "-m", "kvbound", "eval", "ruler", "--model", args.model, "--device", args.device,
-                      "--context", str(args.context), "--samples", str(args.samples), "--budget-frac", frac,
+                      "--context", str(args.context), "--samples", str(args.samples),
+                      "--sample-offset", str(args.sample_offset), "--budget-frac", frac,
                       "--strategies", args.strategies, "--engine", "--json", out] + protocol_flags,
                      os.environ.get("PYTHONPATH", ""), out))
     procs = [subprocess.Popen(cmd, stdout=open(out + ".log", "w"), stderr=subprocess.STDOUT,
@@ -295,6 +297,8 @@ def main():
     e.add_argument("--model", default=None, help="kvbound model path (default: the shipped SmolLM2)")
     e.add_argument("--context", type=int, default=1024)
     e.add_argument("--samples", type=int, default=5)
+    e.add_argument("--sample-offset", type=int, default=0, help="the first instance's number (`eval ruler "
+                   "--sample-offset`): more instances for an earlier run's files")
     e.add_argument("--tasks", default=None)
     e.add_argument("--out", required=True)
     r = sub.add_parser("run")
@@ -316,6 +320,8 @@ def main():
     g.add_argument("--presses", default=",".join(PRESSES))
     g.add_argument("--context", type=int, default=4096)
     g.add_argument("--samples", type=int, default=20)
+    g.add_argument("--sample-offset", type=int, default=0, help="as export's: both sides run instances "
+                   "sample_offset onwards, and `report` takes the new files beside the old")
     g.add_argument("--keep", default="0.25,0.5")
     g.add_argument("--strategies", default="window,h2o-heavy,observed,tova,snapkv,knorm,keydiff,adakv")
     protocol = g.add_mutually_exclusive_group()

@@ -436,3 +436,20 @@ def test_peer_kvpress_report_pairs_the_best_rows_instances_in_a_bootstrap_interv
     rows, grid = ["kvbound a@0.5", "kvbound b (equal memory)@0.5", "kvbound baseline@0.5"], [[0.2, 0.7], [0.5, 0.7], [1, 1]]
     assert peer.family_bests(rows, ["t1", "t2"], grid, "kvbound", "0.5") == [
         (0.5, ["b"], "kvbound b (equal memory)@0.5"), (0.7, ["a", "b"], "kvbound a@0.5")]
+
+
+def test_ruler_sample_offset_adds_the_next_instances(tiny):
+    """`--sample-offset N`: the run's instances are those numbered N onwards, the same prompts and replies as a
+    longer run from 0 gives them, so a later run extends an earlier one's JSON."""
+    from kvbound.eval.ruler import ruler_runs
+    from kvbound.eval.strategies import CacheOptions
+    from kvbound.models import load
+    model, tok = load(str(tiny))
+    args = (model, tok, ["window"], [160], ["niah_single", "qa"], [0.5], CacheOptions(prefill_chunk=256))
+    both = ruler_runs(*args, 2, "after", ["noise"], 3)
+    later = ruler_runs(*args, 1, "after", ["noise"], 3, sample_offset=1)
+    assert [(r["task"], r["sample"], r["reply"]) for r in later] == \
+        [(r["task"], r["sample"], r["reply"]) for r in both if r["sample"] == 1]
+    r = subprocess.run([sys.executable, "-m", "kvbound.cli", "eval", "ruler", "--model", str(tiny), "--sample-offset",
+                        "-1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--sample-offset: must be >= 0, got -1" in r.stderr

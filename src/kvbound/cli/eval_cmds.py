@@ -13,7 +13,7 @@ from ..eval.ruler import BUDGETS_OF
 from ..eval.strategies import DEFAULT_STRATEGIES, parse_strategies, split_strategies, with_baseline
 from ..errors import KvboundError
 from .options import (add_cache_args, add_model_args, cache_options, float_list, int_list, load_model,
-                      pinned_spans, policy_defaults, positive_int)
+                      nonneg_int, pinned_spans, policy_defaults, positive_int)
 
 
 def strategies_for(args, names, budget):
@@ -128,7 +128,8 @@ def cmd_ruler(args):
     results = ruler_runs(model, tok, with_baseline(args.strategies), args.context, tasks, args.budget_frac,
                          cache_options(args), args.samples, args.query, args.haystack, args.max_tokens, args.device,
                          dtype, engine=args.engine, finished=PartialJSON(args.json), question_piece=args.question_piece,
-                         budget_of=args.budget_of, keep_question=args.keep_question, **policy_defaults(args))
+                         budget_of=args.budget_of, keep_question=args.keep_question, sample_offset=args.sample_offset,
+                         **policy_defaults(args))
     rows, tasks, grid = ruler_table(results)
     apart = ", in a prefill piece of its own" if args.question_piece else ""
     apart += ", kept in bounded policies' recent windows with the reply" if args.keep_question else ""
@@ -208,6 +209,9 @@ def add_eval_parser(sub):
                    help="comma-separated of niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt, cwe, "
                         "fwe, qa (default: all)")
     p.add_argument("--samples", type=positive_int, default=20, help="instances per task (default: %(default)s)")
+    p.add_argument("--sample-offset", type=nonneg_int, default=0, help="number the instances from here, so a "
+                   "later run adds new instances to an earlier run's JSON instead of repeating its own "
+                   "(default: %(default)s)")
     p.add_argument("--budget-frac", type=float_list, default=[0.25, 0.5])
     p.add_argument("--query", choices=["after", "before"], default="after", help="the question only after the "
                    "context, or also before it (a query-aware policy sees it) (default: %(default)s)")

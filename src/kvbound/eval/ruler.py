@@ -208,7 +208,7 @@ def score(reply: str, answers: list[str]) -> float:
 
 def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheOptions, samples=20,
                query="after", haystack=None, max_tokens=32, device="cpu", dtype=None, seed=0, engine=False,
-               finished=None, question_piece=False, budget_of="prompt", keep_question=False,
+               finished=None, question_piece=False, budget_of="prompt", keep_question=False, sample_offset=0,
                **policy_defaults) -> list[dict]:
     """Every strategy on `samples` instances of every task, context and budget fraction (the same instances
     for every strategy). One record per run: its score, the reply, the budget. `engine`: every run is a
@@ -217,7 +217,8 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
     every run done so far (a caller that saves them now and then keeps them when a long run is cut short).
     question_piece: the question is fed as a prefill piece of its own (see the module's docstring).
     budget_of: what a budget fraction is of (`instance_budget`): "prompt", "context" or "peak". keep_question: bounded policies' recent windows
-    hold the closing question and the reply (`question_kept`)."""
+    hold the closing question and the reply (`question_kept`). sample_offset: the instances are those numbered
+    sample_offset onwards, so a later run adds instances to an earlier one's instead of repeating them."""
     if query not in ("before", "after"):
         raise KvboundError(f"--query must be before or after, got {query!r}")
     if budget_of not in BUDGETS_OF:
@@ -229,7 +230,7 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
     for context in contexts:
         model.config.check_length(context, max_tokens)
         # instance by instance across the tasks: a run cut short holds the first instances of every task
-        for i, task in ((i, task) for i in range(samples) for task in tasks):
+        for i, task in ((i, task) for i in range(sample_offset, sample_offset + samples) for task in tasks):
             rng = random.Random(zlib.crc32(f"{seed}/{task}/{context}/{i}".encode()))  # same in every run
             sample, ids = sized_prompt(tok, task, context, query, rng, filler)
             tail = len(question_ids(tok, sample))
