@@ -415,8 +415,11 @@ def test_ruler_keep_question_grows_recent_windows_to_hold_the_question_and_reply
 
 def test_peer_kvpress_report_pairs_the_best_rows_instances_in_a_bootstrap_interval():
     """peer_kvpress.py's verdict per family: the paired difference between the two sides' best rows and its 95%
-    bootstrap interval, over the instances both ran; rows keyed as `ruler_table` names them."""
+    bootstrap interval, over the instances both ran; rows keyed as `ruler_table` names them; each kvbound row against
+    kvpress's press of the same rule at the same keep, every family's instances pooled."""
+    import contextlib
     import importlib.util
+    import io
     import pathlib
     path = pathlib.Path(__file__).parents[1] / "benchmarks" / "peer_kvpress.py"
     spec = importlib.util.spec_from_file_location("peer_kvpress", path)
@@ -433,6 +436,15 @@ def test_peer_kvpress_report_pairs_the_best_rows_instances_in_a_bootstrap_interv
                {"strategy": "kvpress tova", "budget_frac": 0.25, "task": "qa", "sample": 0, "score": 1.0}]
     assert peer.instance_scores(results) == {"kvbound window@0.5": {"vt": {3: 0.4}},
                                              "kvpress tova@0.25": {"qa": {0: 1.0}}}
+    scores = {"kvbound window (equal memory)@0.5": {"vt": {0: 1.0, 1: 0.0}, "qa": {0: 1.0}},
+              "kvpress streaming_llm@0.5": {"vt": {0: 1.0, 1: 1.0}, "qa": {0: 1.0}},
+              "kvpress streaming_llm@0.25": {"vt": {0: 0.0, 1: 0.0}}, "kvbound h2o-heavy@0.5": {"vt": {0: 1.0}}}
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):  # window against streaming_llm at 0.5 only: -1/3 over 3 pooled instances
+        peer.print_same_rule(scores)
+    lines = buf.getvalue().strip().splitlines()
+    assert len(lines) == 2 and lines[1].split()[:3] == ["kvbound", "window", "(equal"]
+    assert "-33.3 pp [-100.0, +0.0] over 3 instances" in lines[1]
     rows, grid = ["kvbound a@0.5", "kvbound b (equal memory)@0.5", "kvbound baseline@0.5"], [[0.2, 0.7], [0.5, 0.7], [1, 1]]
     assert peer.family_bests(rows, ["t1", "t2"], grid, "kvbound", "0.5") == [
         (0.5, ["b"], "kvbound b (equal memory)@0.5"), (0.7, ["a", "b"], "kvbound a@0.5")]
