@@ -263,6 +263,7 @@ def test_ruler_question_piece_feeds_the_question_apart_in_both_paths(tiny):
             "--question-piece", "--budget-of", "context", "--keep-question")
     assert "question after the context, in a prefill piece of its own, kept in bounded policies' recent windows with " \
            "the reply; budget a fraction of the context, plus the question" in r.stdout
+    assert "a cell is a mean over 1 instances: its 95% interval is up to +/-98 pp wide" in r.stdout
 
 
 @pytest.mark.parametrize("budget_of", ["context", "peak"])

@@ -140,6 +140,9 @@ def cmd_ruler(args):
     print(f"{'strategy@budget':<26} " + " ".join(f"{t:>15}" for t in tasks) + f" {'mean':>6}")
     for row, cells in zip(rows, grid):
         print(f"{row:<26} " + " ".join(f"{v:>15.0%}" for v in cells) + f" {sum(cells) / len(cells):>6.0%}")
+    n = args.samples * len(args.context)  # a cell's instances; scores lie in [0, 1], so their variance is <= 1/4
+    print(f"a cell is a mean over {n} instances: its 95% interval is up to +/-{196 * (0.25 / n) ** 0.5:.0f} pp wide "
+          "(`benchmarks/peer_kvpress.py report` compares policies instance by instance)")
     if args.json:
         Path(args.json).write_text(json.dumps({"results": results}, indent=2))
         print(f"json: {args.json}")
