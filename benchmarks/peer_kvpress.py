@@ -50,9 +50,10 @@ import zlib
 
 PRESSES = ("streaming_llm", "snapkv", "observed_attention", "tova", "keydiff", "expected_attention",
            "adakv_expected_attention")
-# kvbound's policy -> kvpress's press of the same rule, compared instance by instance over every family
-SAME_RULE = {"window": "streaming_llm", "snapkv": "snapkv", "observed": "observed_attention", "tova": "tova",
-             "keydiff": "keydiff"}
+# kvbound's policy -> kvpress's press it is compared with instance by instance over every family: the same rule, and
+# decode-time H2O against ObservedAttention (issue #18's second target)
+PAIRED = {"window": "streaming_llm", "snapkv": "snapkv", "observed": "observed_attention", "tova": "tova",
+          "keydiff": "keydiff", "h2o-heavy": "observed_attention"}
 
 
 def export(args):
@@ -236,7 +237,7 @@ def report(args):
         print(f"{row:<44}" + "".join(f"{100 * c:>15.0f}%" for c in cells) + f"{100 * mean:>6.0f}%")
     print_bests(rows, tasks, grid, {side: len({r["sample"] for r in results if r["strategy"].startswith(side)})
                                     for side in ("kvbound", "kvpress")}, instance_scores(results))
-    print_same_rule(instance_scores(results))
+    print_paired(instance_scores(results))
 
 
 def family_bests(rows, tasks, grid, side: str, keep: str) -> list[tuple[float, list[str], str]]:
@@ -294,14 +295,14 @@ def print_bests(rows, tasks, grid, instances: dict, scores: dict):
         print(f"  kvbound >= kvpress on {met} of {len(tasks)} families; below beyond the interval on {below}")
 
 
-def print_same_rule(scores: dict):
-    """Each kvbound row against kvpress's press of the same rule (`SAME_RULE`) at the same keep: the paired
+def print_paired(scores: dict):
+    """Each kvbound row against its kvpress press (`PAIRED`) at the same keep: the paired
     difference over every family's instances pooled, with its 95% interval (`paired_interval`)."""
     lines = []
     for row, tasks in scores.items():
         side, name = row.split("@")[0].split(" ", 1)
         keep = row.split("@")[1]
-        theirs = scores.get(f"kvpress {SAME_RULE.get(name.split(' (')[0])}@{keep}")
+        theirs = scores.get(f"kvpress {PAIRED.get(name.split(' (')[0])}@{keep}")
         if side != "kvbound" or theirs is None:
             continue
         pooled = [{(t, i): s for t, by in x.items() for i, s in by.items()} for x in (tasks, theirs)]
@@ -309,7 +310,8 @@ def print_same_rule(scores: dict):
         lines.append(f"  {row:<76} {100 * mean:+5.1f} pp [{100 * lo:+.1f}, {100 * hi:+.1f}] over "
                      f"{len(set(pooled[0]) & set(pooled[1]))} instances")
     if lines:
-        print("\nsame rule, kvbound - kvpress over every family's instances, paired 95% interval")
+        print("\nkvbound - kvpress, same rule (h2o-heavy: against observed_attention), over every family's instances, "
+              "paired 95% interval")
         print("\n".join(lines))
 
 

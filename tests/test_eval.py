@@ -439,10 +439,11 @@ def test_peer_kvpress_report_pairs_the_best_rows_instances_in_a_bootstrap_interv
                                              "kvpress tova@0.25": {"qa": {0: 1.0}}}
     scores = {"kvbound window (equal memory)@0.5": {"vt": {0: 1.0, 1: 0.0}, "qa": {0: 1.0}},
               "kvpress streaming_llm@0.5": {"vt": {0: 1.0, 1: 1.0}, "qa": {0: 1.0}},
-              "kvpress streaming_llm@0.25": {"vt": {0: 0.0, 1: 0.0}}, "kvbound h2o-heavy@0.5": {"vt": {0: 1.0}}}
+              "kvpress streaming_llm@0.25": {"vt": {0: 0.0, 1: 0.0}}, "kvbound h2o-heavy@0.5": {"vt": {0: 1.0}},
+              "kvbound knorm@0.5": {"vt": {0: 1.0}}}  # h2o-heavy's press absent, knorm has none: no lines
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):  # window against streaming_llm at 0.5 only: -1/3 over 3 pooled instances
-        peer.print_same_rule(scores)
+        peer.print_paired(scores)
     lines = buf.getvalue().strip().splitlines()
     assert len(lines) == 2 and lines[1].split()[:3] == ["kvbound", "window", "(equal"]
     assert "-33.3 pp [-100.0, +0.0] over 3 instances" in lines[1]
