@@ -234,15 +234,17 @@ def e2e(batches=(1, 16, 64), budget=2048, steps=32, rounds=5, profile=False):
     return res
 
 
-def tune_inputs(name, bsz, ctx, block=1):
+def tune_inputs(name, bsz, ctx, block=1, ordered=False):
     """Random bf16 K/V pools of enough input sets to exceed L2, slot tables of shuffled `block`-token
-    blocks, queries."""
+    blocks (`ordered`: in order, each sequence's keys one run of slots, as a pool that filled in order holds them),
+    queries."""
     hq, hkv, d = SHAPES[name]
     slots = bsz * ctx
     sets = max(1, min(16, math.ceil(256e6 / (slots * hkv * d * 4))))
     k = torch.randn(slots * sets, hkv, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    tables = [((torch.randperm(slots // block, device="cuda")[:, None] * block + torch.arange(block, device="cuda"))
+    first = torch.arange if ordered else torch.randperm
+    tables = [((first(slots // block, device="cuda")[:, None] * block + torch.arange(block, device="cuda"))
                + s * slots).reshape(bsz, ctx).to(torch.int32) for s in range(sets)]
     lens = torch.full((bsz,), ctx, device="cuda", dtype=torch.int32)
     qs = [torch.randn(bsz, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
@@ -382,18 +384,19 @@ def tune_export():
         torch.cuda.empty_cache()
 
 
-def tune_grid(configs, bits_list, variants=None):
+def tune_grid(configs, bits_list, variants=None, ordered=False):
     """Tiles and split sizes (keys per program) of every format on the engine's tables, which are wider than
     their contexts (a graph's width bucket): `configs` of (shape, batch, context, table width, export). With
     export the call also scores (cumulative), as h2o's step does. Each row against bf16's default call.
-    variants: instead of the grid, these tiles (keys, warps, stages, programs per SM, paired) beside the default."""
+    variants: instead of the grid, these tiles (keys, warps, stages, programs per SM, paired) beside the default.
+    ordered: slot tables in order instead of shuffled blocks (`tune_inputs`)."""
     print(f"{'shape':<8}{'B':>4}{'ctx':>6}{'width':>6}{'bits':>5}{'blk':>4}{'w':>3}{'st':>3}{'split':>6}{'ms':>8}"
           f"{'vs bf16':>8}")
     tiles = {64: [(32, 2, 2), (32, 4, 2), (64, 2, 2), (64, 4, 2), (128, 4, 2)],
              128: [(32, 4, 2), (64, 4, 2), (64, 8, 2), (128, 2, 2), (128, 4, 2), (128, 8, 2)]}
     for name, bsz, ctx, width, export in configs:
         d, hkv = SHAPES[name][2], SHAPES[name][1]
-        sets, k, v, tables, lens, qs = tune_inputs(name, bsz, width, block=16)
+        sets, k, v, tables, lens, qs = tune_inputs(name, bsz, width, block=16, ordered=ordered)
         lens.fill_(ctx)
         score = torch.zeros(bsz, width, hkv, device="cuda") if export else None
         base = dict(score=score, score_mode="cumulative") if export else {}
@@ -494,6 +497,8 @@ def main():
                     "the grid, keys:warps:stages:programs_per_sm:paired[:permute],... (paired k, v, kv or -; permute p, "
                     "the default, or -), e.g. 64:4:2:4:-,64:4:2:8:-:-; packed formats also time their default "
                     "tile without permute")
+    ap.add_argument("--ordered-blocks", action="store_true", help="with --tune-grid: each sequence's blocks in "
+                    "order in the pool instead of shuffled (a pool filled in order, as the engine's often is)")
     ap.add_argument("--value-dot-grid", help="only time packed values read with value_dot on, off and the kernel's "
                     "choice (--quant-bits 8 / 4) on shape:batch:context:width,..., e.g. 8b:7:4096:8192")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -517,7 +522,7 @@ def main():
     if args.tune_split:
         return tune_split()
     if args.tune_grid:
-        return tune_grid(grid_configs, bits_list, variants)
+        return tune_grid(grid_configs, bits_list, variants, args.ordered_blocks)
     if args.value_dot_grid:
         return value_dot_grid(value_dot_configs, bits_list)
     if args.tune_export:
