@@ -268,7 +268,8 @@ def instance_scores(results) -> dict:
     """{row (strategy@keep): {task: {sample: score}}}, rows named as `ruler_table` names them."""
     scores: dict = {}
     for r in results:
-        scores.setdefault(f"{r['strategy']}@{r['budget_frac']:g}", {}).setdefault(r["task"], {})[r["sample"]] = r["score"]
+        row = scores.setdefault(f"{r['strategy']}@{r['budget_frac']:g}", {})
+        row.setdefault(r["task"], {})[r["sample"]] = r["score"]
     return scores
 
 

@@ -292,7 +292,8 @@ def test_ruler_budget_of_context_is_kvpress_cache_once_the_question_is_read(tiny
         assert r["budget"] == (int(r["budget_frac"] * (len(ids) - len(question_ids(tok, sample)))) + tail) // 16 * 16
         assert r["budget_of"] == budget_of
     assert instance_budget(0.5, 200, 180, 20, "prompt", 12) == 100
-    assert instance_budget(0.5, 200, 180, 20, "context", 12) == 96 and instance_budget(0.5, 200, 180, 20, "peak", 12) == 112
+    assert instance_budget(0.5, 200, 180, 20, "context", 12) == 96
+    assert instance_budget(0.5, 200, 180, 20, "peak", 12) == 112
     assert {r["budget_of"] for r in ruler_runs(*args)} == {"prompt"}
     with pytest.raises(KvboundError, match="--budget-of must be prompt, context or peak, got 'question'"):
         ruler_runs(*args, budget_of="question")
@@ -447,7 +448,8 @@ def test_peer_kvpress_report_pairs_the_best_rows_instances_in_a_bootstrap_interv
     lines = buf.getvalue().strip().splitlines()
     assert len(lines) == 2 and lines[1].split()[:3] == ["kvbound", "window", "(equal"]
     assert "-33.3 pp [-100.0, +0.0] over 3 instances" in lines[1]
-    rows, grid = ["kvbound a@0.5", "kvbound b (equal memory)@0.5", "kvbound baseline@0.5"], [[0.2, 0.7], [0.5, 0.7], [1, 1]]
+    rows = ["kvbound a@0.5", "kvbound b (equal memory)@0.5", "kvbound baseline@0.5"]
+    grid = [[0.2, 0.7], [0.5, 0.7], [1, 1]]
     assert peer.family_bests(rows, ["t1", "t2"], grid, "kvbound", "0.5") == [
         (0.5, ["b"], "kvbound b (equal memory)@0.5"), (0.7, ["a", "b"], "kvbound a@0.5")]
 

@@ -39,6 +39,7 @@ NAMES = ("Alma Bruno Celia Dario Edith Felix Greta Hugo Irene Jonas Kira Lorenzo
 CITIES = ("Lisbon Oslo Quito Hanoi Dakar Lima Perth Tunis Riga Bergen Cusco Malmo Ghent Split Porto Turku "
           "Lyon Graz Brno Cork").split()
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa")
+BUDGETS_OF = ("prompt", "context", "peak")  # what --budget-frac is a fraction of (`instance_budget`)
 
 
 @dataclass
@@ -178,9 +179,6 @@ def build_prompt(tok, sample: Sample, context: int, query: str, rng, filler: lis
     return pre + body + post
 
 
-BUDGETS_OF = ("prompt", "context", "peak")  # what --budget-frac is a fraction of (`instance_budget`)
-
-
 def question_ids(tok, sample: Sample) -> list[int]:
     """The prompt's tail: the question and the reply's opening words (kvpress's `question`, after the context)."""
     return tok.encode(f"\n\nQuestion: {sample.question}{chat_frame(tok)[1]}{sample.answer_prefix}")
@@ -216,8 +214,8 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
     `finished(records_so_far)`, if given, is called as each run ends; records_so_far() builds the records of
     every run done so far (a caller that saves them now and then keeps them when a long run is cut short).
     question_piece: the question is fed as a prefill piece of its own (see the module's docstring).
-    budget_of: what a budget fraction is of (`instance_budget`): "prompt", "context" or "peak". keep_question: bounded policies' recent windows
-    hold the closing question and the reply (`question_kept`). sample_offset: the instances are those numbered
+    budget_of: what a budget fraction is of (`instance_budget`): "prompt", "context" or "peak". keep_question:
+    bounded policies' recent windows hold the closing question and the reply (`question_kept`). sample_offset: the instances are those numbered
     sample_offset onwards, so a later run adds instances to an earlier one's instead of repeating them."""
     if query not in ("before", "after"):
         raise KvboundError(f"--query must be before or after, got {query!r}")
