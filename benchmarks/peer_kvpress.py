@@ -242,12 +242,16 @@ def report(args):
 
 def family_bests(rows, tasks, grid, side: str, keep: str) -> list[tuple[float, list[str], str]]:
     """Per task, the best score of one side's rows at one keep (the full cache left out), who reaches it, and the
-    first such row."""
+    first such row; (nan, [], None) where none of them ran the task."""
     mine = [(row, cells) for row, cells in zip(rows, grid)
             if row.startswith(side + " ") and row.endswith("@" + keep) and " baseline" not in row]
     bests = []
     for j in range(len(tasks)):
-        top = max(cells[j] for _, cells in mine)
+        ran = [cells[j] for _, cells in mine if cells[j] == cells[j]]  # NaN: the row has no instance of the task
+        if not ran:
+            bests.append((float("nan"), [], None))
+            continue
+        top = max(ran)
         tops = [row for row, cells in mine if round(100 * cells[j]) == round(100 * top)]
         names = [row.split("@")[0].split(" ", 1)[1].split(" (")[0] for row in tops]
         bests.append((top, list(dict.fromkeys(names)), tops[0]))
@@ -280,12 +284,13 @@ def print_bests(rows, tasks, grid, instances: dict, scores: dict):
     best was picked among several rows)."""
     for keep in dict.fromkeys(row.split("@")[1] for row in rows):
         ours, theirs = (family_bests(rows, tasks, grid, side, keep) for side in ("kvbound", "kvpress"))
-        if not ours[0][1] or not theirs[0][1]:
+        both = [(task, a, b) for task, a, b in zip(tasks, ours, theirs) if a[2] and b[2]]  # families both ran
+        if not both:
             continue
         print(f"\nkeep {keep}: best of each side per task family ({instances['kvbound']} instances a task on "
               f"kvbound's side, {instances['kvpress']} on kvpress's); difference, paired 95% interval")
         met = below = 0
-        for task, (a, who_a, row_a), (b, who_b, row_b) in zip(tasks, ours, theirs):
+        for task, (a, who_a, row_a), (b, who_b, row_b) in both:
             ok = round(100 * a) >= round(100 * b)
             mean, lo, hi = paired_interval(scores[row_a][task], scores[row_b][task])
             met += ok
@@ -293,7 +298,7 @@ def print_bests(rows, tasks, grid, instances: dict, scores: dict):
             print(f"  {task:<16} kvbound {100 * a:4.0f}% ({', '.join(who_a[:3])})  kvpress {100 * b:4.0f}% "
                   f"({', '.join(who_b[:3])})  {'yes' if ok else 'NO'}  {100 * mean:+.0f} pp "
                   f"[{100 * lo:+.0f}, {100 * hi:+.0f}]")
-        print(f"  kvbound >= kvpress on {met} of {len(tasks)} families; below beyond the interval on {below}")
+        print(f"  kvbound >= kvpress on {met} of {len(both)} families; below beyond the interval on {below}")
 
 
 def print_paired(scores: dict):

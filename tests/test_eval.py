@@ -452,6 +452,9 @@ def test_peer_kvpress_report_pairs_the_best_rows_instances_in_a_bootstrap_interv
     grid = [[0.2, 0.7], [0.5, 0.7], [1, 1]]
     assert peer.family_bests(rows, ["t1", "t2"], grid, "kvbound", "0.5") == [
         (0.5, ["b"], "kvbound b (equal memory)@0.5"), (0.7, ["a", "b"], "kvbound a@0.5")]
+    nan = float("nan")  # a run of some tasks only: its other cells are NaN, and those families are left out
+    top, who, row = peer.family_bests(rows[:1], ["t1", "t2"], [[nan, 0.7]], "kvbound", "0.5")[0]
+    assert top != top and (who, row) == ([], None)
 
 
 def test_ruler_sample_offset_adds_the_next_instances(tiny):
