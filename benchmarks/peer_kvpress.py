@@ -235,9 +235,10 @@ def report(args):
     for row, cells in sorted(zip(rows, grid), key=lambda x: (x[0].split("@")[1], x[0])):
         mean = sum(cells) / len(cells)
         print(f"{row:<44}" + "".join(f"{100 * c:>15.0f}%" for c in cells) + f"{100 * mean:>6.0f}%")
+    scores = instance_scores(results)
     print_bests(rows, tasks, grid, {side: len({r["sample"] for r in results if r["strategy"].startswith(side)})
-                                    for side in ("kvbound", "kvpress")}, instance_scores(results))
-    print_paired(instance_scores(results))
+                                    for side in ("kvbound", "kvpress")}, scores)
+    print_paired(scores)
 
 
 def family_bests(rows, tasks, grid, side: str, keep: str) -> list[tuple[float, list[str], str]]:
@@ -302,12 +303,12 @@ def print_bests(rows, tasks, grid, instances: dict, scores: dict):
 
 
 def print_paired(scores: dict):
-    """Each kvbound row against its kvpress press (`PAIRED`) at the same keep: the paired
-    difference over every family's instances pooled, with its 95% interval (`paired_interval`)."""
+    """Each kvbound row against its kvpress press (`PAIRED`) at the same keep: the paired difference over every
+    family's instances pooled, with its 95% interval (`paired_interval`)."""
     lines = []
     for row, tasks in scores.items():
-        side, name = row.split("@")[0].split(" ", 1)
-        keep = row.split("@")[1]
+        label, keep = row.split("@")
+        side, name = label.split(" ", 1)
         theirs = scores.get(f"kvpress {PAIRED.get(name.split(' (')[0])}@{keep}")
         if side != "kvbound" or theirs is None:
             continue

@@ -233,8 +233,8 @@ def test_kernel_tile_follows_the_table_width_on_the_gpu():
     permutes, or with MANY_SEQS sequences 128-key blocks) and 128-key ones at two programs an SM at d=128; bounded
     caches' narrow tables two-block splits in every format; fp8 elsewhere takes bf16's tile; 4-bit's middle and long
     tables at d=128 read paired scales, 8-bit's middle ones take its long ones' tile (short calls 64-key blocks at 8
-    programs an SM; exporting scores 16 on middle tables, 4 warps on long ones); 8-bit's middle and narrow tables at d=64 convert codes without permutes; on the CPU every call
-    takes bf16's."""
+    programs an SM; exporting scores 16 on middle tables, 4 warps on long ones); 8-bit's middle and narrow tables at
+    d=64 convert codes without permutes; on the CPU every call takes bf16's."""
     from kvbound.kernels.triton_decode import MANY_SEQS, Tile, kernel_tile
     bf16 = kernel_tile(16, 64, 43, 8192)
     assert kernel_tile(8, 64, 43, 8192) == kernel_tile("fp8", 64, 43, 8192) == Tile(256, 4, 2)
@@ -243,7 +243,7 @@ def test_kernel_tile_follows_the_table_width_on_the_gpu():
     assert kernel_tile(8, 128, 7, 8192) == Tile(128, 8, 3, programs_per_sm=2)
     assert kernel_tile(16, 128, 1, 32768) == kernel_tile("fp8", 128, 7, 8192) == Tile(128, 4, 2, programs_per_sm=2)
     assert kernel_tile(4, 128, 7, 8192) == kernel_tile(4, 128, 64, 2048) == Tile(128, 2, 2, paired="kv")
-    assert kernel_tile(8, 128, 64, 2048) == kernel_tile(8, 128, 7, 8192)  # its scales a group at a time
+    assert kernel_tile(8, 128, 64, 2048) == Tile(128, 8, 3, programs_per_sm=2)  # middle: the long tables' tile
     assert kernel_tile(8, 128, 4, 2048) == Tile(64, 4, 2, programs_per_sm=8)  # short calls: 64-key blocks
     # exporting scores (h2o's step), 8-bit at d=128: 16 programs an SM on middle tables, 4 warps on long ones
     assert kernel_tile(8, 128, 29, 2048, scores=True) == Tile(64, 4, 2, programs_per_sm=16)

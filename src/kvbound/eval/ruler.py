@@ -215,8 +215,9 @@ def ruler_runs(model, tok, names, contexts, tasks, budget_fracs, options: CacheO
     every run done so far (a caller that saves them now and then keeps them when a long run is cut short).
     question_piece: the question is fed as a prefill piece of its own (see the module's docstring).
     budget_of: what a budget fraction is of (`instance_budget`): "prompt", "context" or "peak". keep_question:
-    bounded policies' recent windows hold the closing question and the reply (`question_kept`). sample_offset: the instances are those numbered
-    sample_offset onwards, so a later run adds instances to an earlier one's instead of repeating them."""
+    bounded policies' recent windows hold the closing question and the reply (`question_kept`). sample_offset: the
+    instances are those numbered sample_offset onwards, so a later run adds instances to an earlier one's instead of
+    repeating them."""
     if query not in ("before", "after"):
         raise KvboundError(f"--query must be before or after, got {query!r}")
     if budget_of not in BUDGETS_OF:
@@ -287,7 +288,8 @@ def instance_budget(frac: float, context: int, before_question: int, question: i
     kvpress's cache at that point."""
     if budget_of == "prompt":
         return fraction_budget(frac, context)
-    return max(16, (fraction_budget(frac, before_question) + question + reply * (budget_of == "peak")) // 16 * 16)
+    after = question + reply if budget_of == "peak" else question  # what follows the context, kept whole
+    return max(16, (fraction_budget(frac, before_question) + after) // 16 * 16)
 
 
 def _records(jobs, first, text, query, budget_of, keep_question) -> list[dict]:

@@ -10,10 +10,10 @@ per key and group. Packed values at d=128 take the same route: p @ (code * scale
 (p * scale) @ code + p @ bias (`_value_group`), so their codes go from shared memory to the tensor
 cores with only the fp16 conversion on the way; at d=64 they are dequantized in fp16 registers
 (code * scale + bias) and pass through shared memory as fp16 before p @ V (faster there).
-Codes become fp16 by a bit trick (`_codes`; compiled, four at a time by byte permutes in inline PTX, `Tile.permute`),
-not int->float conversions, which bound the kernel; the
-tensor-core inputs of the packed path are then fp16 (q, p, codes, values; exact for codes below 256;
-q * d^-0.5 and values must stay under fp16's 65504, which the fp16 scales already assume).
+Codes become fp16 by a bit trick (`_codes`; compiled, four at a time by byte permutes in inline PTX,
+`Tile.permute`), not int->float conversions, which bound the kernel; the tensor-core inputs of the packed path
+are then fp16 (q, p, codes, values; exact for codes below 256; q * d^-0.5 and values must stay under fp16's
+65504, which the fp16 scales already assume).
 Other variants measured slower (git history of benchmarks/README.md, sessions 3-5).
 
 Score export: H2O needs, per cached key and KV head, the post-softmax probability summed over the
@@ -70,9 +70,9 @@ class Tile(NamedTuple):
 # 8-bit read slower paired: V's up to 1.8x on long tables, K's 1.07x -> 1.14x at 16 x 8k
 # (results/paired_scales_h100.log).
 # Before byte permutes, 8-bit's middle tables at d=128 took 64-key blocks and 8 programs an SM (its short entry now):
-# 1.55-1.66x bf16 -> 1.30-1.38x,
-# with h2o's scores 1.37-1.53x -> 1.17-1.26x (16-64 sequences, 1-2k keys); an 8B h2o-2048 engine step at 29 running
-# 11.64 -> 10.56 ms. K's paired scales or 128-key blocks lost with scores (results/tune_grid_middle_8bit_h100.log)
+# 1.55-1.66x bf16 -> 1.30-1.38x, with h2o's scores 1.37-1.53x -> 1.17-1.26x (16-64 sequences, 1-2k keys); an 8B
+# h2o-2048 engine step at 29 running 11.64 -> 10.56 ms. K's paired scales or 128-key blocks lost with scores
+# (results/tune_grid_middle_8bit_h100.log)
 # Codes become fp16 by inline PTX's byte permutes (`Tile.permute`), except in 8-bit's middle and narrow tables at d=64,
 # where that ran 1.12x -> 1.51x and 1.08x -> 1.23x bf16 (64 x 1k keys in 2k tables, 64 x 257 in 272), and 4-bit's long
 # ones at d=64 with few sequences (TILES_LONG_MANY). At d=128, 4-bit went 0.90-1.09x -> 0.82-1.05x bf16 and 8-bit
@@ -102,8 +102,9 @@ TILES_NARROW, NARROW_KEYS = {**{(f, 64): Tile(64, 4, 2, split_blocks=2, permute=
 # warps from 3.36 to 3.02 (results/engine_packed_tiles_sweep_smollm2_h100.log). At d=128, 128-key blocks and two
 # programs an SM (8-bit with 8 warps): 1 x 32k keys from 69.4 / 84.1 / 75.4 us (bf16 / 8 / fp8) to 59.3 / 64.6 /
 # 52.4, 7 x 4k (8k tables) from 51.2 / 61.1 / 58.6 to 47.9 / 56.6 / 43.0 (results/tune_grid_long_h100.log)
-# 8-bit's at d=128 take TILES' entry, three stages since its codes take permutes: 1.03-1.16x bf16 against 1.07-1.19x in the kernel, an
-# 8B engine step at 7 x 4k 8.57 -> 8.51 ms (bf16 8.13) and at 7 x 8k 10.02 -> 9.94 (results/eight_bit_stages_h100.log)
+# 8-bit's at d=128 take TILES' entry, three stages since its codes take permutes: 1.03-1.16x bf16 against
+# 1.07-1.19x in the kernel, an 8B engine step at 7 x 4k 8.57 -> 8.51 ms (bf16 8.13) and at 7 x 8k 10.02 -> 9.94
+# (results/eight_bit_stages_h100.log)
 TILES_LONG = {(8, 64): Tile(256, 4, 2), ("fp8", 64): Tile(256, 4, 2), (4, 64): Tile(256, 8, 2, permute=False),
               **{(f, 128): Tile(128, 4, 2, programs_per_sm=2) for f in (16, "fp8")}}
 LONG_KEYS = 4096

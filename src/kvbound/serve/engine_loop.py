@@ -74,9 +74,10 @@ class EngineLoop:
 
     def run(self):
         while True:
-            if not self.engine.has_unfinished():
+            idle = not self.engine.has_unfinished()
+            if idle:
                 self.engine.release_idle()  # per-request budgets' rows and graphs go back before the wait
-            msgs = [] if self.engine.has_unfinished() else [self.receive(True)]
+            msgs = [self.receive(True)] if idle else []
             while (msg := self.receive(False)) is not None:
                 msgs.append(msg)
             out = {"accepted": [], "updates": [], "tokens": []}
