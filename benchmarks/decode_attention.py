@@ -414,10 +414,11 @@ def tune_grid(configs, bits_list, variants=None, ordered=False):
                 runs += [(f"{blk:>4}{w:>3}{st:>3}{split:>6}", dict(block_n=blk, num_warps=w, num_stages=st, split=split))
                          for blk, w, st in tiles[d] for split in splits(blk)]
             else:
-                runs += [(f"{blk:>4}{w:>3}{st:>3}{f'pps{pps}':>6} {paired or '-'} {'p' if permute else '-'}",
+                runs += [(f"{blk:>4}{w:>3}{st:>3}{f'pps{pps}':>6} {paired or '-'} {'p' if permute else '-'}"
+                           f"{' s' if staged else ''}",
                           dict(block_n=blk, num_warps=w, num_stages=st, programs_per_sm=pps, paired=paired,
-                               permute=permute and bits != 16))
-                         for blk, w, st, pps, paired, permute in variants]
+                               permute=permute and bits != 16, staged=staged and bits != 16))
+                         for blk, w, st, pps, paired, permute, staged in variants]
             for tile, run in runs:
                 kw = {**base, "quant": quant, **run}
                 label = f"{name:<8}{bsz:>4}{ctx:>6}{width:>6}{bits!s:>5}{tile}"
@@ -462,18 +463,18 @@ def tune_configs(spec: str, fields: int) -> list:
 
 
 def tile_variants(spec: str) -> list:
-    """keys:warps:stages:programs_per_sm:paired[:permute],... -> [(keys, warps, stages, programs per SM, paired,
-    permute)], paired k, v, kv or - (`Tile.paired`), permute p (on, the default) or - (`Tile.permute`)."""
+    """keys:warps:stages:programs_per_sm:paired[:permute[:staged]],... -> [(keys, warps, stages, programs per SM,
+    paired, permute, staged)], paired k, v, kv or - (`Tile.paired`), permute p (on, the default) or -
+    (`Tile.permute`), staged s or - (off, the default; `Tile.staged`)."""
     variants = []
     for entry in spec.split(","):
         parts = entry.split(":")
-        if len(parts) == 5:
-            parts.append("p")
-        if (len(parts) != 6 or not all(p.isdigit() for p in parts[:4]) or parts[4] not in ("-", "k", "v", "kv")
-                or parts[5] not in ("p", "-")):
-            raise ValueError(f"{entry!r} is not keys:warps:stages:programs_per_sm:paired[:permute] with paired k, v, "
-                             "kv or -, permute p or -")
-        variants.append((*map(int, parts[:4]), parts[4].strip("-"), parts[5] == "p"))
+        parts += ["p", "-"][len(parts) - 5:] if 5 <= len(parts) < 7 else []
+        if (len(parts) != 7 or not all(p.isdigit() for p in parts[:4]) or parts[4] not in ("-", "k", "v", "kv")
+                or parts[5] not in ("p", "-") or parts[6] not in ("s", "-")):
+            raise ValueError(f"{entry!r} is not keys:warps:stages:programs_per_sm:paired[:permute[:staged]] with "
+                             "paired k, v, kv or -, permute p or -, staged s or -")
+        variants.append((*map(int, parts[:4]), parts[4].strip("-"), parts[5] == "p", parts[6] == "s"))
     return variants
 
 

@@ -44,29 +44,30 @@ TILE_TABLES = {"long": triton_decode.TILES_LONG, "mid": triton_decode.TILES, "sh
                "narrow": triton_decode.TILES_NARROW, "many": triton_decode.TILES_LONG_MANY}
 KERNEL_TILES = {name: dict(table) for name, table in TILE_TABLES.items()}  # the kernel's own, to go back to
 TILE_FORM = ("[long:|many:|mid:|short:|narrow:]format:head_dim:keys:warps:stages[:split_blocks[:programs_per_sm"
-             "[:paired[:permute]]]]")
+             "[:paired[:permute[:staged]]]]]")
 
 
 def tile_entries(spec: str) -> list:
     """(table, (format, head_dim), Tile) of each entry of a --packed-tiles list; format 16 (bf16), 8, 4 or fp8,
     split_blocks 0 for none (programs per SM decide), paired k, v, kv or - (`Tile.paired`; - for none), permute p
-    (the default) or - (`Tile.permute`)."""
+    (the default) or - (`Tile.permute`), staged s or - (the default; `Tile.staged`)."""
     entries = []
     for tile in spec.split(",") if spec else []:
         fields = tile.split(":")
         table = fields.pop(0) if fields[0] in TILE_TABLES else "long"
+        staged = fields.pop() if len(fields) == 10 else "-"
         permute = fields.pop() if len(fields) == 9 else "p"
         paired = fields.pop() if len(fields) == 8 else "-"
         if not 5 <= len(fields) <= 7 or not all(f.isdigit() for f in fields[1:]) \
                 or fields[0] not in ("16", "8", "4", "fp8") or paired not in ("-", "k", "v", "kv") \
-                or permute not in ("p", "-"):
-            raise ValueError(f"{tile!r} is not {TILE_FORM} with format 16, 8, 4 or fp8, paired k, v, kv or - and "
-                             "permute p or -")
+                or permute not in ("p", "-") or staged not in ("s", "-"):
+            raise ValueError(f"{tile!r} is not {TILE_FORM} with format 16, 8, 4 or fp8, paired k, v, kv or -, "
+                             "permute p or - and staged s or -")
         fmt, d, keys, warps, stages, *rest = fields
         split_blocks, pps = [int(f) for f in rest] + [0, 4][len(rest):]
         entries.append((table, (fmt if fmt == "fp8" else int(fmt), int(d)),
                         triton_decode.Tile(int(keys), int(warps), int(stages), split_blocks or None, pps,
-                                           paired.strip("-"), permute == "p")))
+                                           paired.strip("-"), permute == "p", staged == "s")))
     return entries
 
 

@@ -231,7 +231,8 @@ def test_contiguous_buffers_read_from_their_first_slot_equal_the_table(bits):
 def test_kernel_tile_follows_the_table_width_on_the_gpu():
     """Tiles on the GPU: long tables (4k keys or more) take 256-key blocks at d=64 (4-bit with 8 warps and no byte
     permutes, or with MANY_SEQS sequences 128-key blocks) and 128-key ones at two programs an SM at d=128; bounded
-    caches' narrow tables two-block splits in every format; fp8 elsewhere takes bf16's tile; 4-bit's middle and long
+    caches' narrow tables two-block splits in every format (fp8 at d=128: its middle tile); fp8 elsewhere takes bf16's
+    tile, except its middle tables at d=128 (64-key blocks, 3 stages, values staged); 4-bit's middle and long
     tables at d=128 read paired scales, 8-bit's middle ones take its long ones' tile (short calls 64-key blocks at 8
     programs an SM; exporting scores 16 on middle tables, 4 warps on long ones); 8-bit's middle and narrow tables at
     d=64 convert codes without permutes; on the CPU every call takes bf16's."""
@@ -245,6 +246,10 @@ def test_kernel_tile_follows_the_table_width_on_the_gpu():
     assert kernel_tile(4, 128, 7, 8192) == kernel_tile(4, 128, 64, 2048) == Tile(128, 2, 2, paired="kv")
     assert kernel_tile(8, 128, 64, 2048) == Tile(128, 8, 3, programs_per_sm=2)  # middle: the long tables' tile
     assert kernel_tile(8, 128, 4, 2048) == Tile(64, 4, 2, programs_per_sm=8)  # short calls: 64-key blocks
+    # fp8 at d=128: values staged on middle and narrow tables (decode_attention drops it where it exports scores),
+    # bf16's tile for short calls
+    assert kernel_tile("fp8", 128, 27, 2048) == kernel_tile("fp8", 128, 64, 272) == Tile(64, 4, 3, staged=True)
+    assert kernel_tile("fp8", 128, 8, 2048) == Tile(64, 4, None)
     # exporting scores (h2o's step), 8-bit at d=128: 16 programs an SM on middle tables, 4 warps on long ones
     assert kernel_tile(8, 128, 29, 2048, scores=True) == Tile(64, 4, 2, programs_per_sm=16)
     assert kernel_tile(8, 128, 7, 8192, scores=True) == Tile(128, 4, 2, programs_per_sm=2)
@@ -799,6 +804,30 @@ def test_silu_mul_matches_the_separate_ops(dtype):
     want = torch.nn.functional.silu(gate) * up
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
     torch.testing.assert_close(silu_mul(x.to(DEV)).cpu(), want, **tol)
+
+
+@pytest.mark.parametrize("fmt", [8, 4, "fp8"])
+def test_staged_values_give_the_same_output(fmt):
+    """Values made fp16 before their layout change (`Tile.staged`, fp8's middle tables at d=128) give the same
+    output, bit for bit, as the default, with and without exported scores."""
+    from kvbound.cache.quant import Fp8KV
+    q, k, v, table, n = _case(90, 3, 8, 2, 128, [300, 77, 1], slots=400)
+    if fmt == "fp8":
+        (kc, ks), (vc, vs) = Fp8KV._pack(k), Fp8KV._pack(v)
+        kc, vc, quant = kc.view(torch.float8_e4m3fn), vc.view(torch.float8_e4m3fn), dict(bits="fp8", k_scale=ks, v_scale=vs)
+    else:
+        (kc, *ks), (vc, *vs) = quantize(k, fmt, 64), quantize(v, fmt, 64)
+        quant = dict(bits=fmt, group=64, k_scale=ks[0], k_bias=ks[1], v_scale=vs[0], v_bias=vs[1])
+    args = [t.to(DEV) for t in (q, kc, vc, table, n)]
+    quant = {key: t if isinstance(t, (str, int)) else t.to(DEV) for key, t in quant.items()}
+    for export in (False, True):
+        scores = [torch.zeros(3, table.shape[1], 2, device=DEV) if export else None for _ in range(2)]
+        mode = "cumulative" if export else None
+        outs = [decode_attention(*args, quant=quant, block_n=64, staged=staged, score=score, score_mode=mode)
+                for staged, score in zip((False, True), scores)]
+        torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
+        if export:
+            torch.testing.assert_close(scores[1], scores[0], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("bits, d", [(8, 64), (4, 64), (8, 128), (4, 128)])

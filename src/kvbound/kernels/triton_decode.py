@@ -54,7 +54,8 @@ class Tile(NamedTuple):
     program takes: `split_blocks` blocks, or (None) enough programs to put programs_per_sm on every SM, each at least
     4 blocks. paired: whose per-group scales and biases ("k", "v", both or none) a key's two groups (d=128)
     read in one load each instead of one load a group; it changes the compiled code either way. permute: packed codes
-    become fp16 by byte permutes in inline PTX (`_codes`) where the kernel is compiled."""
+    become fp16 by byte permutes in inline PTX (`_codes`) where the kernel is compiled. staged: packed or fp8 values
+    become fp16 before their layout change into the dot's operand (`_staged`)."""
     keys: int
     warps: int
     stages: int | None = None
@@ -62,6 +63,7 @@ class Tile(NamedTuple):
     programs_per_sm: int = 4
     paired: str = ""
     permute: bool = True
+    staged: bool = False
 
 
 # (bits or "fp8" or 16 for bf16, head_dim) -> the kernel's Tile on the GPU; packed formats' middle tables:
@@ -81,21 +83,28 @@ class Tile(NamedTuple):
 # (16-128 sequences, 1-2k keys in 2k tables; the short entry keeps 64 keys where 4 x 1.5k went 1.32x -> 1.39x;
 # results/middle_8bit_h100.log); an 8B full-cache step at 1k prompts 8.64 -> 8.56 ms at 27 running (bf16 8.26) and
 # 10.92 -> 10.36 at 52 (results/middle_8bit_engine_h100.log)
+# fp8's at d=128 take 64-key blocks, 3 stages, with values staged (`Tile.staged`; not where the call exports scores,
+# which ran 1.10x -> 1.17x bf16 staged): 1.10-1.23x bf16 -> 0.80-0.90x (16-64 sequences, 1-2k keys in 2k tables;
+# results/staged_values_h100.log)
 TILES = {(8, 128): Tile(128, 8, 3, programs_per_sm=2), (4, 128): Tile(128, 2, 2, paired="kv"),
-         (8, 64): Tile(128, 4, 2, permute=False), (4, 64): Tile(256, 4, 2)}
+         (8, 64): Tile(128, 4, 2, permute=False), (4, 64): Tile(256, 4, 2),
+         ("fp8", 128): Tile(64, 4, 3, staged=True)}
 # ... where a call has fewer than SHORT_KEYS keys in all (batch x context), which few large tiles serve badly
 # (4-bit at d=64 was measured on h2o 256's 257-key tables at 64 running, 1.79 -> 1.75 ms a step,
 # results/engine_packed_tiles_sweep_smollm2_h100.log; such narrow tables now take TILES_NARROW first, so this entry
 # serves short calls over wider tables, where it has not been timed)
+# (fp8's at d=128 keeps bf16's: staged it ran 1.00x -> 1.07x bf16 at 8 x 1k keys, results/staged_values_h100.log)
 TILES_SHORT, SHORT_KEYS = {(4, 128): Tile(32, 4, 3), (4, 64): Tile(64, 4, 2),
-                            (8, 128): Tile(64, 4, 2, programs_per_sm=8)}, 32768
+                            (8, 128): Tile(64, 4, 2, programs_per_sm=8), ("fp8", 128): Tile(64, 4, None)}, 32768
 # ... where the table is narrower than NARROW_KEYS, as bounded caches' are (checked first): two 64-key blocks a
 # program (128-key ones for 4-bit at d=128), every format. At 257 keys, d=64, 64 and 256 sequences, they took the
 # call with scores (split, merge, fold) from 17.5 / 22.9 / 22.3 / 19.7 us (bf16 / 8 / 4 / fp8) to 16.0 / 17.1 / 17.9 /
 # 16.3, and from 37.7 / 53.7 / 58.9 / 42.7 to 33.1 / 43.4 / 45.6 / 41.2; 8B's d=128 at 64 from 57.9 / 52.2 (8 / 4) to
 # 48.1 / 46.9 (results/tune_grid_short_h100.log)
+# fp8's at d=128 take its middle tile: 1.19x -> 0.92x bf16 at 64 x 257 keys (results/staged_values_h100.log)
 TILES_NARROW, NARROW_KEYS = {**{(f, 64): Tile(64, 4, 2, split_blocks=2, permute=f != 8) for f in (16, 8, 4, "fp8")},
-                             (8, 128): Tile(64, 4, 2, split_blocks=2), (4, 128): Tile(128, 2, 2, split_blocks=2)}, 1024
+                             (8, 128): Tile(64, 4, 2, split_blocks=2), (4, 128): Tile(128, 2, 2, split_blocks=2),
+                             ("fp8", 128): Tile(64, 4, 3, staged=True)}, 1024
 # ... and where its table is at least LONG_KEYS wide: at d=64, 256-key blocks took a full-cache engine step of 43
 # sequences x 4k (8k-wide graph tables) from 3.57 to 3.21 ms (8-bit) and from 3.97 to 2.91 ms (fp8), against bf16's
 # 3.24 (results/engine_kvformats_long_tiles_smollm2_h100.log; GPU time of the step's graph, H100); 4-bit's with 8
@@ -132,7 +141,7 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                   BITS: tl.constexpr, GS: tl.constexpr, EXPORT: tl.constexpr, IEEE: tl.constexpr,
                   VDOT: tl.constexpr, FP8: tl.constexpr, CONTIG: tl.constexpr,
                   RESID: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, PAIR_K: tl.constexpr,
-                  PAIR_V: tl.constexpr, PERMUTE: tl.constexpr):
+                  PAIR_V: tl.constexpr, PERMUTE: tl.constexpr, STAGED: tl.constexpr = False):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -204,21 +213,23 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                 vs, vb = _scale_bias(VS, VB, sp, valid)
             ps, pb, codes = _value_group(p, vp, vs, vb, valid)
             if BITS == 8:
-                acc = _codes_dot(acc, alpha, ps, pb, _codes(codes, PERMUTE), IEEE)
+                acc = _codes_dot(acc, alpha, ps, pb, _staged(_codes(codes, PERMUTE), valid, STAGED), IEEE)
             else:
-                acc = _codes_dot(acc, alpha, ps, pb, _low_codes(codes, PERMUTE), IEEE)
-                acc_odd = _codes_dot(acc_odd, alpha, ps, pb, _high_codes(codes, PERMUTE), IEEE)
+                acc = _codes_dot(acc, alpha, ps, pb, _staged(_low_codes(codes, PERMUTE), valid, STAGED), IEEE)
+                acc_odd = _codes_dot(acc_odd, alpha, ps, pb, _staged(_high_codes(codes, PERMUTE), valid, STAGED), IEEE)
             if D // GS == 2:
                 if not PAIR_V:
                     vs_hi, vb_hi = _scale_bias(VS, VB, sp + 1, valid)
                 ps, pb, codes = _value_group(p, vp + W, vs_hi, vb_hi, valid)
                 if BITS == 8:
-                    acc_hi = _codes_dot(acc_hi, alpha, ps, pb, _codes(codes, PERMUTE), IEEE)
+                    acc_hi = _codes_dot(acc_hi, alpha, ps, pb, _staged(_codes(codes, PERMUTE), valid, STAGED), IEEE)
                 else:
-                    acc_hi = _codes_dot(acc_hi, alpha, ps, pb, _low_codes(codes, PERMUTE), IEEE)
-                    acc_hi_odd = _codes_dot(acc_hi_odd, alpha, ps, pb, _high_codes(codes, PERMUTE), IEEE)
+                    acc_hi = _codes_dot(acc_hi, alpha, ps, pb, _staged(_low_codes(codes, PERMUTE), valid, STAGED),
+                                        IEEE)
+                    acc_hi_odd = _codes_dot(acc_hi_odd, alpha, ps, pb,
+                                            _staged(_high_codes(codes, PERMUTE), valid, STAGED), IEEE)
         elif FP8:  # p @ (codes * scale) = top * ((p * scale / top) @ codes), top the row's largest p * scale: fp16
-            v = tl.load(V + kv_ptr, mask=valid[:, None], other=0.0).to(tl.float16)  # inputs without underflow
+            v = _staged(tl.load(V + kv_ptr, mask=valid[:, None], other=0.0).to(tl.float16), valid, STAGED)
             ps = p * tl.load(VS + sp, mask=valid, other=0.0).to(tl.float32)[None, :]
             top = tl.maximum(tl.max(ps, 1), 1e-30)
             acc = acc * alpha[:, None] + _dot(ps * (1.0 / top)[:, None], v, IEEE) * top[:, None]
@@ -281,6 +292,16 @@ def _value_group(p, code_ptr, vs, vb, valid):
     they are (`_codes_dot`): no per-element dequantize and no fp16 copy of the values in shared memory."""
     codes = tl.load(code_ptr, mask=valid[:, None], other=0)
     return p * (vs * PV_SCALE)[None, :], tl.sum(p * (vb * PV_SCALE)[None, :], 1)[:, None], codes
+
+
+@triton.jit
+def _staged(v, valid, STAGED: tl.constexpr):
+    """STAGED: the values' fp16 tile through a select, which Triton does not hoist past the layout change into the
+    dot's operand: the codes become fp16 before shared memory, read back transposed by ldmatrix, instead of
+    byte by byte."""
+    if STAGED:
+        return tl.where(valid[:, None], v, 0.0)
+    return v
 
 
 @triton.jit
@@ -693,7 +714,7 @@ def kernel_tile(fmt, d: int, bsz: int, max_len: int, contiguous: bool = False, c
 def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=None, score_mode=None,
                      ema_decay=0.95, quant=None, split=None, block_n=None, out=None, programs_per_sm=None,
                      num_warps=None, rows=None, victim=None, num_stages=None, value_dot=None, contiguous=False,
-                     resid=None, layer=False, paired=None, permute=None):
+                     resid=None, layer=False, paired=None, permute=None, staged=None):
     """q: [B, Hq, D]; k_pool/v_pool: [slots, Hkv, D] (or packed codes [slots, Hkv, D*bits/8] with
     quant=dict(bits=, group=, k_scale=, k_bias=, v_scale=, v_bias=) of [slots, Hkv, D/group]; or float8 e4m3
     codes [slots, Hkv, D] with quant=dict(bits="fp8", k_scale=, v_scale=) of [slots, Hkv, 1]);
@@ -713,6 +734,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     layer: granularity "layer", every head folding in the sum over the layer's heads (the reference's `layer`).
     paired: `Tile.paired` (None: the table's tile's).
     permute: `Tile.permute` (None: the table's tile's; only where the kernel is compiled).
+    staged: `Tile.staged` (None: the table's tile's, off where the call exports scores).
     Returns out [B, Hq, D] in q's dtype."""
     bsz, hq, d = q.shape
     if d & (d - 1):
@@ -737,6 +759,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     num_stages = num_stages or tile.stages
     programs_per_sm = programs_per_sm or tile.programs_per_sm
     paired = tile.paired if paired is None else paired
+    staged = tile.staged and not export if staged is None else staged  # staged lost where it also exported
     if split is None and tile.split_blocks and not explicit:
         split = tile.split_blocks * block_n
     if bits == 4 and q.is_cuda and block_n < 32:
@@ -791,7 +814,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), scale, min_split, *rt["reads"], *rt["ring"],
         G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee, VDOT=value_dot,
         FP8=fp8, CONTIG=bool(contiguous), RESID=resid is not None, SINK=rt["sink"], RECENT=rt["recent"],
-        PAIR_K="k" in paired, PAIR_V="v" in paired, PERMUTE=permute, num_warps=num_warps,
+        PAIR_K="k" in paired, PAIR_V="v" in paired, PERMUTE=permute, STAGED=staged, num_warps=num_warps,
         **({} if num_stages is None else dict(num_stages=num_stages)))
     _merge_kernel[(bsz, hkv)](
         part_o, part_m, part_l, out, ctx_lens,
