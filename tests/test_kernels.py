@@ -814,7 +814,8 @@ def test_staged_values_give_the_same_output(fmt):
     q, k, v, table, n = _case(90, 3, 8, 2, 128, [300, 77, 1], slots=400)
     if fmt == "fp8":
         (kc, ks), (vc, vs) = Fp8KV._pack(k), Fp8KV._pack(v)
-        kc, vc, quant = kc.view(torch.float8_e4m3fn), vc.view(torch.float8_e4m3fn), dict(bits="fp8", k_scale=ks, v_scale=vs)
+        kc, vc = kc.view(torch.float8_e4m3fn), vc.view(torch.float8_e4m3fn)
+        quant = dict(bits="fp8", k_scale=ks, v_scale=vs)
     else:
         (kc, *ks), (vc, *vs) = quantize(k, fmt, 64), quantize(v, fmt, 64)
         quant = dict(bits=fmt, group=64, k_scale=ks[0], k_bias=ks[1], v_scale=vs[0], v_bias=vs[1])
