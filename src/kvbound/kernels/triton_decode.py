@@ -213,21 +213,20 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                 vs, vb = _scale_bias(VS, VB, sp, valid)
             ps, pb, codes = _value_group(p, vp, vs, vb, valid)
             if BITS == 8:
-                acc = _codes_dot(acc, alpha, ps, pb, _staged(_codes(codes, PERMUTE), valid, STAGED), IEEE)
+                acc = _codes_dot(acc, alpha, ps, pb, _codes(codes, PERMUTE), valid, STAGED, IEEE)
             else:
-                acc = _codes_dot(acc, alpha, ps, pb, _staged(_low_codes(codes, PERMUTE), valid, STAGED), IEEE)
-                acc_odd = _codes_dot(acc_odd, alpha, ps, pb, _staged(_high_codes(codes, PERMUTE), valid, STAGED), IEEE)
+                acc = _codes_dot(acc, alpha, ps, pb, _low_codes(codes, PERMUTE), valid, STAGED, IEEE)
+                acc_odd = _codes_dot(acc_odd, alpha, ps, pb, _high_codes(codes, PERMUTE), valid, STAGED, IEEE)
             if D // GS == 2:
                 if not PAIR_V:
                     vs_hi, vb_hi = _scale_bias(VS, VB, sp + 1, valid)
                 ps, pb, codes = _value_group(p, vp + W, vs_hi, vb_hi, valid)
                 if BITS == 8:
-                    acc_hi = _codes_dot(acc_hi, alpha, ps, pb, _staged(_codes(codes, PERMUTE), valid, STAGED), IEEE)
+                    acc_hi = _codes_dot(acc_hi, alpha, ps, pb, _codes(codes, PERMUTE), valid, STAGED, IEEE)
                 else:
-                    acc_hi = _codes_dot(acc_hi, alpha, ps, pb, _staged(_low_codes(codes, PERMUTE), valid, STAGED),
-                                        IEEE)
-                    acc_hi_odd = _codes_dot(acc_hi_odd, alpha, ps, pb,
-                                            _staged(_high_codes(codes, PERMUTE), valid, STAGED), IEEE)
+                    acc_hi = _codes_dot(acc_hi, alpha, ps, pb, _low_codes(codes, PERMUTE), valid, STAGED, IEEE)
+                    acc_hi_odd = _codes_dot(acc_hi_odd, alpha, ps, pb, _high_codes(codes, PERMUTE), valid, STAGED,
+                                            IEEE)
         elif FP8:  # p @ (codes * scale) = top * ((p * scale / top) @ codes), top the row's largest p * scale: fp16
             v = _staged(tl.load(V + kv_ptr, mask=valid[:, None], other=0.0).to(tl.float16), valid, STAGED)
             ps = p * tl.load(VS + sp, mask=valid, other=0.0).to(tl.float32)[None, :]
@@ -305,9 +304,10 @@ def _staged(v, valid, STAGED: tl.constexpr):
 
 
 @triton.jit
-def _codes_dot(acc, alpha, ps, pb, codes, IEEE: tl.constexpr):
-    """acc * alpha + (p * scale) @ codes + p @ bias, in units of 1 / PV_SCALE; codes as exact fp16 (`_codes`)."""
-    return acc * alpha[:, None] + _dot(ps, codes, IEEE) + pb
+def _codes_dot(acc, alpha, ps, pb, codes, valid, STAGED: tl.constexpr, IEEE: tl.constexpr):
+    """acc * alpha + (p * scale) @ codes + p @ bias, in units of 1 / PV_SCALE; codes as exact fp16 (`_codes`),
+    staged or not (`_staged`)."""
+    return acc * alpha[:, None] + _dot(ps, _staged(codes, valid, STAGED), IEEE) + pb
 
 
 @triton.jit
