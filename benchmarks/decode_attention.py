@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbound.kernels import decode_attention
-from kvbound.kernels.packing import dequantize, quantize, token_minor
+from kvbound.kernels.packing import dequantize, quantize
 
 SHAPES = {"smollm2": (9, 3, 64), "8b": (32, 8, 128)}
 
@@ -410,24 +410,19 @@ def tune_grid(configs, bits_list, variants=None, ordered=False):
                 # with scales and biases stored head by head (`head_major`)
                 runs.append((f"{'def':>4}{'':>6}{'def':>6}   -", dict(permute=False)))
                 runs.append((f"{'def':>4}{'':>6}{'def':>6}   H", dict(quant=head_major(quant))))
-                # and with values' codes token-minor in each 16-slot block (`packing.token_minor`)
-                runs.append((f"{'def':>4}{'':>6}{'def':>6}   T", dict(values=token_minor(vc, 16))))
             if variants is None:
                 runs += [(f"{blk:>4}{w:>3}{st:>3}{split:>6}", dict(block_n=blk, num_warps=w, num_stages=st, split=split))
                          for blk, w, st in tiles[d] for split in splits(blk)]
             else:
                 runs += [(f"{blk:>4}{w:>3}{st:>3}{f'pps{pps}':>6} {paired or '-'} {'p' if permute else '-'}"
-                           f"{' s' if staged else ''}{' t' if minor else ''}",
+                           f"{' s' if staged else ''}",
                           dict(block_n=blk, num_warps=w, num_stages=st, programs_per_sm=pps, paired=paired,
-                               permute=permute and bits != 16, staged=staged and bits != 16,
-                               **(dict(values=token_minor(vc, 16)) if minor and bits in (8, 4) else {})))
-                         for blk, w, st, pps, paired, permute, staged, minor in variants]
+                               permute=permute and bits != 16, staged=staged and bits != 16))
+                         for blk, w, st, pps, paired, permute, staged in variants]
             for tile, run in runs:
                 kw = {**base, "quant": quant, **run}
-                values = kw.pop("values", vc)
                 label = f"{name:<8}{bsz:>4}{ctx:>6}{width:>6}{bits!s:>5}{tile}"
-                ms = tried(label, lambda: timed(lambda i: decode_attention(qs[i], kc, values, tables[i], lens, **kw),
-                                                sets))
+                ms = tried(label, lambda: timed(lambda i: decode_attention(qs[i], kc, vc, tables[i], lens, **kw), sets))
                 if ms is not None:
                     print(f"{label}{ms:>8.4f}{ms / ref:>8.2f}", flush=True)
             del kc, vc
@@ -468,20 +463,18 @@ def tune_configs(spec: str, fields: int) -> list:
 
 
 def tile_variants(spec: str) -> list:
-    """keys:warps:stages:programs_per_sm:paired[:permute[:staged[:minor]]],... -> [(keys, warps, stages, programs
-    per SM, paired, permute, staged, minor)], paired k, v, kv or - (`Tile.paired`), permute p (on, the default) or -
-    (`Tile.permute`), staged s or - (off, the default; `Tile.staged`), minor t (packed values' codes token-minor,
-    `packing.token_minor`) or - (slot-major, the default)."""
+    """keys:warps:stages:programs_per_sm:paired[:permute[:staged]],... -> [(keys, warps, stages, programs per SM,
+    paired, permute, staged)], paired k, v, kv or - (`Tile.paired`), permute p (on, the default) or -
+    (`Tile.permute`), staged s or - (off, the default; `Tile.staged`)."""
     variants = []
     for entry in spec.split(","):
         parts = entry.split(":")
-        parts += ["p", "-", "-"][len(parts) - 5:] if 5 <= len(parts) < 8 else []
-        if (len(parts) != 8 or not all(p.isdigit() for p in parts[:4]) or parts[4] not in ("-", "k", "v", "kv")
-                or parts[5] not in ("p", "-") or parts[6] not in ("s", "-") or parts[7] not in ("t", "-")):
-            raise ValueError(f"{entry!r} is not keys:warps:stages:programs_per_sm:paired[:permute[:staged[:minor]]] "
-                             "with paired k, v, kv or -, permute p or -, staged s or -, minor t or -")
-        variants.append((*map(int, parts[:4]), parts[4].strip("-"), parts[5] == "p", parts[6] == "s",
-                         parts[7] == "t"))
+        parts += ["p", "-"][len(parts) - 5:] if 5 <= len(parts) < 7 else []
+        if (len(parts) != 7 or not all(p.isdigit() for p in parts[:4]) or parts[4] not in ("-", "k", "v", "kv")
+                or parts[5] not in ("p", "-") or parts[6] not in ("s", "-")):
+            raise ValueError(f"{entry!r} is not keys:warps:stages:programs_per_sm:paired[:permute[:staged]] with "
+                             "paired k, v, kv or -, permute p or -, staged s or -")
+        variants.append((*map(int, parts[:4]), parts[4].strip("-"), parts[5] == "p", parts[6] == "s"))
     return variants
 
 

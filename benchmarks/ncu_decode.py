@@ -2,13 +2,13 @@
 Compute to count: instructions, shared and global loads, stall reasons. `--tune-grid` times; this explains.
 
 ncu --kernel-name _split_kernel --launch-skip 4 --launch-count 1 --metrics <list> \\
-    python3 benchmarks/ncu_decode.py 8 [--staged] [--token-minor] [--tile KEYS:WARPS:STAGES:PPS]
+    python3 benchmarks/ncu_decode.py 8 [--staged]
 """
 import argparse
 
 import torch
 
-from decode_attention import packed, token_minor, tune_inputs
+from decode_attention import packed, tune_inputs
 from kvbound.kernels import decode_attention
 
 
@@ -16,21 +16,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("format", choices=["16", "8", "4", "fp8"])
     ap.add_argument("--staged", action="store_true", help="values staged (`Tile.staged`) in the table's tile")
-    ap.add_argument("--token-minor", action="store_true", help="values' codes token-minor (`packing.token_minor`)")
-    ap.add_argument("--tile", help="keys:warps:stages:programs_per_sm instead of the table's tile")
     args = ap.parse_args()
-    tile = {}
-    if args.tile:
-        keys, warps, stages, pps = map(int, args.tile.split(":"))
-        tile = dict(block_n=keys, num_warps=warps, num_stages=stages, programs_per_sm=pps)
     sets, k, v, tables, lens, qs = tune_inputs("8b", 7, 8192, block=16)
     lens.fill_(4096)
     fmt = args.format if args.format == "fp8" else int(args.format)
     kc, vc, quant = (k, v, None) if fmt == 16 else packed(k, v, fmt)
-    if args.token_minor:
-        vc = token_minor(vc, 16)
     for i in range(6):  # ncu skips the first four (compile, warm-up)
-        decode_attention(qs[i % sets], kc, vc, tables[i % sets], lens, quant=quant, staged=args.staged or None, **tile)
+        decode_attention(qs[i % sets], kc, vc, tables[i % sets], lens, quant=quant, staged=args.staged or None)
     torch.cuda.synchronize()
 
 

@@ -847,37 +847,3 @@ def test_byte_permutes_give_the_portable_conversions_result(bits, d):
         return
     plain = decode_attention(*args, quant=quant, permute=False, block_n=64)
     torch.testing.assert_close(decode_attention(*args, quant=quant, permute=True, block_n=64), plain, atol=0, rtol=0)
-
-
-def _block_tables(seed, lens, blocks, bs):
-    """Slot tables of whole blocks in shuffled order: local slot j -> block[j // bs] * bs + j % bs."""
-    perm = torch.randperm(blocks, generator=torch.Generator().manual_seed(seed))
-    table, at = torch.zeros(len(lens), max(lens), dtype=torch.int32), 0
-    for b, n in enumerate(lens):
-        need = -(-n // bs)
-        table[b, :n] = (perm[at:at + need, None] * bs + torch.arange(bs)).flatten()[:n]
-        at += need
-    return table
-
-
-@pytest.mark.parametrize("bits, contiguous", [(8, False), (4, False), (8, True)])
-def test_token_minor_values_give_the_slot_major_output(bits, contiguous):
-    """Values' codes stored token-minor inside each block (`_value_offsets`) give the slot-major output bit for bit,
-    with a table width and lengths that are no multiple of the block, and with exported scores."""
-    from kvbound.kernels.packing import slot_major, token_minor
-    q, k, v, _, n = _case(91, 3, 8, 2, 128, [300, 77, 1], slots=512)
-    table = _block_tables(92, [300, 77, 1], 32, 16)
-    if contiguous:  # each sequence's slots one run from a block boundary
-        table = torch.tensor([[0], [304], [400]], dtype=torch.int32) + torch.arange(300, dtype=torch.int32)
-    (kc, *ks), (vc, *vs) = quantize(k, bits, 64), quantize(v, bits, 64)
-    quant = {key: t.to(DEV) for key, t in dict(k_scale=ks[0], k_bias=ks[1], v_scale=vs[0], v_bias=vs[1]).items()}
-    args = [t.to(DEV) for t in (q, kc, vc, table, n)]
-    assert torch.equal(slot_major(token_minor(vc, 16)), vc)
-    for export in (False, True):
-        scores = [torch.zeros(3, 300, 2, device=DEV) if export else None for _ in range(2)]
-        outs = [decode_attention(*args[:2], values, *args[3:], quant=dict(quant, bits=bits, group=64), block_n=64,
-                                 score=score, score_mode="cumulative" if export else None, contiguous=contiguous)
-                for values, score in zip((args[2], token_minor(args[2], 16)), scores)]
-        torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
-        if export:
-            torch.testing.assert_close(scores[1], scores[0], atol=0, rtol=0)

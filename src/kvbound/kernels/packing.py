@@ -42,14 +42,3 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
         return packed
     return torch.stack([packed & 0xF, packed >> 4], -1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
-
-
-def token_minor(codes: torch.Tensor, block: int) -> torch.Tensor:
-    """Codes [slots, H, C] -> [slots / block, H, C, block]: a column's codes of a block's tokens side by side, the
-    layout in which values' codes reach the tensor cores as K-contiguous operands (`triton_decode._value_offsets`)."""
-    return codes.view(-1, block, *codes.shape[1:]).permute(0, 2, 3, 1).contiguous()
-
-
-def slot_major(codes: torch.Tensor) -> torch.Tensor:
-    """`token_minor`'s inverse: [blocks, H, C, block] -> [blocks * block, H, C]."""
-    return codes.permute(0, 3, 1, 2).reshape(-1, *codes.shape[1:3])

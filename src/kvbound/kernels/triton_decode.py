@@ -137,12 +137,11 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                   scale, split,
                   RPos, RRows, RFirst, stride_rpr, stride_rpj,
                   RK, RKS, RKB, RV, RVS, RVB, stride_rks, stride_rkh, stride_rss, stride_rsh, ring_row_entries,
-                  stride_vs, stride_vh,
                   G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                   BITS: tl.constexpr, GS: tl.constexpr, EXPORT: tl.constexpr, IEEE: tl.constexpr,
                   VDOT: tl.constexpr, FP8: tl.constexpr, CONTIG: tl.constexpr,
                   RESID: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, PAIR_K: tl.constexpr,
-                  PAIR_V: tl.constexpr, PERMUTE: tl.constexpr, STAGED: tl.constexpr = False, VBS: tl.constexpr = 0):
+                  PAIR_V: tl.constexpr, PERMUTE: tl.constexpr, STAGED: tl.constexpr = False):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -176,7 +175,6 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
     for j0 in range(start, end, BLOCK_N):
         offs_n = j0 + tl.arange(0, BLOCK_N)
         valid = offs_n < end
-        vmask = _run_mask(offs_n, valid, end, VBS)
         if CONTIG:  # the sequence's keys are one run of slots from its first: no table reads
             slot = tl.load(SlotTable + b * stride_tb).to(tl.int64) + offs_n
         else:
@@ -208,13 +206,12 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
         l = l * alpha + tl.sum(p, 1)
         if VDOT:
             sp = slot * stride_ss + h * stride_sh
-            vslot = _value_slots(SlotTable + b * stride_tb, slot, offs_n, vmask, CONTIG, VBS)
-            vp = V + _value_offsets(vslot, h, tl.arange(0, W), stride_vs, stride_vh, VBS)
+            vp = V + slot[:, None] * stride_ks + h * stride_kh + tl.arange(0, W)[None, :]
             if PAIR_V and D // GS == 2:
                 vs, vb, vs_hi, vb_hi = _paired_scales(VS, VB, sp, valid)
             else:
                 vs, vb = _scale_bias(VS, VB, sp, valid)
-            ps, pb, codes = _value_group(p, vp, vs, vb, vmask)
+            ps, pb, codes = _value_group(p, vp, vs, vb, valid)
             if BITS == 8:
                 acc = _codes_dot(acc, alpha, ps, pb, _codes(codes, PERMUTE), valid, STAGED, IEEE)
             else:
@@ -223,7 +220,7 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
             if D // GS == 2:
                 if not PAIR_V:
                     vs_hi, vb_hi = _scale_bias(VS, VB, sp + 1, valid)
-                ps, pb, codes = _value_group(p, vp + W * max(VBS, 1), vs_hi, vb_hi, vmask)
+                ps, pb, codes = _value_group(p, vp + W, vs_hi, vb_hi, valid)
                 if BITS == 8:
                     acc_hi = _codes_dot(acc_hi, alpha, ps, pb, _codes(codes, PERMUTE), valid, STAGED, IEEE)
                 else:
@@ -260,37 +257,6 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
         tl.store(o_ptr + offs_d[None, :], acc, mask=gmask[:, None])
     tl.store(PartM + b * stride_mb + heads * stride_mh + s, m, mask=gmask)
     tl.store(PartL + b * stride_mb + heads * stride_mh + s, l, mask=gmask)
-
-
-@triton.jit
-def _run_mask(offs_n, valid, end, VBS: tl.constexpr):
-    """Which keys' value codes load: `valid` (slot-major values, VBS 0), or every key of a VBS-key run that holds a
-    valid one (token-minor values: a run's codes load as one vector; the extra keys' p is 0)."""
-    if VBS == 0:
-        return valid
-    return tl.max_constancy((offs_n // VBS) * VBS < end, VBS)
-
-
-@triton.jit
-def _value_slots(SlotRow, slot, offs_n, vmask, CONTIG: tl.constexpr, VBS: tl.constexpr):
-    """The slots that address value codes: `slot`, or for token-minor values (VBS > 0, block-aligned runs of
-    slots) each key's run's first slot plus its place in the run, so keys of a run past the end address its block
-    too (`_run_mask`)."""
-    if VBS == 0 or CONTIG:
-        return slot
-    run = tl.load(SlotRow + (offs_n // VBS) * VBS, mask=vmask, other=0).to(tl.int64)
-    return run + offs_n % VBS
-
-
-@triton.jit
-def _value_offsets(slot, h, cols, stride_vs, stride_vh, VBS: tl.constexpr):
-    """Offsets of value code columns `cols` of the tokens at `slot` [N] -> [N, len(cols)]: slot-major (VBS 0:
-    stride_vs a slot's), or token-minor inside blocks of VBS slots (stride_vs a block's), where a column's codes of
-    a block's tokens lie side by side, so they reach the tensor cores as K-contiguous operands."""
-    if VBS == 0:
-        return slot[:, None] * stride_vs + h * stride_vh + cols[None, :]
-    off = (slot // VBS)[:, None] * stride_vs + (slot % VBS)[:, None] + h * stride_vh + cols[None, :] * VBS
-    return tl.max_contiguous(tl.multiple_of(off, [VBS, 1]), [VBS, 1])
 
 
 @triton.jit
@@ -721,20 +687,6 @@ def _resid_args(resid, dummy):
                 sink=resid["sink"], recent=resid["recent"])
 
 
-def _value_layout(v_pool, k_pool, value_dot):
-    """(VBS, (stride_vs, stride_vh)) of the values' codes: slot-major like the keys' [slots, H, C] (VBS 0), or
-    token-minor [blocks, H, C, VBS] (`_value_offsets`), which the packed values' tensor-core route reads."""
-    if v_pool.dim() == 3:
-        if v_pool.stride() != k_pool.stride():
-            raise ValueError(f"values {tuple(v_pool.stride())} and keys {tuple(k_pool.stride())} need one layout")
-        return 0, (v_pool.stride(0), v_pool.stride(1))
-    vbs = v_pool.shape[-1]
-    if not value_dot or v_pool.stride(-1) != 1 or v_pool.stride(-2) != vbs or vbs & (vbs - 1):
-        raise ValueError(f"token-minor values [blocks, H, C, block] need contiguous blocks of a power-of-two size "
-                         f"and value_dot, got shape {tuple(v_pool.shape)}, strides {v_pool.stride()}")
-    return vbs, (v_pool.stride(0), v_pool.stride(1))
-
-
 def kernel_tile(fmt, d: int, bsz: int, max_len: int, contiguous: bool = False, cuda: bool = True,
                 scores: bool = False) -> Tile:
     """The split kernel's Tile for a call of `bsz` tables `max_len` wide in format `fmt` (16 for bf16, 8 / 4 / "fp8"),
@@ -855,15 +807,14 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     if permute and not compiled:
         raise ValueError("permute: inline PTX runs only in kernels compiled for the GPU (not TRITON_INTERPRET=1)")
     rt = _resid_args(resid, part_m)
-    vbs, v_strides = _value_layout(v_pool, k_pool, value_dot)
     _split_kernel[(bsz, hkv, num_splits)](
         q, k_pool, v_pool, *scales, slot_table, ctx_lens, part_o, part_m, part_l, e, m_blk,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), ss[0], ss[1], slot_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
         e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), scale, min_split, *rt["reads"], *rt["ring"],
-        *v_strides, G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee, VDOT=value_dot,
+        G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee, VDOT=value_dot,
         FP8=fp8, CONTIG=bool(contiguous), RESID=resid is not None, SINK=rt["sink"], RECENT=rt["recent"],
-        PAIR_K="k" in paired, PAIR_V="v" in paired, PERMUTE=permute, STAGED=staged, VBS=vbs, num_warps=num_warps,
+        PAIR_K="k" in paired, PAIR_V="v" in paired, PERMUTE=permute, STAGED=staged, num_warps=num_warps,
         **({} if num_stages is None else dict(num_stages=num_stages)))
     _merge_kernel[(bsz, hkv)](
         part_o, part_m, part_l, out, ctx_lens,
