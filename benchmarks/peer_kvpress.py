@@ -49,11 +49,11 @@ import time
 import zlib
 
 PRESSES = ("streaming_llm", "snapkv", "observed_attention", "tova", "keydiff", "expected_attention",
-           "adakv_expected_attention")
+           "adakv_expected_attention", "adakv_keydiff")
 # kvbound's policy -> kvpress's press it is compared with instance by instance over every family: the same rule, and
 # decode-time H2O against ObservedAttention (issue #18's second target)
 PAIRED = {"window": "streaming_llm", "snapkv": "snapkv", "observed": "observed_attention", "tova": "tova",
-          "keydiff": "keydiff", "h2o-heavy": "observed_attention"}
+          "keydiff": "keydiff", "h2o-heavy": "observed_attention", "keydiff:alpha=0.2": "adakv_keydiff"}
 
 
 def export(args):
@@ -98,7 +98,8 @@ def make_press(name, ratio):
             "keydiff": lambda: kvpress.KeyDiffPress(compression_ratio=ratio),
             "expected_attention": lambda: kvpress.ExpectedAttentionPress(compression_ratio=ratio),
             "adakv_expected_attention": lambda: kvpress.AdaKVPress(kvpress.ExpectedAttentionPress(
-                compression_ratio=ratio))}[name]()
+                compression_ratio=ratio)),
+            "adakv_keydiff": lambda: kvpress.AdaKVPress(kvpress.KeyDiffPress(compression_ratio=ratio))}[name]()
 
 
 def run(args):
@@ -214,14 +215,7 @@ def report(args):
                 "sample": r["sample"], "score": score(tok.decode(r["reply_ids"]), r["answers"])}
                for f in files for r in f["replies"]
                if r["sample"] < first]
-    for path in args.kvbound or []:
-        for r in json.load(open(path))["results"]:
-            tags = ["question apart"] if r.get("question_piece") else ["one piece"] if "onepiece" in path else []
-            tags += ["question kept"] if r.get("keep_question") else []
-            tags += {"context": ["equal memory"], "peak": ["equal peak memory"]}.get(r.get("budget_of"), [])
-            tag = f" ({', '.join(tags)})" if tags else ""
-            if r["sample"] < first:
-                results.append({**r, "strategy": f"kvbound {r['strategy']}{tag}"})
+    results += kvbound_records(args.kvbound or [], first)
     rows, tasks, grid = ruler_table(results)
     aware = any("(query-aware)" in r["press"] for f in files for r in f["replies"])
     kvpress_keeps = "the whole prompt (query-aware)" if aware else "the context (question uncompressed)"
@@ -239,6 +233,23 @@ def report(args):
     print_bests(rows, tasks, grid, {side: len({r["sample"] for r in results if r["strategy"].startswith(side)})
                                     for side in ("kvbound", "kvpress")}, scores)
     print_paired(scores)
+
+
+def kvbound_records(paths, first=float("inf")) -> list[dict]:
+    """kvbound's `eval ruler --json` records of instances below `first`, each row named by its strategy and protocol
+    tags; an instance that several files ran (each run's baseline) counts once, from the first file."""
+    out, seen = [], set()
+    for path in paths:
+        for r in json.load(open(path))["results"]:
+            tags = ["question apart"] if r.get("question_piece") else ["one piece"] if "onepiece" in path else []
+            tags += ["question kept"] if r.get("keep_question") else []
+            tags += {"context": ["equal memory"], "peak": ["equal peak memory"]}.get(r.get("budget_of"), [])
+            name = f"kvbound {r['strategy']}" + (f" ({', '.join(tags)})" if tags else "")
+            key = (name, r["budget_frac"], r["task"], r["sample"])
+            if r["sample"] < first and key not in seen:
+                seen.add(key)
+                out.append({**r, "strategy": name})
+    return out
 
 
 def family_bests(rows, tasks, grid, side: str, keep: str) -> list[tuple[float, list[str], str]]:

@@ -138,6 +138,8 @@ def test_samples_are_consecutive_windows_round_robin_across_files(tmp_path):
     assert all(len(s) == 10 for s in samples) and samples[2] == [f"a{i}" for i in range(10, 20)]
     one, _ = token_samples(Words(), [tmp_path / "a.txt"], 4, 10)  # one long file gives several samples
     assert [s[0] for s in one] == ["a0", "a10", "a20", "a30"]
+    later, names = token_samples(Words(), [tmp_path / "a.txt", tmp_path / "b.txt"], 2, 10, offset=3)
+    assert [s[0] for s in later] == ["b10", "a20"] and names[0].endswith("b.txt[10:20]")  # --sample-offset 3
     with pytest.raises(Exception, match="holds only 4 windows of 10 tokens"):
         token_samples(Words(), [tmp_path / "a.txt"], 5, 10)
 
@@ -455,6 +457,29 @@ def test_peer_kvpress_report_pairs_the_best_rows_instances_in_a_bootstrap_interv
     nan = float("nan")  # a run of some tasks only: its other cells are NaN, and those families are left out
     top, who, row = peer.family_bests(rows[:1], ["t1", "t2"], [[nan, 0.7]], "kvbound", "0.5")[0]
     assert top != top and (who, row) == ([], None)
+
+
+def test_peer_kvpress_report_counts_an_instance_two_files_ran_once(tmp_path):
+    """Two kvbound JSON files that both ran an instance (each run's own baseline): the report keeps the first file's
+    record, so the row's mean is not a mean over duplicates; `--first` drops later instances."""
+    import importlib.util
+    import json
+    import pathlib
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "peer_kvpress.py"
+    spec = importlib.util.spec_from_file_location("peer_kvpress", path)
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+
+    def rec(strategy, sample, score):
+        return {"strategy": strategy, "budget_frac": 0.5, "task": "vt", "sample": sample, "score": score,
+                "budget_of": "peak"}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"results": [rec("baseline", 0, 1.0), rec("keydiff", 0, 0.0)]}))
+    b.write_text(json.dumps({"results": [rec("baseline", 0, 0.0), rec("baseline", 1, 1.0), rec("tova", 0, 1.0)]}))
+    got = {(r["strategy"], r["sample"]): r["score"] for r in peer.kvbound_records([str(a), str(b)])}
+    assert got == {("kvbound baseline (equal peak memory)", 0): 1.0, ("kvbound baseline (equal peak memory)", 1): 1.0,
+                   ("kvbound keydiff (equal peak memory)", 0): 0.0, ("kvbound tova (equal peak memory)", 0): 1.0}
+    assert len(peer.kvbound_records([str(a), str(b)], first=1)) == 3
 
 
 def test_ruler_sample_offset_adds_the_next_instances(tiny):

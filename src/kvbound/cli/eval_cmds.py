@@ -24,11 +24,13 @@ def cmd_ppl(args):
     names = with_baseline(args.strategies)
     strategies = strategies_for(args, names, args.budget)
     model, tok, dtype = load_model(args)
-    samples, files = token_samples(tok, args.text, args.samples, args.seq_len)
+    samples, files = token_samples(tok, args.text, args.samples, args.seq_len, args.sample_offset)
     res = scored(args, model, samples, strategies, dtype)
-    print_ppl_table(res, f"{args.samples} x {args.seq_len} tokens, prefill {args.prefill}, budget {args.budget}"
+    print_ppl_table(res, f"{args.samples} x {args.seq_len} tokens" + (f" after {args.sample_offset}" if
+                    args.sample_offset else "") + f", prefill {args.prefill}, budget {args.budget}"
                     + (", through the engine" if args.engine else ""))
-    config = {k: getattr(args, k) for k in ("samples", "seq_len", "prefill", "budget", "model", "kv_group_size")}
+    config = {k: getattr(args, k) for k in ("samples", "sample_offset", "seq_len", "prefill", "budget", "model",
+                                            "kv_group_size")}
     config["files"] = files
     if args.json:
         Path(args.json).write_text(json.dumps({"strategies": res, "config": config}, indent=2))
@@ -55,7 +57,7 @@ def cmd_sweep(args):
     rows = {}
     for val, strategies in plans.items():
         seq_len = val if args.over == "seq-len" else args.seq_len
-        samples, _ = token_samples(tok, args.text, args.samples, seq_len)
+        samples, _ = token_samples(tok, args.text, args.samples, seq_len, args.sample_offset)
         rows[val] = scored(args, model, samples, strategies, dtype)
         print_ppl_table(rows[val], f"{args.over} = {val}")
     print(f"\nΔ% vs baseline over {args.over}")
@@ -171,6 +173,8 @@ def add_eval_parser(sub):
 
     def text_samples(p):
         p.add_argument("--samples", type=positive_int, default=10, help="(default: %(default)s)")
+        p.add_argument("--sample-offset", type=nonneg_int, default=0, help="skip this many samples first, so a "
+                       "later run scores text an earlier one did not (a held-out check) (default: %(default)s)")
         p.add_argument("--seq-len", type=positive_int, default=512, help="(default: %(default)s)")
         p.add_argument("--prefill", type=positive_int, default=32, help="tokens fed at once before scoring "
                        "starts (default: %(default)s)")

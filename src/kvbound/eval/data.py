@@ -68,9 +68,13 @@ def chat_frame(tok) -> tuple[str, str]:
     return head, end
 
 
-def token_samples(tok, paths, n: int, seq_len: int) -> tuple[list[list[int]], list[str]]:
+def token_samples(tok, paths, n: int, seq_len: int, offset: int = 0) -> tuple[list[list[int]], list[str]]:
     """n samples of seq_len tokens: consecutive, non-overlapping windows of each file, taken round-robin
-    across the files (the first window of every file, then the second, ...). Returns (samples, names)."""
+    across the files (the first window of every file, then the second, ...), after the first `offset` of them.
+    Returns (samples, names)."""
+    if offset:
+        samples, names = token_samples(tok, paths, offset + n, seq_len)
+        return samples[offset:], names[offset:]
     files = text_files(paths)
     ids = {}
     samples, names = [], []
