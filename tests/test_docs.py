@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from kvbound.eval.strategies import split_strategies
+
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"--max-tokens": "4", "--samples": "1", "--seq-len": "48", "--budget": "32", "--values": "16,32",
@@ -43,7 +45,7 @@ def shrink(line: str, tmp: Path) -> tuple[list[str], str | None]:
             i += 2
             continue
         if w == "--strategies":  # the first two run; every name is parsed in the test
-            out += [w, ",".join(words[i + 1].split(",")[:2])]
+            out += [w, ",".join(split_strategies(words[i + 1])[:2])]
             i += 2
             continue
         if w in ("--json", "--plot"):
@@ -86,7 +88,7 @@ def test_docs_show_commands():
     for _, line in ALL_COMMANDS:  # those run once for several lines still have every line's names parsed
         words = shlex.split(line)
         if "--strategies" in words:
-            parse_strategies(words[words.index("--strategies") + 1].split(","), 64, CacheOptions())
+            parse_strategies(split_strategies(words[words.index("--strategies") + 1]), 64, CacheOptions())
 
 
 @pytest.mark.parametrize("doc, line", COMMANDS, ids=[c[:60] for _, c in COMMANDS])
@@ -94,7 +96,7 @@ def test_documented_command_runs(doc, line, tmp_path):
     from kvbound.eval.strategies import CacheOptions, parse_strategies
     words = shlex.split(line)
     if "--strategies" in words:
-        parse_strategies(words[words.index("--strategies") + 1].split(","), 64, CacheOptions())
+        parse_strategies(split_strategies(words[words.index("--strategies") + 1]), 64, CacheOptions())
     args, stdin = shrink(line, tmp_path)
     r = subprocess.run([sys.executable, "-m", "kvbound", *args], input=stdin, capture_output=True, text=True,
                        timeout=600, cwd=tmp_path)
