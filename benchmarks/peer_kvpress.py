@@ -366,7 +366,8 @@ def main():
     g.add_argument("--sample-offset", type=int, default=0, help="as export's: both sides run instances "
                    "sample_offset onwards, and `report` takes the new files beside the old")
     g.add_argument("--keep", default="0.25,0.5")
-    g.add_argument("--strategies", default="window,h2o-heavy,observed,tova,snapkv,knorm,keydiff,adakv")
+    g.add_argument("--strategies",
+                   default="window,h2o-heavy,observed,tova,snapkv,knorm,keydiff,adakv,keydiff:alpha=0.2")
     protocol = g.add_mutually_exclusive_group()
     protocol.add_argument("--query-aware", action="store_true", help="presses see the question; kvbound prefills in "
                           "one piece")
