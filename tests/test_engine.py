@@ -84,6 +84,18 @@ def test_batch_equals_each_sequence_alone(model):
     assert engine.scheduler.stats["preemptions"] == 0
 
 
+def test_keydiff_with_head_budgets_batched_equals_each_sequence_alone(model):
+    """KeyDiff under AdaKV's head budgets (`keydiff:...,alpha=`): the engine's shared-place decodes rescore every
+    place against its head's anchor each step, as the sequence's own cache does (they once kept the prefill's
+    scores, and 3 of these 4 sequences then decoded other tokens)."""
+    pol = parse_policy("keydiff:sink=2,heavy=12,recent=10,alpha=0.2")
+    reqs = [prompt(40 + i, 30 + 7 * i) for i in range(4)]
+    outs = LLM(model, num_blocks=128, block_size=8, prefill_chunk=16).generate(reqs, GREEDY, pol, use_tqdm=False)
+    for ids, out in zip(reqs, outs):
+        assert out.outputs[0].token_ids == list(generate_ids(model, ids, GREEDY, sequence_cache(model.config, pol),
+                                                             (), 16))
+
+
 def test_preemption_under_a_small_pool_gives_the_same_outputs(model):
     reqs = mixed_requests()
     roomy, _ = run_engine(model, reqs, num_blocks=256, max_num_batched_tokens=48)

@@ -198,6 +198,17 @@ def shared_store(k, v, storage, layer, table, rows, positions, owner, pos, spare
     score[r, slot, col] = fresh_scores(policy, k, score, storage, layer)
 
 
+def rescored_places(policy, score, ks, own, held, heads: int) -> torch.Tensor:
+    """A rescoring policy's (KeyDiff's) scores of places ks [B, E, D] that KV heads own (`own` [B, E], -1: free;
+    `held` their positions): each head's places against its own anchor, as `AdaptiveKVCache` scores them."""
+    out = score
+    for head in range(heads):
+        mine = own == head
+        got = rescored(policy, score[..., None], ks[:, :, None], torch.where(mine, held, -1)[..., None])[..., 0]
+        out = torch.where(mine, got, out)
+    return out
+
+
 def shared_decode(q, k, v, storage, layer, table, rows, positions, owner, pos, spare, score, policy, sure: int):
     """Steady-state decode of B caches whose heads share a layer's places (AdaKV; `AdaptiveKVCache`): head h's
     new token goes into the row's spare place spare[b, h] (slot * heads + column, any column), each query head
@@ -224,6 +235,8 @@ def shared_decode(q, k, v, storage, layer, table, rows, positions, owner, pos, s
     folded = score[rows].flatten(1)
     if step is not None:
         folded = fold_scores(folded, step, policy.fold, policy.fold_decay)
+    if policy.rescores:
+        folded = rescored_places(policy, folded, ks, own, held, h)
     score[rows] = folded.view(bsz, -1, h)
     victim = policy.entry_victims(held, folded, own, h, sure)
     r, vslot, vcol = rows[:, None], victim // h, victim % h
