@@ -84,11 +84,15 @@ def test_batch_equals_each_sequence_alone(model):
     assert engine.scheduler.stats["preemptions"] == 0
 
 
-def test_keydiff_with_head_budgets_batched_equals_each_sequence_alone(model):
-    """KeyDiff under AdaKV's head budgets (`keydiff:...,alpha=`): the engine's shared-place decodes rescore every
-    place against its head's anchor each step, as the sequence's own cache does (they once kept the prefill's
-    scores, and 3 of these 4 sequences then decoded other tokens)."""
-    pol = parse_policy("keydiff:sink=2,heavy=12,recent=10,alpha=0.2")
+@pytest.mark.parametrize("spec", ["keydiff:sink=2,heavy=12,recent=10,alpha=0.2",
+                                  "knorm:sink=2,heavy=12,recent=10,alpha=0.2", "tova:sink=2,heavy=22,alpha=0.2",
+                                  "h2o:sink=2,heavy=12,recent=10,score=observed,alpha=0.2",
+                                  "keydiff:sink=2,heavy=12,recent=10,beta=4"])
+def test_head_budgets_over_every_rank_batched_equal_each_sequence_alone(model, spec):
+    """Every rank under AdaKV's head budgets (`alpha=`), and KeyDiff under PyramidKV's (`beta=`): batched outputs equal
+    each sequence's own cache. KeyDiff's shared-place decodes rescore every place against its head's anchor each
+    step, as the cache does (they once kept the prefill's scores, and 3 of these 4 sequences decoded other tokens)."""
+    pol = parse_policy(spec)
     reqs = [prompt(40 + i, 30 + 7 * i) for i in range(4)]
     outs = LLM(model, num_blocks=128, block_size=8, prefill_chunk=16).generate(reqs, GREEDY, pol, use_tqdm=False)
     for ids, out in zip(reqs, outs):
