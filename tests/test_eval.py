@@ -142,6 +142,8 @@ def test_samples_are_consecutive_windows_round_robin_across_files(tmp_path):
     assert [s[0] for s in later] == ["b10", "a20"] and names[0].endswith("b.txt[10:20]")  # --sample-offset 3
     with pytest.raises(Exception, match="holds only 4 windows of 10 tokens"):
         token_samples(Words(), [tmp_path / "a.txt"], 5, 10)
+    with pytest.raises(Exception, match="holds only 4 windows of 10 tokens; asked for 2 samples after the first 3"):
+        token_samples(Words(), [tmp_path / "a.txt"], 2, 10, offset=3)
 
 
 def test_binary_text_is_refused(tiny, tmp_path):

@@ -72,14 +72,11 @@ def token_samples(tok, paths, n: int, seq_len: int, offset: int = 0) -> tuple[li
     """n samples of seq_len tokens: consecutive, non-overlapping windows of each file, taken round-robin
     across the files (the first window of every file, then the second, ...), after the first `offset` of them.
     Returns (samples, names)."""
-    if offset:
-        samples, names = token_samples(tok, paths, offset + n, seq_len)
-        return samples[offset:], names[offset:]
     files = text_files(paths)
     ids = {}
     samples, names = [], []
-    window = 0
-    while len(samples) < n:
+    window, want = 0, offset + n
+    while len(samples) < want:
         before = len(samples)
         for f in files:
             if f not in ids:
@@ -88,10 +85,11 @@ def token_samples(tok, paths, n: int, seq_len: int, offset: int = 0) -> tuple[li
                 a = window * seq_len
                 samples.append(ids[f][a:a + seq_len])
                 names.append(f"{f}[{a}:{a + seq_len}]")
-                if len(samples) == n:
+                if len(samples) == want:
                     break
         if len(samples) == before:
             raise KvboundError(f"--text: {', '.join(map(str, paths or [PACKAGE_TEXT]))} holds only {len(samples)} "
-                               f"windows of {seq_len} tokens; asked for {n} samples")
+                               f"windows of {seq_len} tokens; asked for {n} samples"
+                               + (f" after the first {offset}" if offset else ""))
         window += 1
-    return samples, names
+    return samples[offset:], names[offset:]
