@@ -655,10 +655,11 @@ def _shared_state(policy, seed, storage, rows=4, batch=(2, 0, 3), layers=2, head
                                         ("h2o:sink=1,heavy=6,recent=2,score=normalized,alpha=0", None),
                                         ("snapkv:budget=10,window=3,score=ema,alpha=0.5", None),
                                         ("h2o:sink=0,heavy=100,recent=0,alpha=0.2", None),
-                                        ("adakv:budget=12,window=4", 8), ("adakv:budget=12,window=4", 4)])
+                                        ("adakv:budget=12,window=4", 8), ("adakv:budget=12,window=4", 4),
+                                        ("keydiff:budget=12,alpha=0.2", None), ("keydiff:budget=12,alpha=0.2", 8)])
 def test_shared_decode_kernels_match_torch_path(spec, bits):
-    """AdaKV's fused decode (the new tokens stored, owner-masked attention over split places with the score fold,
-    then the keep rule's victims by one sort per sequence) against the PyTorch route of cache.steps.shared_decode
+    """AdaKV's fused decode (the new tokens stored, owner-masked attention over split places with the score fold or
+    KeyDiff's rescoring, then the keep rule's victims by one sort per sequence) against the PyTorch route of cache.steps.shared_decode
     on the same state, dense and packed: output, pool bytes, positions, owners, scores and the next spare places. The last dense case spans several
     key blocks and a sort of 512 places."""
     import copy
@@ -688,7 +689,7 @@ def test_shared_decode_kernels_match_torch_path(spec, bits):
     owner, pos, spare, score = (dev(t[:, layer]) for t in (m.owner, m.pos, m.spare, m.score))
     got = shared_decode(*(dev(step[x]) for x in "qkv"), k_pool, v_pool, dev(table), dev(rows), dev(step["positions"]),
                         owner, pos, spare, score, pol.fold, pol.fold_decay, *pol.fused_protection(), m.sure,
-                        quant=quant, splits=3)
+                        quant=quant, splits=3, rank=pol.rank_source)
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
     for got_t, want_t in zip(raw, ref_pool.raw):  # the new tokens stored as the pool's packer writes them
         assert torch.equal(got_t.cpu(), want_t[layer])

@@ -15,8 +15,9 @@ probabilities again in fp32, two stable argsorts over the places):
     head's places past its `sure` ones, oldest among ties, the higher place among exact ties), picked one
     at a time, freed and made the next spares.
 Same result as the PyTorch route (`tests/test_kernels.py`), for policies whose protected tokens are a prefix of
-positions plus the `recent` newest (`Policy.fused_protection`) and which rank by the folded attention
-(`Policy.rank_source`).
+positions plus the `recent` newest (`Policy.fused_protection`) and which rank by the folded attention or, as
+KeyDiff does, by each place's key against its head's anchor (`Policy.rank_source`; the split kernel sums the unit
+keys, the fold kernel rescores).
 """
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_decode import MODE_IDS, _dequant, _dot, _quant_args, _store_token
+from .triton_decode import MODE_IDS, _dequant, _dot, _quant_args, _store_token, _unit_rows
 
 MAX_PLACES = 8192  # one program holds a sequence's places in registers; larger layers take the PyTorch route
+RANKS = ("attention", "key-diff")  # the `Policy.rank_source` values the victim pass takes (it ranks by Score)
 
 
 @triton.jit
@@ -55,7 +57,7 @@ def _store_kernel(KN, VN, KP, VP, KS, KB, VS, VB, Table, Rows, Spare, Owner, Pos
 def _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks, stride_kh, stride_ss,
           stride_sh, stride_tb, stride_oj, stride_oc, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
           IEEE: tl.constexpr):
-    """Places e [N] of sequence b: which head `g` owns, their slots and columns, and q . k over them."""
+    """Places e [N] of sequence b: which head `g` owns, their slots and columns, q . k over them, and the keys."""
     j = e // heads
     c = e % heads
     own = tl.load(Owner + own_row + j * stride_oj + c * stride_oc, mask=e < places, other=-1)
@@ -69,7 +71,7 @@ def _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks
         k = _dequant(K, KS, KB, slot, c[:, None], valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, IEEE,
                      False)
     qk = tl.where(valid[None, :], _dot(q, tl.trans(k), IEEE), float("-inf"))
-    return valid, slot, c, j, qk
+    return valid, slot, c, j, qk, k
 
 
 @triton.jit
@@ -82,13 +84,14 @@ def _group_q(Q, b, g, stride_qb, stride_qh, scale, G: tl.constexpr, G_PAD: tl.co
 
 
 @triton.jit
-def _split_kernel(Q, K, V, KS, KB, VS, VB, Table, Rows, Owner, PartO, PartM, PartL, PartN, places, heads, chunk,
-                  stride_qb, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb,
+def _split_kernel(Q, K, V, KS, KB, VS, VB, Table, Rows, Owner, PartO, PartM, PartL, PartN, PartU, places, heads,
+                  chunk, stride_qb, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb,
                   stride_or, stride_oj, stride_oc, stride_pb, stride_ph, stride_ps, stride_mb, stride_mh, stride_nb,
                   scale, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BITS: tl.constexpr, GS: tl.constexpr, IEEE: tl.constexpr):
+                  BITS: tl.constexpr, GS: tl.constexpr, IEEE: tl.constexpr, DIFF: tl.constexpr):
     """Program (b, g, s): the query heads of KV head g over the places of split s that g owns, as a partial
-    softmax (running max, sum, weighted values) and a count of those places."""
+    softmax (running max, sum, weighted values) and a count of those places; with DIFF also the sum of those
+    places' unit keys (PartU [B, H, splits, D]), KeyDiff's anchor in part."""
     b = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
@@ -98,12 +101,13 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, Table, Rows, Owner, PartO, PartM, Par
     m = tl.full([G_PAD], -1e30, tl.float32)  # finite: a block of other heads' places changes nothing
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
+    unit_sum = tl.zeros([D], tl.float32)
     owned = 0
     for e0 in range(s * chunk, tl.minimum(s * chunk + chunk, places), BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
-        valid, slot, c, j, qk = _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks,
-                                      stride_kh, stride_ss, stride_sh, stride_tb, stride_oj, stride_oc, D, BITS, GS,
-                                      IEEE)
+        valid, slot, c, j, qk, k = _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks,
+                                         stride_kh, stride_ss, stride_sh, stride_tb, stride_oj, stride_oc, D, BITS,
+                                         GS, IEEE)
         m_new = tl.maximum(m, tl.max(qk, 1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(qk - m_new[:, None])
@@ -117,23 +121,28 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, Table, Rows, Owner, PartO, PartM, Par
         acc = acc * alpha[:, None] + _dot(p, v, IEEE)
         owned += tl.sum(valid.to(tl.int32), 0)
         m = m_new
+        if DIFF:
+            unit_sum += tl.sum(tl.where(valid[:, None], _unit_rows(k.to(tl.float32)), 0.0), 0)
     part_o = PartO + b * stride_pb + qh[:, None] * stride_ph + s * stride_ps + offs_d[None, :]
     tl.store(part_o, acc, mask=gmask[:, None])
     tl.store(PartM + b * stride_mb + qh * stride_mh + s, m, mask=gmask)
     tl.store(PartL + b * stride_mb + qh * stride_mh + s, l, mask=gmask)
     tl.store(PartN + b * stride_nb + g * tl.num_programs(2) + s, owned)
+    if DIFF:
+        tl.store(PartU + ((b * heads + g) * tl.num_programs(2) + s) * D + offs_d, unit_sum)
 
 
 @triton.jit
-def _fold_kernel(Q, K, KS, KB, Table, Rows, Owner, Score, PartO, PartM, PartL, PartN, Out, places, heads, chunk,
-                 splits, stride_qb, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb,
+def _fold_kernel(Q, K, KS, KB, Table, Rows, Owner, Score, PartO, PartM, PartL, PartN, PartU, Out, places, heads,
+                 chunk, splits, stride_qb, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb,
                  stride_or, stride_oj, stride_oc, stride_pb, stride_ph, stride_ps,
                  stride_mb, stride_mh, stride_nb, stride_outb, stride_outh, scale, decay, G: tl.constexpr,
                  G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr, S_PAD: tl.constexpr,
-                 BITS: tl.constexpr, GS: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr):
+                 BITS: tl.constexpr, GS: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, DIFF: tl.constexpr):
     """Program (b, g, s): the splits' softmax merged (split 0 writes the output), then each place of split s
     that g owns gets its exact probability, summed over the group, folded into its score (Score shares Owner's
-    layout)."""
+    layout); with DIFF its score becomes minus its unit key's cosine to g's anchor instead (KeyDiff,
+    `Policy.rescore`: the splits' unit sums added up and normalized)."""
     b = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
@@ -162,9 +171,9 @@ def _fold_kernel(Q, K, KS, KB, Table, Rows, Owner, Score, PartO, PartM, PartL, P
         own_row = row * stride_or
         for e0 in range(s * chunk, tl.minimum(s * chunk + chunk, places), BLOCK_E):
             e = e0 + tl.arange(0, BLOCK_E)
-            valid, slot, c, j, qk = _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks,
-                                          stride_kh, stride_ss, stride_sh, stride_tb, stride_oj, stride_oc, D, BITS,
-                                          GS, IEEE)
+            valid, slot, c, j, qk, k = _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q,
+                                             stride_ks, stride_kh, stride_ss, stride_sh, stride_tb, stride_oj,
+                                             stride_oc, D, BITS, GS, IEEE)
             p = tl.exp(tl.where(gmask[:, None], qk - m[:, None], float("-inf"))) / l[:, None]
             step = tl.sum(p, 0)
             if MODE == 2:  # normalized: each query weighs by the places it sees
@@ -176,6 +185,20 @@ def _fold_kernel(Q, K, KS, KB, Table, Rows, Owner, Score, PartO, PartM, PartL, P
             else:
                 new = old + step
             tl.store(ptr, new, mask=valid)
+    if DIFF:
+        offs_d = tl.arange(0, D)
+        anchor = tl.zeros([D], tl.float32)
+        for i in range(0, splits):
+            anchor += tl.load(PartU + ((b * heads + g) * splits + i) * D + offs_d)
+        anchor = anchor / tl.maximum(tl.sqrt(tl.sum(anchor * anchor, 0)), 1e-12)
+        own_row = row * stride_or
+        for e0 in range(s * chunk, tl.minimum(s * chunk + chunk, places), BLOCK_E):
+            e = e0 + tl.arange(0, BLOCK_E)
+            valid, slot, c, j, qk, k = _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q,
+                                             stride_ks, stride_kh, stride_ss, stride_sh, stride_tb, stride_oj,
+                                             stride_oc, D, BITS, GS, IEEE)
+            cos = tl.sum(_unit_rows(k.to(tl.float32)) * anchor[None, :], 1)
+            tl.store(Score + own_row + j * stride_oj + c * stride_oc, -cos, mask=valid)
 
 
 @triton.jit
@@ -222,14 +245,18 @@ def fits(places: int) -> bool:
     return places <= MAX_PLACES
 
 
-def shared_decode(q, k, v, k_pool, v_pool, table, rows, positions, owner, pos, spare, score, score_mode: str,
-                  ema_decay: float, prefix: int, recent: int, sure: int, quant=None, splits: int | None = None):
+def shared_decode(q, k, v, k_pool, v_pool, table, rows, positions, owner, pos, spare, score, score_mode: str | None,
+                  ema_decay: float, prefix: int, recent: int, sure: int, quant=None, splits: int | None = None,
+                  rank: str = "attention"):
     """One layer of AdaKV's steady decode, fused: head h's new token k, v [B, H, D] into its spare place, attention
     of q [B, Hq, D] over each KV head's places, this step's probabilities folded into `score`, and the places the
     keep rule drops freed (owner and pos -1) and made the next `spare`. owner/pos/score: the layer's [R, cap, H]
     metadata, spare [R, H], read at rows[b]; table [B, cap] the sequences' slot tables; positions [B] the new
     tokens'. quant: a packed pool's codes' scales and biases (8/4-bit). splits: how many programs share a
-    sequence's places per KV head (default: enough to fill the GPU)."""
+    sequence's places per KV head (default: enough to fill the GPU). rank: "attention" (the folded scores) or
+    "key-diff" (every place rescored against its head's anchor, `score_mode` None)."""
+    if rank not in RANKS:
+        raise ValueError(f"the shared decode kernels rank by {' or '.join(RANKS)}, got {rank!r}")
     bsz, hq, d = q.shape
     heads = k_pool.shape[1]
     g = hq // heads
@@ -257,18 +284,20 @@ def shared_decode(q, k, v, k_pool, v_pool, table, rows, positions, owner, pos, s
     part_m = torch.empty(bsz, hq, splits, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
     part_n = torch.empty(bsz, heads, splits, device=q.device, dtype=torch.int32)
+    diff = rank == "key-diff"
+    part_u = torch.empty(bsz, heads, splits, d, device=q.device, dtype=torch.float32) if diff else part_n
     tiles = dict(G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, BLOCK_E=block_e, BITS=bits, GS=gs, IEEE=ieee)
     strides = (q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), ss[0], ss[1], table.stride(0),
                *owner.stride())
     parts = (part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
              part_n.stride(0))
     _split_kernel[(bsz, heads, splits)](
-        q, k_pool, v_pool, *scales, table, rows, owner, part_o, part_m, part_l, part_n, places, heads, chunk,
-        *strides, *parts, d ** -0.5, **tiles)
+        q, k_pool, v_pool, *scales, table, rows, owner, part_o, part_m, part_l, part_n, part_u, places, heads, chunk,
+        *strides, *parts, d ** -0.5, DIFF=diff, **tiles)
     _fold_kernel[(bsz, heads, splits)](
-        q, k_pool, *scales[:2], table, rows, owner, score, part_o, part_m, part_l, part_n, out, places, heads, chunk,
-        splits, *strides, *parts, out.stride(0), out.stride(1), d ** -0.5, float(ema_decay),
-        S_PAD=max(2, triton.next_power_of_2(splits)), MODE=MODE_IDS[score_mode], **tiles)
+        q, k_pool, *scales[:2], table, rows, owner, score, part_o, part_m, part_l, part_n, part_u, out, places, heads,
+        chunk, splits, *strides, *parts, out.stride(0), out.stride(1), d ** -0.5, float(ema_decay),
+        S_PAD=max(2, triton.next_power_of_2(splits)), MODE=MODE_IDS[score_mode], DIFF=diff, **tiles)
     _victim_kernel[(bsz,)](
         pos, score, owner, rows, spare, places, heads, prefix, recent, sure, *pos.stride(), *spare.stride(),
         HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), BLOCK=max(16, triton.next_power_of_2(places)),
