@@ -656,10 +656,11 @@ def _shared_state(policy, seed, storage, rows=4, batch=(2, 0, 3), layers=2, head
                                         ("snapkv:budget=10,window=3,score=ema,alpha=0.5", None),
                                         ("h2o:sink=0,heavy=100,recent=0,alpha=0.2", None),
                                         ("adakv:budget=12,window=4", 8), ("adakv:budget=12,window=4", 4),
-                                        ("keydiff:budget=12,alpha=0.2", None), ("keydiff:budget=12,alpha=0.2", 8)])
+                                        ("keydiff:budget=12,alpha=0.2", None), ("keydiff:budget=12,alpha=0.2", 8),
+                                        ("knorm:budget=12,alpha=0.2", None), ("knorm:budget=12,alpha=0.2", 4)])
 def test_shared_decode_kernels_match_torch_path(spec, bits):
-    """AdaKV's fused decode (the new tokens stored, owner-masked attention over split places with the score fold or
-    KeyDiff's rescoring, then the keep rule's victims by one sort per sequence) against the PyTorch route of cache.steps.shared_decode
+    """AdaKV's fused decode (the new tokens stored, owner-masked attention over split places with the score fold, or
+    KNorm's and KeyDiff's key scores, then the keep rule's victims by one sort per sequence) against the PyTorch route of cache.steps.shared_decode
     on the same state, dense and packed: output, pool bytes, positions, owners, scores and the next spare places. The last dense case spans several
     key blocks and a sort of 512 places."""
     import copy

@@ -15,9 +15,9 @@ probabilities again in fp32, two stable argsorts over the places):
     head's places past its `sure` ones, oldest among ties, the higher place among exact ties), picked one
     at a time, freed and made the next spares.
 Same result as the PyTorch route (`tests/test_kernels.py`), for policies whose protected tokens are a prefix of
-positions plus the `recent` newest (`Policy.fused_protection`) and which rank by the folded attention or, as
-KeyDiff does, by each place's key against its head's anchor (`Policy.rank_source`; the split kernel sums the unit
-keys, the fold kernel rescores).
+positions plus the `recent` newest (`Policy.fused_protection`) and which rank by the folded attention or by the keys
+(`Policy.rank_source`): KNorm's new place is scored by the fold kernel; for KeyDiff the split kernel sums each head's
+unit keys and the fold kernel rescores every place against them.
 """
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_decode import MODE_IDS, _dequant, _dot, _quant_args, _store_token, _unit_rows
+from .triton_decode import MODE_IDS, RANK_IDS, _dequant, _dot, _quant_args, _store_token, _unit_rows
 
 MAX_PLACES = 8192  # one program holds a sequence's places in registers; larger layers take the PyTorch route
-RANKS = ("attention", "key-diff")  # the `Policy.rank_source` values the victim pass takes (it ranks by Score)
+RANKS = ("attention", "key-norm", "key-diff")  # the `Policy.rank_source` values these kernels take
 
 
 @triton.jit
@@ -133,16 +133,17 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, Table, Rows, Owner, PartO, PartM, Par
 
 
 @triton.jit
-def _fold_kernel(Q, K, KS, KB, Table, Rows, Owner, Score, PartO, PartM, PartL, PartN, PartU, Out, places, heads,
-                 chunk, splits, stride_qb, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb,
-                 stride_or, stride_oj, stride_oc, stride_pb, stride_ph, stride_ps,
+def _fold_kernel(Q, K, KS, KB, Table, Rows, Owner, Score, Spare, PartO, PartM, PartL, PartN, PartU, Out, places,
+                 heads, chunk, splits, stride_qb, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb,
+                 stride_or, stride_oj, stride_oc, stride_spr, stride_sph, stride_pb, stride_ph, stride_ps,
                  stride_mb, stride_mh, stride_nb, stride_outb, stride_outh, scale, decay, G: tl.constexpr,
                  G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr, S_PAD: tl.constexpr,
-                 BITS: tl.constexpr, GS: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, DIFF: tl.constexpr):
+                 BITS: tl.constexpr, GS: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, RANK: tl.constexpr):
     """Program (b, g, s): the splits' softmax merged (split 0 writes the output), then each place of split s
     that g owns gets its exact probability, summed over the group, folded into its score (Score shares Owner's
-    layout); with DIFF its score becomes minus its unit key's cosine to g's anchor instead (KeyDiff,
-    `Policy.rescore`: the splits' unit sums added up and normalized)."""
+    layout). Ranks by the keys (RANK, `RANK_IDS`) score them instead: KNorm the new token's place (g's spare), minus
+    its key's norm as the pool reads it back (`Policy.key_score`); KeyDiff every place, minus its unit key's cosine
+    to g's anchor (`Policy.rescore`: the splits' unit sums added up and normalized)."""
     b = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
@@ -185,7 +186,16 @@ def _fold_kernel(Q, K, KS, KB, Table, Rows, Owner, Score, PartO, PartM, PartL, P
             else:
                 new = old + step
             tl.store(ptr, new, mask=valid)
-    if DIFF:
+    if RANK == 2:
+        place = tl.load(Spare + row * stride_spr + g * stride_sph)
+        if place // chunk == s:
+            e = place + tl.arange(0, 16)
+            valid, slot, c, j, qk, k = _keys(K, KS, KB, Table, Owner, b, g, row * stride_or, e, places, heads, q,
+                                             stride_ks, stride_kh, stride_ss, stride_sh, stride_tb, stride_oj,
+                                             stride_oc, D, BITS, GS, IEEE)
+            norm = tl.sqrt(tl.sum(k.to(tl.float32) * k.to(tl.float32), 1))
+            tl.store(Score + row * stride_or + j * stride_oj + c * stride_oc, -norm, mask=valid & (e == place))
+    if RANK == 3:
         offs_d = tl.arange(0, D)
         anchor = tl.zeros([D], tl.float32)
         for i in range(0, splits):
@@ -253,10 +263,10 @@ def shared_decode(q, k, v, k_pool, v_pool, table, rows, positions, owner, pos, s
     keep rule drops freed (owner and pos -1) and made the next `spare`. owner/pos/score: the layer's [R, cap, H]
     metadata, spare [R, H], read at rows[b]; table [B, cap] the sequences' slot tables; positions [B] the new
     tokens'. quant: a packed pool's codes' scales and biases (8/4-bit). splits: how many programs share a
-    sequence's places per KV head (default: enough to fill the GPU). rank: "attention" (the folded scores) or
-    "key-diff" (every place rescored against its head's anchor, `score_mode` None)."""
+    sequence's places per KV head (default: enough to fill the GPU). rank: `Policy.rank_source`, "attention" (the
+    folded scores), or "key-norm" / "key-diff" (from the keys, `score_mode` None)."""
     if rank not in RANKS:
-        raise ValueError(f"the shared decode kernels rank by {' or '.join(RANKS)}, got {rank!r}")
+        raise ValueError(f"the shared decode kernels rank by {', '.join(RANKS)}, got {rank!r}")
     bsz, hq, d = q.shape
     heads = k_pool.shape[1]
     g = hq // heads
@@ -295,9 +305,10 @@ def shared_decode(q, k, v, k_pool, v_pool, table, rows, positions, owner, pos, s
         q, k_pool, v_pool, *scales, table, rows, owner, part_o, part_m, part_l, part_n, part_u, places, heads, chunk,
         *strides, *parts, d ** -0.5, DIFF=diff, **tiles)
     _fold_kernel[(bsz, heads, splits)](
-        q, k_pool, *scales[:2], table, rows, owner, score, part_o, part_m, part_l, part_n, part_u, out, places, heads,
-        chunk, splits, *strides, *parts, out.stride(0), out.stride(1), d ** -0.5, float(ema_decay),
-        S_PAD=max(2, triton.next_power_of_2(splits)), MODE=MODE_IDS[score_mode], DIFF=diff, **tiles)
+        q, k_pool, *scales[:2], table, rows, owner, score, spare, part_o, part_m, part_l, part_n, part_u, out, places,
+        heads, chunk, splits, *strides, *spare.stride(), *parts, out.stride(0), out.stride(1), d ** -0.5,
+        float(ema_decay), S_PAD=max(2, triton.next_power_of_2(splits)), MODE=MODE_IDS[score_mode],
+        RANK=RANK_IDS[rank], **tiles)
     _victim_kernel[(bsz,)](
         pos, score, owner, rows, spare, places, heads, prefix, recent, sure, *pos.stride(), *spare.stride(),
         HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), BLOCK=max(16, triton.next_power_of_2(places)),
