@@ -29,6 +29,7 @@ from kvbound.engine import LLMEngine
 from kvbound.engine import SamplingParams
 from kvbound.models import build_model
 from kvbound.cache.policies import H2OPolicy, parse_policy
+from kvbound.eval.strategies import split_strategies
 from kvbound.cache import block_pool
 from kvbound.kernels import triton_decode
 
@@ -416,7 +417,7 @@ def main():
             named = {"bf16": None, "fp8": "fp8", "mixed": MIXED}
             bits = named[fmt] if fmt in named else int(fmt)
             block_bytes = token_bytes(cfg, torch.bfloat16, bits, 64) * 16
-            for name in args.policies.split(","):
+            for name in split_strategies(args.policies):
                 pol = parse_policy(name, args.budget)
                 blocks = int(args.kv_gib * 2**30 // block_bytes)
                 if fmt == "mixed":  # each sequence's window residuals come out of the same bytes

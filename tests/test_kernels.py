@@ -657,10 +657,12 @@ def _shared_state(policy, seed, storage, rows=4, batch=(2, 0, 3), layers=2, head
                                         ("h2o:sink=0,heavy=100,recent=0,alpha=0.2", None),
                                         ("adakv:budget=12,window=4", 8), ("adakv:budget=12,window=4", 4),
                                         ("keydiff:budget=12,alpha=0.2", None), ("keydiff:budget=12,alpha=0.2", 8),
-                                        ("knorm:budget=12,alpha=0.2", None), ("knorm:budget=12,alpha=0.2", 4)])
+                                        ("knorm:budget=12,alpha=0.2", None), ("knorm:budget=12,alpha=0.2", 4),
+                                        ("h2o:sink=2,heavy=5,recent=3,score=observed,alpha=0.2", None)])
 def test_shared_decode_kernels_match_torch_path(spec, bits):
     """AdaKV's fused decode (the new tokens stored, owner-masked attention over split places with the score fold, or
-    KNorm's and KeyDiff's key scores, then the keep rule's victims by one sort per sequence) against the PyTorch route of cache.steps.shared_decode
+    KNorm's and KeyDiff's key scores, then the keep rule's victims by one sort per sequence, ObservedAttention's over
+    each key's age) against the PyTorch route of cache.steps.shared_decode
     on the same state, dense and packed: output, pool bytes, positions, owners, scores and the next spare places. The last dense case spans several
     key blocks and a sort of 512 places."""
     import copy

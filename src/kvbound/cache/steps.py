@@ -214,14 +214,14 @@ def shared_decode(q, k, v, storage, layer, table, rows, positions, owner, pos, s
     new token goes into the row's spare place spare[b, h] (slot * heads + column, any column), each query head
     attends to its KV head's places, this step's attention folds into the scores (KeyDiff instead rescores every
     place, `rescored_places`), and the places the keep rule drops become the next spares (`Policy.entry_victims`; `sure`: each head's guaranteed places in this layer).
-    No host sync. On CUDA, a protection the kernels know and a rank they take (attention, KNorm's or KeyDiff's) run as
-    four Triton kernels (`kernels.triton_shared`); otherwise masked SDPA and sorts in PyTorch, the same steps."""
+    No host sync. On CUDA, a protection the kernels know runs as four Triton kernels (`kernels.triton_shared`);
+    otherwise masked SDPA and sorts in PyTorch, the same steps."""
     bsz, h, _ = k.shape
     fused = policy.fused_protection()
     args = kernel_reads(storage, layer, q, policy)
     if q.is_cuda and fused is not None and args is not None and (args[2] or {}).get("bits") != "fp8":
         from ..kernels import triton_shared
-        if triton_shared.fits(table.shape[1] * h) and policy.rank_source in triton_shared.RANKS:
+        if triton_shared.fits(table.shape[1] * h):
             return triton_shared.shared_decode(q, k, v, args[0], args[1], table, rows, positions, owner, pos, spare,
                                                score, policy.fold, policy.fold_decay, *fused, sure, quant=args[2],
                                                rank=policy.rank_source)

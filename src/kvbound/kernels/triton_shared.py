@@ -15,9 +15,10 @@ probabilities again in fp32, two stable argsorts over the places):
     head's places past its `sure` ones, oldest among ties, the higher place among exact ties), picked one
     at a time, freed and made the next spares.
 Same result as the PyTorch route (`tests/test_kernels.py`), for policies whose protected tokens are a prefix of
-positions plus the `recent` newest (`Policy.fused_protection`) and which rank by the folded attention or by the keys
-(`Policy.rank_source`): KNorm's new place is scored by the fold kernel; for KeyDiff the split kernel sums each head's
-unit keys and the fold kernel rescores every place against them.
+positions plus the `recent` newest (`Policy.fused_protection`), whatever they rank by (`Policy.rank_source`): the
+folded attention, the same over each key's age (the victim kernel divides), or the keys (KNorm's new place is scored
+by the fold kernel; for KeyDiff the split kernel sums each head's unit keys and the fold kernel rescores every place
+against them).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import triton.language as tl
 from .triton_decode import MODE_IDS, RANK_IDS, _dequant, _dot, _quant_args, _store_token, _unit_rows
 
 MAX_PLACES = 8192  # one program holds a sequence's places in registers; larger layers take the PyTorch route
-RANKS = ("attention", "key-norm", "key-diff")  # the `Policy.rank_source` values these kernels take
+RANKS = ("attention", "age", "key-norm", "key-diff")  # the `Policy.rank_source` values these kernels take
 
 
 @triton.jit
@@ -214,7 +215,7 @@ def _fold_kernel(Q, K, KS, KB, Table, Rows, Owner, Score, Spare, PartO, PartM, P
 @triton.jit
 def _victim_kernel(Pos, Score, Owner, Rows, Spare, places, heads, prefix, recent, sure,
                    stride_r, stride_j, stride_c, stride_spr, stride_sph, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, AGE: tl.constexpr):
     """Sequence b: the keep rule's order is protected places first, then by score, newer first among ties, then
     lower place first; each head keeps its first `sure` places in that order, and of the rest (each head's last
     count - sure) the last `heads` go. They are picked one at a time from the end of the order (lowest score,
@@ -228,6 +229,8 @@ def _victim_kernel(Pos, Score, Owner, Rows, Spare, places, heads, prefix, recent
     score = tl.load(Score + ptr, mask=inb, other=0.0)
     own = tl.maximum(tl.load(Owner + ptr, mask=inb, other=-1).to(tl.int32), 0)  # a padding row's free places
     newest = tl.max(pos, 0)
+    if AGE:  # ObservedAttention: the summed attention over the queries that could see the key
+        score = score / tl.maximum(newest - pos + 1, 1).to(tl.float32)
     key = tl.where((pos < prefix) | (pos > newest - recent), float("inf"), score)
     hs = tl.arange(0, HEADS_PAD)
     mine = (own[:, None] == hs[None, :]) & inb[:, None]  # [BLOCK, HEADS_PAD]
@@ -264,7 +267,8 @@ def shared_decode(q, k, v, k_pool, v_pool, table, rows, positions, owner, pos, s
     metadata, spare [R, H], read at rows[b]; table [B, cap] the sequences' slot tables; positions [B] the new
     tokens'. quant: a packed pool's codes' scales and biases (8/4-bit). splits: how many programs share a
     sequence's places per KV head (default: enough to fill the GPU). rank: `Policy.rank_source`, "attention" (the
-    folded scores), or "key-norm" / "key-diff" (from the keys, `score_mode` None)."""
+    folded scores), "age" (the folded scores over each key's age), or "key-norm" / "key-diff" (from the keys,
+    `score_mode` None)."""
     if rank not in RANKS:
         raise ValueError(f"the shared decode kernels rank by {', '.join(RANKS)}, got {rank!r}")
     bsz, hq, d = q.shape
@@ -312,5 +316,5 @@ def shared_decode(q, k, v, k_pool, v_pool, table, rows, positions, owner, pos, s
     _victim_kernel[(bsz,)](
         pos, score, owner, rows, spare, places, heads, prefix, recent, sure, *pos.stride(), *spare.stride(),
         HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), BLOCK=max(16, triton.next_power_of_2(places)),
-        num_warps=4 if places <= 2048 else 8)
+        AGE=rank == "age", num_warps=4 if places <= 2048 else 8)
     return out
