@@ -874,18 +874,24 @@ def test_packed_pools_on_cuda_batched_equal_alone(model32, bits, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused evict kernels on packed pools")
+@pytest.mark.parametrize("budgets", ["", ",alpha=0.2"])
 @pytest.mark.parametrize("bits", [8, 4, "fp8"])
-def test_key_ranks_on_packed_cuda_pools_equal_the_pytorch_steps(model32, bits, monkeypatch):
-    """observed, knorm and keydiff rank in the fused evict kernels (`Policy.rank_source`), which read packed keys
-    back as the pool's gather does: batched greedy tokens equal the PyTorch steps' (fused_protection None)."""
+def test_key_ranks_on_packed_cuda_pools_equal_the_pytorch_steps(model32, bits, budgets, monkeypatch):
+    """observed, knorm and keydiff rank in the fused evict kernels (`Policy.rank_source`), and under head budgets
+    in the shared-place kernels, which read packed keys back as the pool's gather does: batched greedy tokens
+    equal the PyTorch steps' (fused_protection None)."""
     from kvbound.cache.policies import Policy
     gpu = model32.cuda()
     try:
-        specs = ["h2o:sink=2,heavy=10,recent=12,score=observed", "knorm:sink=2,heavy=10,recent=12",
-                 "keydiff:sink=2,heavy=10,recent=12"]
+        import kvbound.kernels.triton_shared as shared
+        fused, calls = shared.shared_decode, []
+        monkeypatch.setattr(shared, "shared_decode", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
+        specs = [s + budgets for s in ("h2o:sink=2,heavy=10,recent=12,score=observed", "knorm:sink=2,heavy=10,recent=12",
+                                       "keydiff:sink=2,heavy=10,recent=12")]
         reqs = [(prompt(60 + i, 30 + 9 * i), specs[i % len(specs)]) for i in range(6)]
         kw = dict(num_blocks=256, max_num_batched_tokens=48, kv_bits=bits, kv_group_size=32, shared_policies=True)
         got, _ = run_engine(gpu, reqs, **kw)
+        assert bool(calls) == (bool(budgets) and bits != "fp8")  # fp8 pools: the shared places' PyTorch route
         with monkeypatch.context() as m:
             m.setattr(Policy, "fused_protection", lambda self: None)
             unfused, _ = run_engine(gpu, reqs, **kw)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_decode import MODE_IDS, RANK_IDS, _dequant, _dot, _quant_args, _store_token, _unit_rows
+from .triton_decode import MODE_IDS, RANK_IDS, _dequant, _dot, _quant_args, _read_keys, _store_token, _unit_rows
 
 MAX_PLACES = 8192  # one program holds a sequence's places in registers; larger layers take the PyTorch route
 RANKS = ("attention", "age", "key-norm", "key-diff")  # the `Policy.rank_source` values these kernels take
@@ -122,8 +122,10 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, Table, Rows, Owner, PartO, PartM, Par
         acc = acc * alpha[:, None] + _dot(p, v, IEEE)
         owned += tl.sum(valid.to(tl.int32), 0)
         m = m_new
-        if DIFF:
-            unit_sum += tl.sum(tl.where(valid[:, None], _unit_rows(k.to(tl.float32)), 0.0), 0)
+        if DIFF:  # the keys as the store's gather reads them back, as the PyTorch route scores them
+            k = _read_keys(K, KS, KB, Q, slot, c[:, None], valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS,
+                           GS, False)
+            unit_sum += tl.sum(tl.where(valid[:, None], _unit_rows(k), 0.0), 0)
     part_o = PartO + b * stride_pb + qh[:, None] * stride_ph + s * stride_ps + offs_d[None, :]
     tl.store(part_o, acc, mask=gmask[:, None])
     tl.store(PartM + b * stride_mb + qh * stride_mh + s, m, mask=gmask)
@@ -194,7 +196,9 @@ def _fold_kernel(Q, K, KS, KB, Table, Rows, Owner, Score, Spare, PartO, PartM, P
             valid, slot, c, j, qk, k = _keys(K, KS, KB, Table, Owner, b, g, row * stride_or, e, places, heads, q,
                                              stride_ks, stride_kh, stride_ss, stride_sh, stride_tb, stride_oj,
                                              stride_oc, D, BITS, GS, IEEE)
-            norm = tl.sqrt(tl.sum(k.to(tl.float32) * k.to(tl.float32), 1))
+            k = _read_keys(K, KS, KB, Q, slot, c[:, None], valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS,
+                           GS, False)
+            norm = tl.sqrt(tl.sum(k * k, 1))
             tl.store(Score + row * stride_or + j * stride_oj + c * stride_oc, -norm, mask=valid & (e == place))
     if RANK == 3:
         offs_d = tl.arange(0, D)
@@ -208,7 +212,9 @@ def _fold_kernel(Q, K, KS, KB, Table, Rows, Owner, Score, Spare, PartO, PartM, P
             valid, slot, c, j, qk, k = _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q,
                                              stride_ks, stride_kh, stride_ss, stride_sh, stride_tb, stride_oj,
                                              stride_oc, D, BITS, GS, IEEE)
-            cos = tl.sum(_unit_rows(k.to(tl.float32)) * anchor[None, :], 1)
+            k = _read_keys(K, KS, KB, Q, slot, c[:, None], valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS,
+                           GS, False)
+            cos = tl.sum(_unit_rows(k) * anchor[None, :], 1)
             tl.store(Score + own_row + j * stride_oj + c * stride_oc, -cos, mask=valid)
 
 
