@@ -58,7 +58,7 @@ def _store_kernel(KN, VN, KP, VP, KS, KB, VS, VB, Table, Rows, Spare, Owner, Pos
 def _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks, stride_kh, stride_ss,
           stride_sh, stride_tb, stride_oj, stride_oc, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
           IEEE: tl.constexpr):
-    """Places e [N] of sequence b: which head `g` owns, their slots and columns, q . k over them, and the keys."""
+    """Places e [N] of sequence b: which head `g` owns, their slots and columns, and q . k over them."""
     j = e // heads
     c = e % heads
     own = tl.load(Owner + own_row + j * stride_oj + c * stride_oc, mask=e < places, other=-1)
@@ -72,7 +72,7 @@ def _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks
         k = _dequant(K, KS, KB, slot, c[:, None], valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, IEEE,
                      False)
     qk = tl.where(valid[None, :], _dot(q, tl.trans(k), IEEE), float("-inf"))
-    return valid, slot, c, j, qk, k
+    return valid, slot, c, j, qk
 
 
 @triton.jit
@@ -106,9 +106,9 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, Table, Rows, Owner, PartO, PartM, Par
     owned = 0
     for e0 in range(s * chunk, tl.minimum(s * chunk + chunk, places), BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
-        valid, slot, c, j, qk, k = _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks,
-                                         stride_kh, stride_ss, stride_sh, stride_tb, stride_oj, stride_oc, D, BITS,
-                                         GS, IEEE)
+        valid, slot, c, j, qk = _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks,
+                                      stride_kh, stride_ss, stride_sh, stride_tb, stride_oj, stride_oc, D, BITS, GS,
+                                      IEEE)
         m_new = tl.maximum(m, tl.max(qk, 1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(qk - m_new[:, None])
@@ -175,9 +175,9 @@ def _fold_kernel(Q, K, KS, KB, Table, Rows, Owner, Score, Spare, PartO, PartM, P
         own_row = row * stride_or
         for e0 in range(s * chunk, tl.minimum(s * chunk + chunk, places), BLOCK_E):
             e = e0 + tl.arange(0, BLOCK_E)
-            valid, slot, c, j, qk, k = _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q,
-                                             stride_ks, stride_kh, stride_ss, stride_sh, stride_tb, stride_oj,
-                                             stride_oc, D, BITS, GS, IEEE)
+            valid, slot, c, j, qk = _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks,
+                                          stride_kh, stride_ss, stride_sh, stride_tb, stride_oj, stride_oc, D, BITS,
+                                          GS, IEEE)
             p = tl.exp(tl.where(gmask[:, None], qk - m[:, None], float("-inf"))) / l[:, None]
             step = tl.sum(p, 0)
             if MODE == 2:  # normalized: each query weighs by the places it sees
@@ -189,18 +189,18 @@ def _fold_kernel(Q, K, KS, KB, Table, Rows, Owner, Score, Spare, PartO, PartM, P
             else:
                 new = old + step
             tl.store(ptr, new, mask=valid)
-    if RANK == 2:
+    if RANK == 2:  # KNorm
         place = tl.load(Spare + row * stride_spr + g * stride_sph)
         if place // chunk == s:
             e = place + tl.arange(0, 16)
-            valid, slot, c, j, qk, k = _keys(K, KS, KB, Table, Owner, b, g, row * stride_or, e, places, heads, q,
-                                             stride_ks, stride_kh, stride_ss, stride_sh, stride_tb, stride_oj,
-                                             stride_oc, D, BITS, GS, IEEE)
+            valid, slot, c, j, qk = _keys(K, KS, KB, Table, Owner, b, g, row * stride_or, e, places, heads, q,
+                                          stride_ks, stride_kh, stride_ss, stride_sh, stride_tb, stride_oj, stride_oc,
+                                          D, BITS, GS, IEEE)
             k = _read_keys(K, KS, KB, Q, slot, c[:, None], valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS,
                            GS, False)
             norm = tl.sqrt(tl.sum(k * k, 1))
             tl.store(Score + row * stride_or + j * stride_oj + c * stride_oc, -norm, mask=valid & (e == place))
-    if RANK == 3:
+    if RANK == 3:  # KeyDiff
         offs_d = tl.arange(0, D)
         anchor = tl.zeros([D], tl.float32)
         for i in range(0, splits):
@@ -209,9 +209,9 @@ def _fold_kernel(Q, K, KS, KB, Table, Rows, Owner, Score, Spare, PartO, PartM, P
         own_row = row * stride_or
         for e0 in range(s * chunk, tl.minimum(s * chunk + chunk, places), BLOCK_E):
             e = e0 + tl.arange(0, BLOCK_E)
-            valid, slot, c, j, qk, k = _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q,
-                                             stride_ks, stride_kh, stride_ss, stride_sh, stride_tb, stride_oj,
-                                             stride_oc, D, BITS, GS, IEEE)
+            valid, slot, c, j, qk = _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks,
+                                          stride_kh, stride_ss, stride_sh, stride_tb, stride_oj, stride_oc, D, BITS,
+                                          GS, IEEE)
             k = _read_keys(K, KS, KB, Q, slot, c[:, None], valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS,
                            GS, False)
             cos = tl.sum(_unit_rows(k) * anchor[None, :], 1)
