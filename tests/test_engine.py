@@ -886,8 +886,8 @@ def test_key_ranks_on_packed_cuda_pools_equal_the_pytorch_steps(model32, bits, b
         import kvbound.kernels.triton_shared as shared
         fused, calls = shared.shared_decode, []
         monkeypatch.setattr(shared, "shared_decode", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
-        specs = [s + budgets for s in ("h2o:sink=2,heavy=10,recent=12,score=observed", "knorm:sink=2,heavy=10,recent=12",
-                                       "keydiff:sink=2,heavy=10,recent=12")]
+        specs = [s + budgets for s in ("h2o:sink=2,heavy=10,recent=12,score=observed",
+                                       "knorm:sink=2,heavy=10,recent=12", "keydiff:sink=2,heavy=10,recent=12")]
         reqs = [(prompt(60 + i, 30 + 9 * i), specs[i % len(specs)]) for i in range(6)]
         kw = dict(num_blocks=256, max_num_batched_tokens=48, kv_bits=bits, kv_group_size=32, shared_policies=True)
         got, _ = run_engine(gpu, reqs, **kw)

@@ -213,7 +213,8 @@ def shared_decode(q, k, v, storage, layer, table, rows, positions, owner, pos, s
     """Steady-state decode of B caches whose heads share a layer's places (AdaKV; `AdaptiveKVCache`): head h's
     new token goes into the row's spare place spare[b, h] (slot * heads + column, any column), each query head
     attends to its KV head's places, this step's attention folds into the scores (KeyDiff instead rescores every
-    place, `rescored_places`), and the places the keep rule drops become the next spares (`Policy.entry_victims`; `sure`: each head's guaranteed places in this layer).
+    place, `rescored_places`), and the places the keep rule drops become the next spares (`Policy.entry_victims`;
+    `sure`: each head's guaranteed places in this layer).
     No host sync. On CUDA, a protection the kernels know runs as four Triton kernels (`kernels.triton_shared`);
     otherwise masked SDPA and sorts in PyTorch, the same steps."""
     bsz, h, _ = k.shape
