@@ -170,25 +170,6 @@ def _fold_kernel(Q, K, KS, KB, Table, Rows, Owner, Score, Spare, PartO, PartM, P
             acc += po * wi[:, None]
         tl.store(Out + b * stride_outb + qh[:, None] * stride_outh + offs_d[None, :], acc / l[:, None],
                  mask=gmask[:, None])
-    if MODE != 0:
-        owned = tl.sum(tl.load(PartN + b * stride_nb + g * splits + offs_s, mask=offs_s < splits, other=0), 0)
-        own_row = row * stride_or
-        for e0 in range(s * chunk, tl.minimum(s * chunk + chunk, places), BLOCK_E):
-            e = e0 + tl.arange(0, BLOCK_E)
-            valid, slot, c, j, qk = _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks,
-                                          stride_kh, stride_ss, stride_sh, stride_tb, stride_oj, stride_oc, D, BITS,
-                                          GS, IEEE)
-            p = tl.exp(tl.where(gmask[:, None], qk - m[:, None], float("-inf"))) / l[:, None]
-            step = tl.sum(p, 0)
-            if MODE == 2:  # normalized: each query weighs by the places it sees
-                step = step * owned
-            ptr = Score + own_row + j * stride_oj + c * stride_oc
-            old = tl.load(ptr, mask=valid, other=0.0)
-            if MODE == 3:
-                new = old * decay + step * (1 - decay)
-            else:
-                new = old + step
-            tl.store(ptr, new, mask=valid)
     if RANK == 2:  # KNorm
         place = tl.load(Spare + row * stride_spr + g * stride_sph)
         if place // chunk == s:
@@ -200,22 +181,37 @@ def _fold_kernel(Q, K, KS, KB, Table, Rows, Owner, Score, Spare, PartO, PartM, P
                            GS, False)
             norm = tl.sqrt(tl.sum(k * k, 1))
             tl.store(Score + row * stride_or + j * stride_oj + c * stride_oc, -norm, mask=valid & (e == place))
-    if RANK == 3:  # KeyDiff
-        offs_d = tl.arange(0, D)
-        anchor = tl.zeros([D], tl.float32)
-        for i in range(0, splits):
-            anchor += tl.load(PartU + ((b * heads + g) * splits + i) * D + offs_d)
-        anchor = anchor / tl.maximum(tl.sqrt(tl.sum(anchor * anchor, 0)), 1e-12)
+    if MODE != 0 or RANK == 3:  # every owned place of the split: its attention folded in, or KeyDiff's rescore
+        if MODE != 0:
+            owned = tl.sum(tl.load(PartN + b * stride_nb + g * splits + offs_s, mask=offs_s < splits, other=0), 0)
+        if RANK == 3:
+            offs_d = tl.arange(0, D)
+            anchor = tl.zeros([D], tl.float32)
+            for i in range(0, splits):
+                anchor += tl.load(PartU + ((b * heads + g) * splits + i) * D + offs_d)
+            anchor = anchor / tl.maximum(tl.sqrt(tl.sum(anchor * anchor, 0)), 1e-12)
         own_row = row * stride_or
         for e0 in range(s * chunk, tl.minimum(s * chunk + chunk, places), BLOCK_E):
             e = e0 + tl.arange(0, BLOCK_E)
             valid, slot, c, j, qk = _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks,
                                           stride_kh, stride_ss, stride_sh, stride_tb, stride_oj, stride_oc, D, BITS,
                                           GS, IEEE)
-            k = _read_keys(K, KS, KB, Q, slot, c[:, None], valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS,
-                           GS, False)
-            cos = tl.sum(_unit_rows(k) * anchor[None, :], 1)
-            tl.store(Score + own_row + j * stride_oj + c * stride_oc, -cos, mask=valid)
+            ptr = Score + own_row + j * stride_oj + c * stride_oc
+            if RANK == 3:
+                k = _read_keys(K, KS, KB, Q, slot, c[:, None], valid, stride_ks, stride_kh, stride_ss, stride_sh, D,
+                               BITS, GS, False)
+                new = -tl.sum(_unit_rows(k) * anchor[None, :], 1)
+            else:
+                p = tl.exp(tl.where(gmask[:, None], qk - m[:, None], float("-inf"))) / l[:, None]
+                step = tl.sum(p, 0)
+                if MODE == 2:  # normalized: each query weighs by the places it sees
+                    step = step * owned
+                old = tl.load(ptr, mask=valid, other=0.0)
+                if MODE == 3:
+                    new = old * decay + step * (1 - decay)
+                else:
+                    new = old + step
+            tl.store(ptr, new, mask=valid)
 
 
 @triton.jit
