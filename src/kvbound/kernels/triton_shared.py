@@ -29,7 +29,6 @@ import triton.language as tl
 from .triton_decode import MODE_IDS, RANK_IDS, _dequant, _dot, _quant_args, _read_keys, _store_token, _unit_rows
 
 MAX_PLACES = 8192  # one program holds a sequence's places in registers; larger layers take the PyTorch route
-RANKS = ("attention", "age", "key-norm", "key-diff")  # the `Policy.rank_source` values these kernels take
 
 
 @triton.jit
@@ -271,8 +270,8 @@ def shared_decode(q, k, v, k_pool, v_pool, table, rows, positions, owner, pos, s
     sequence's places per KV head (default: enough to fill the GPU). rank: `Policy.rank_source`, "attention" (the
     folded scores), "age" (the folded scores over each key's age), or "key-norm" / "key-diff" (from the keys,
     `score_mode` None)."""
-    if rank not in RANKS:
-        raise ValueError(f"the shared decode kernels rank by {', '.join(RANKS)}, got {rank!r}")
+    if rank not in RANK_IDS:
+        raise ValueError(f"the shared decode kernels rank by {', '.join(RANK_IDS)}, got {rank!r}")
     bsz, hq, d = q.shape
     heads = k_pool.shape[1]
     g = hq // heads
