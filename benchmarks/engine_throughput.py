@@ -276,7 +276,7 @@ def check(shape):
                 got[o.request_id] = o.outputs[0].token_ids
         ok = sum(list(generate_ids(ours, r, params, KVCache(ours.config, p, device="cuda"), (), 128)) == got[rid]
                  for rid, r, p in zip(ids, rs, ps))
-        graphs = sorted({f"{k.kind}x{b}" for k, b in eng.graphs.graphs})
+        graphs = sorted({f"{k.kind}x{b}" for k, b, _ in eng.graphs.parts()})
         print(f"check ({shape}, fp32) {name}: {ok}/{len(rs)} requests give the same greedy tokens batched as "
               f"alone; graphs {graphs}")
         same, total = same + ok, total + len(rs)

@@ -367,7 +367,7 @@ def test_per_request_budgets_hold_stacked_rows_only_while_in_use(model, device):
     gpu = model.to(device)
     try:
         engine = LLMEngine(gpu, num_blocks=128, block_size=8, prefill_chunk=16)
-        evict_graphs = lambda: {key[0].meta for key in engine.graphs.graphs if key[0].meta is not None}
+        evict_graphs = lambda: {key.meta for key, _, _ in engine.graphs.parts() if key.meta is not None}
 
         def wave():  # one request at a time: a step of one policy's rows alone replays its evict graph
             out, held, graphed = [], set(), set()
@@ -440,7 +440,7 @@ def test_stacked_rows_grow_as_sequences_come(model, device, spec):
         steps(12)  # the first three decode in steady state (on CUDA in their evict graph)
         meta = engine.caches.stacked[pol]
         assert meta.rows == FIRST_ROWS and meta.generation == 0 and meta.pos.shape[0] == FIRST_ROWS + 1
-        before = engine.graphs is not None and any(key[0].meta is meta for key in engine.graphs.graphs)
+        before = engine.graphs is not None and any(key.meta is meta for key, _, _ in engine.graphs.parts())
         assert before == (device == "cuda")
         ids.update({engine.add_request(r, GREEDY, policy=pol): i + 3 for i, r in enumerate(reqs[3:])})
         while engine.has_unfinished():
@@ -650,7 +650,7 @@ def test_greedy_at_20k_context_alone_equals_batched_and_replays_wide_graphs():
             outs = {}
             while engine.has_unfinished():
                 outs.update({o.request_id: o for o in engine.step(only_finished=True)})
-            widths = {w for (_, _, w) in engine.graphs.graphs if w is not None}
+            widths = {w for (_, _, w) in engine.graphs.parts() if w is not None}
             return [outs[i].outputs[0].token_ids for i in ids], widths
     (alone_tokens,), widths = run([long_prompt])
     batched, _ = run([prompt(61, 40), long_prompt, prompt(62, 3000)])
@@ -683,7 +683,7 @@ def test_scored_policies_on_cuda_batched_equal_alone(model, spec, monkeypatch):
         llm = LLM(gpu, num_blocks=128, block_size=8, prefill_chunk=16, policy=pol if pol.adapts else None)
         stacks = pol.adapts and not pol.layered
         if stacks:
-            assert any(key[0].kind == "shared" for key in llm.engine.graphs.graphs)
+            assert any(key.kind == "shared" for key, _, _ in llm.engine.graphs.parts())
         outs = llm.generate(reqs, GREEDY, pol, use_tqdm=False)
         for ids, out in zip(reqs, outs):
             cache = sequence_cache(gpu.config, pol, device="cuda")
@@ -943,13 +943,62 @@ def test_mixed_widths_on_cuda_in_graphs_equal_alone(model32):
         reqs = mixed_width_requests()
         got, engine = run_engine(gpu, reqs, num_blocks=256, max_num_batched_tokens=48, kv_bits=mixed,
                                  kv_group_size=32, shared_policies=True)
-        assert any(key.kind == "evict" for key, *_ in engine.graphs.graphs), "no evict graph ran"
+        assert any(key.kind == "evict" for key, _, _ in engine.graphs.parts()), "no evict graph ran"
         eager, _ = run_engine(gpu, reqs, num_blocks=256, max_num_batched_tokens=48, kv_bits=mixed, kv_group_size=32,
                               shared_policies=True, cuda_graphs=False)
         assert got == eager
         for (ids, pol), out in zip(reqs, got):
             cache = KVCache(gpu.config, parse_policy(pol), device="cuda", kv_bits=mixed, kv_group_size=32)
             assert out == list(generate_ids(gpu, ids, GREEDY, cache, (), 16)), pol
+    finally:
+        model32.cpu()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+@pytest.mark.parametrize("bits", [None, 8])
+def test_decodes_of_several_policies_replay_one_graph_and_equal_eager(model32, bits, monkeypatch):
+    """Decode steps whose rows run under several policies (full caches beside bounded ones of several budgets)
+    replay one CUDA graph of all their groups, each padded to its own batch size; greedy tokens equal eager steps'
+    and each sequence's own cache's. Each policy's requests stop at their own length (the full caches' last), so
+    the steps go from five groups (more than MAX_GROUPS: eager) to one. With 8 bits, at most 2 graphs of several
+    groups are kept, so the older ones are dropped and captured again."""
+    from kvbound.engine import cuda_graphs
+    from kvbound.engine.cuda_graphs import MAX_GROUPS, DecodeGraphs
+    kept = 2 if bits == 8 else cuda_graphs.MAX_SEVERAL
+    monkeypatch.setattr(cuda_graphs, "MAX_SEVERAL", kept)
+    replayed, run, most = [], DecodeGraphs.run, []
+
+    def recorded(self, batch, keys, fill=None):
+        logits = run(self, batch, keys, fill)
+        replayed.append(None if logits is None else self.last)
+        most.append(len(self.several))
+        return logits
+    monkeypatch.setattr(DecodeGraphs, "run", recorded)
+    specs = [None, "h2o:sink=2,heavy=10,recent=12", "window:budget=20,sink=2", "h2o:sink=2,heavy=6,recent=8",
+             "window:budget=12,sink=2"]
+    pols = {s: parse_policy(s) if s else None for s in specs}
+    reqs = [(prompt(90 + i, 20 + 9 * i), specs[i % 5], SamplingParams(max_tokens=48 - 8 * (i % 5),
+                                                                        ignore_eos=True)) for i in range(10)]
+    gpu = model32.cuda()
+
+    def served(**kw):
+        with LLM(gpu, prefill_chunk=64, num_blocks=512, max_num_batched_tokens=1024, kv_bits=bits, kv_group_size=32,
+                 **kw) as llm:
+            outs = llm.generate([r[0] for r in reqs], [r[2] for r in reqs], [pols[r[1]] for r in reqs],
+                                use_tqdm=False)
+            return [o.outputs[0].token_ids for o in outs]
+    try:
+        got = served()
+        kinds = [sorted(key.kind for key, _, _ in parts) for parts in replayed if parts is not None]
+        assert any("append" in k and k.count("evict") > 1 for k in kinds), kinds
+        assert max(map(len, kinds)) <= MAX_GROUPS and max(most) <= kept
+        if bits == 8:  # more of them ran than were kept
+            assert len({parts for parts in replayed if parts is not None and len(parts) > 1}) > kept
+        assert served(cuda_graphs=False) == got
+        for (ids, spec, params), out in zip(reqs, got):
+            if bits is None or spec is None:  # a packed single cache evicts by its own route (see above)
+                cache = KVCache(gpu.config, pols[spec], device="cuda", kv_bits=bits, kv_group_size=32)
+                assert out == list(generate_ids(gpu, ids, params, cache, (), 64)), spec
     finally:
         model32.cpu()
 

@@ -4,19 +4,27 @@ from __future__ import annotations
 import torch
 
 from ..staging import to_device
-from .runner import AppendGroup, EvictGroup, GroupKey, SharedGroup, append_rows, append_tables, bounded_tables
+from .runner import (AppendGroup, EvictGroup, GroupKey, SharedGroup, Spans, append_rows, append_tables, bounded_tables,
+                     group_spans)
+
+KINDS = ("append", "evict", "shared")  # the group kinds a graph can hold
+MAX_GROUPS = 4  # a step of more groups than this runs eagerly
+MAX_SEVERAL = 64  # graphs of several groups kept at once; the one replayed least recently goes first
 
 
 class DecodeGraphs:
-    """CUDA graphs of whole decode steps, one per (group, batch size[, table width]): steps whose rows all
-    append (unbounded caches), and steps whose rows all evict under one policy (or share places, AdaKV).
-    Batch sizes are 1, 2, 4, ... up to max_seqs; a step is padded to the next size with rows that write and
-    read one scratch slot (and a scratch metadata row). Append graphs come in table widths max_len,
-    2 max_len, 4 max_len, ... up to the longest row there can be (the model's context, or the pool's tokens
-    if fewer): the kernel splits each graph's width over the GPU, so a step runs in the narrowest width that
-    holds its longest row, as an eager step would. Width max_len is captured at start-up, wider ones and
-    evict graphs when first used. Only the slot table grows with the longest row (4 bytes per token per batch
-    row). Other steps run eagerly."""
+    """CUDA graphs of whole decode steps, keyed by their parts: (group, batch size[, table width]) for each group
+    of the step, in its order. A group's rows all append (unbounded caches), or all evict under one policy (or
+    share places, AdaKV); a step of up to MAX_GROUPS groups (policies served side by side, full caches beside
+    bounded ones) replays one graph, whose groups attend in turn over consecutive rows. Batch sizes are 1, 2, 4,
+    ... up to max_seqs per group; each group is padded to the next size with rows that write and read one
+    scratch slot (and a scratch metadata row). Append graphs come in table widths max_len, 2 max_len, 4 max_len,
+    ... up to the longest row there can be (the model's context, or the pool's tokens if fewer): the kernel
+    splits each graph's width over the GPU, so a step runs in the narrowest width that holds its longest row, as
+    an eager step would. Single-group append graphs of width max_len are captured at start-up, every other graph
+    when first used. Only the slot table grows with the longest row (4 bytes per token per batch row). Graphs of
+    several groups, whose sizes combine in many ways, write their logits into one buffer they share, so they hold
+    no memory of their own, and at most MAX_SEVERAL are kept. Other steps run eagerly."""
 
     def __init__(self, model, pool, max_seqs: int, max_len: int, context_len: int | None = None):
         self.model, self.pool = model, pool
@@ -30,18 +38,24 @@ class DecodeGraphs:
             self.sizes.append(self.sizes[-1] * 2)
         top = self.sizes[-1]
         self.scratch = pool.reserve() * bs  # padding rows write here
-        self.ids = torch.zeros(top, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(top, dtype=torch.long, device=dev)
+        self.ids = torch.zeros(top * MAX_GROUPS, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(top * MAX_GROUPS, dtype=torch.long, device=dev)
         self.new = torch.full((top,), self.scratch, dtype=torch.long, device=dev)
         self.lens = torch.ones(top, dtype=torch.int32, device=dev)
         self.table = torch.full((top, self.widths[-1] * bs), self.scratch, dtype=torch.int32, device=dev)
         self.evict_buffers = {}  # StackedMeta -> (rows, table)
         self.generations = {}  # StackedMeta -> its generation when its graphs were captured (rows grow)
         self.graphs, self.logits, self.attn = {}, {}, {}
+        self.several = {}  # the graphs of several groups, least recently replayed first (a dict keeps order)
+        self.shared_logits = None  # [rows, vocab], the logits of the graphs of several groups
         self.last = None  # the key of the graph the last step replayed (benchmarks time it alone)
         self.mempool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
-            self._capture(GroupKey("append"), size, self.widths[0])
+            self._capture(((GroupKey("append"), size, self.widths[0]),))
+
+    def parts(self):
+        """(group key, batch size, width) of every group of every captured graph."""
+        return [part for parts in self.graphs for part in parts]
 
     def _group(self, key, size, width):
         if key.kind == "append":
@@ -51,94 +65,149 @@ class DecodeGraphs:
         group = SharedGroup if key.kind == "shared" else EvictGroup
         return group(self.pool, key.meta, rows[:size], table[:size])
 
-    def capture_append(self, size, width):
-        """An append graph captured while serving: its warm-up runs execute, so every row points at the
-        scratch slot first (the buffers still hold the last step's slots, whose K/V must not be overwritten)."""
-        self.new[:size], self.lens[:size], self.table[:size, 0] = self.scratch, 1, self.scratch
-        self._capture(GroupKey("append"), size, width)
+    def _buffers(self, meta):
+        """The rows and slot table an evict (or shared) group of this policy's metadata reads, made once."""
+        if meta not in self.evict_buffers:
+            dev = self.ids.device
+            self.generations[meta] = meta.generation
+            self.evict_buffers[meta] = (
+                torch.full((self.sizes[-1],), meta.scratch_row, dtype=torch.long, device=dev),
+                torch.full((self.sizes[-1], meta.pos.shape[2]), self.scratch, dtype=torch.int32, device=dev))
+        return self.evict_buffers[meta]
 
-    def _capture(self, key, size, width=None):
-        key = (key, size, width)
-        attn = self._group(*key)
-        self.attn[key] = attn  # the graph reads its tensors (EvictGroup's lens): keep them alive
+    def _capture(self, parts):
+        """Capture the graph of `parts`. Its warm-up runs execute, so every group's rows point at the scratch slot
+        (and row) first: the buffers still hold the last step's, whose K/V and metadata must not be overwritten."""
+        spans, start = [], 0
+        for key, size, width in parts:
+            if key.kind == "append":
+                self.new[:size], self.lens[:size], self.table[:size, 0] = self.scratch, 1, self.scratch
+            else:
+                rows, table = self._buffers(key.meta)
+                rows[:size], table[:size] = key.meta.scratch_row, self.scratch
+            spans.append((start, start + size, self._group(key, size, width)))
+            start += size
+        attn = Spans(spans)
+        if len(parts) > 1 and len(self.several) >= MAX_SEVERAL:
+            self._forget([next(iter(self.several))])  # the least recently replayed
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile the kernels and settle the allocator outside the graph
-                self.model(self.ids[:size], self.pos[:size], attn)
+                vocab = self.model(self.ids[:start], self.pos[:start], attn).shape[1]
         torch.cuda.current_stream().wait_stream(stream)
+        if len(parts) > 1 and (self.shared_logits is None or self.shared_logits.shape[0] < start):
+            self._forget(list(self.several))  # they write into the buffer this one replaces
+            self.shared_logits = None
+            rows = min(self.ids.shape[0], 1 << (start - 1).bit_length())
+            self.shared_logits = torch.empty((rows, vocab), dtype=torch.float32, device=self.ids.device)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.mempool):
-            self.logits[key] = self.model(self.ids[:size], self.pos[:size], attn)
-        self.graphs[key] = g
+            logits = self.model(self.ids[:start], self.pos[:start], attn)
+            if len(parts) > 1:
+                logits = self.shared_logits[:start].copy_(logits)
+        self.graphs[parts], self.logits[parts] = g, logits
+        self.attn[parts] = attn  # the graph reads its tensors (EvictGroup's lens): keep them alive
+        if len(parts) > 1:
+            self.several[parts] = None
+
+    def _forget(self, keys):
+        """Forget these graphs, once a step in flight that may replay them is done."""
+        if keys:
+            torch.cuda.current_stream().synchronize()
+        for parts in keys:
+            del self.graphs[parts], self.logits[parts], self.attn[parts]
+            self.several.pop(parts, None)
+        if self.last is not None and self.last not in self.graphs:
+            self.last = None
 
     def capture_evict(self, meta, sizes=None, kind="evict"):
-        """Capture the evict graphs (or "shared": AdaKV's) of one policy's stacked metadata (all batch sizes by
-        default). Their warm-up runs execute, so the buffers point at the scratch row and slot while capturing."""
-        dev = self.ids.device
-        self.generations[meta] = meta.generation
-        if meta not in self.evict_buffers:
-            self.evict_buffers[meta] = (
-                torch.full((self.sizes[-1],), meta.scratch_row, dtype=torch.long, device=dev),
-                torch.full((self.sizes[-1], meta.pos.shape[2]), self.scratch, dtype=torch.int32, device=dev))
-        rows, table = self.evict_buffers[meta]
+        """Capture the single-group evict graphs (or "shared": AdaKV's) of one policy's stacked metadata (all batch
+        sizes by default)."""
         for size in sorted(sizes or self.sizes, reverse=True):
-            rows[:size], table[:size] = meta.scratch_row, self.scratch
-            self._capture(GroupKey(kind, meta), size)
+            self._capture(((GroupKey(kind, meta), size, None),))
 
     def drop(self, meta):
-        """Forget the evict graphs of a policy's stacked metadata and their buffers (no cache uses it any more, or
-        its rows grew into new tensors), once a step in flight that may replay them is done; their memory in the
-        graphs' pool goes to later captures."""
+        """Forget the graphs with a group of a policy's stacked metadata and its buffers (no cache uses it any
+        more, or its rows grew into new tensors), once a step in flight that may replay them is done; their memory
+        in the graphs' pool goes to later captures."""
         torch.cuda.current_stream().synchronize()
         self.evict_buffers.pop(meta, None)
         self.generations.pop(meta, None)
-        for key in [key for key in self.graphs if key[0].meta is meta]:
-            del self.graphs[key], self.logits[key], self.attn[key]
-        if self.last is not None and self.last[0].meta is meta:
-            self.last = None
+        self._forget([parts for parts in self.graphs if any(key.meta is meta for key, _, _ in parts)])
+
+    def _part(self, key, seqs):
+        """(key, batch size, width) of one group of a step, and its append rows (new slots, lengths, table width in
+        blocks) when it appends; None when no graph can hold it."""
+        size = next((x for x in self.sizes if x >= len(seqs)), None)
+        if size is None:
+            return None
+        if key.kind != "append":
+            if self.generations.get(key.meta, key.meta.generation) != key.meta.generation:
+                self.drop(key.meta)  # its rows grew: the graphs read the old tensors
+            return (key, size, None), None
+        rows = append_rows(self.pool, seqs)
+        width = next((w for w in self.widths if w >= rows[2]), None)
+        return None if width is None else ((key, size, width), rows)
 
     def run(self, batch, keys, fill=None):
         """Logits [B, vocab] of a decode step that a graph covers, else None. The caller does the caches'
         bookkeeping (`runner.finish_step`). fill: (rows on the device, () -> tokens there), the input ids of
         rows whose token is still on the device (the engine's run-ahead), taken last."""
-        key = keys[0] if keys[0] == keys[-1] else None  # one group, since `StepBatch.order` sorted them
-        b = len(batch)
-        if key is None or key.kind not in ("append", "evict", "shared") or b > self.sizes[-1]:
+        spans = group_spans(keys)  # one span per group, since `StepBatch.order` sorted them
+        if len(spans) > MAX_GROUPS or any(key is None or key.kind not in KINDS for key, _, _ in spans):
             return None
         seqs = [s for s, _ in batch]
-        size = next(x for x in self.sizes if x >= b)
-        dev = self.ids.device
-        width = None
-        if key.kind == "append":
-            new, lens, need = append_rows(self.pool, seqs)
-            width = next((w for w in self.widths if w >= need), None)
-            if width is None:
+        parts, appends = [], {}
+        for key, i, j in spans:
+            part = self._part(key, seqs[i:j])
+            if part is None:
                 return None
-            if (key, size, width) not in self.graphs:
-                self.capture_append(size, width)
-        else:
-            if self.generations.get(key.meta, key.meta.generation) != key.meta.generation:
-                self.drop(key.meta)  # its rows grew: the graphs read the old tensors
-            if (key, size, None) not in self.graphs:
-                self.capture_evict(key.meta, [size], key.kind)
-        ids = [s.feed(1)[0] for s in seqs]
+            parts.append(part[0])
+            if part[1] is not None:
+                appends[i] = part[1]
+        parts = tuple(parts)
+        if parts not in self.graphs:
+            self._capture(parts)
+        # one copy to the device: ids, positions, each row's place among the padded rows, then each group's own
+        ids, pos, place, start = [], [], [], 0
+        for (_, size, _), (_, i, j) in zip(parts, spans):
+            pad = [0] * (size - (j - i))
+            ids += [s.feed(1)[0] for s in seqs[i:j]] + pad
+            pos += [s.cache.seen for s in seqs[i:j]] + pad
+            place += range(start, start + j - i)
+            start += size
+        own = [appends[i][0] + appends[i][1] if i in appends else [s.cache.stacked[1] for s in seqs[i:j]]
+               for _, i, j in spans]
+        host = to_device(ids + pos + place + [x for values in own for x in values], self.ids.device)
+        self.ids[:start], self.pos[:start] = host[:start], host[start:2 * start]
+        place, at = host[2 * start:2 * start + len(batch)], 2 * start + len(batch)
+        for (key, size, _), (_, i, j), values in zip(parts, spans, own):
+            self._fill(key, size, seqs[i:j], host[at:at + len(values)], appends.get(i))
+            at += len(values)
+        if fill is not None:
+            self.ids[place[fill[0]]] = fill[1]()
+        self.last = parts
+        if parts in self.several:  # now the most recently replayed
+            self.several[parts] = self.several.pop(parts)
+        self.graphs[parts].replay()
+        logits = self.logits[parts]
+        return logits[:len(batch)] if len(parts) == 1 else logits[place]
+
+    def _fill(self, key, size, seqs, values, append):
+        """Point one group's buffers at its sequences' slots (and metadata rows), its padding at the scratch.
+        values: on the device, the new slots and context lengths of an append group (`append`: its rows on the
+        host), else the sequences' metadata rows."""
+        b = len(seqs)
         if key.kind == "append":
-            host = to_device([ids, [s.cache.seen for s in seqs], new, lens], dev)
-            self.new[:b], self.lens[:b] = host[2], host[3].to(torch.int32)
+            self.new[:b], self.lens[:b] = values[:b], values[b:].to(torch.int32)
             self.new[b:size], self.lens[b:size], self.table[b:size, 0] = self.scratch, 1, self.scratch
+            need = append[2]
             if self.pool.striped:  # the kernel reads column 0 alone
                 self.table[:b, 0] = append_tables(self.pool, seqs, 1)[:, 0]
             else:
                 self.table[:b, :need * self.pool.block_size] = append_tables(self.pool, seqs, need)
-        else:
-            rows, table = self.evict_buffers[key.meta]
-            host = to_device([ids, [s.cache.seen for s in seqs], [s.cache.stacked[1] for s in seqs]], dev)
-            rows[:b], rows[b:size], table[b:size] = host[2], key.meta.scratch_row, self.scratch
-            table[:b] = bounded_tables(self.pool, seqs, table.shape[1])
-        self.ids[:b], self.pos[:b] = host[0], host[1]
-        if fill is not None:
-            self.ids[fill[0]] = fill[1]()
-        self.last = (key, size, width)
-        self.graphs[self.last].replay()
-        return self.logits[self.last][:b]
+            return
+        rows, table = self.evict_buffers[key.meta]
+        rows[:b], rows[b:size], table[b:size] = values, key.meta.scratch_row, self.scratch
+        table[:b] = bounded_tables(self.pool, seqs, table.shape[1])

@@ -236,6 +236,31 @@ def make_group(pool, key: GroupKey, pieces):
     return EvictGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.capacity))
 
 
+def group_spans(keys) -> list[tuple]:
+    """(key, start, end) of each run of equal keys in a step's ordered rows; a row without a key (None) is a run
+    of its own."""
+    spans, i = [], 0
+    while i < len(keys):
+        j = i + 1
+        while keys[i] is not None and j < len(keys) and keys[j] == keys[i]:
+            j += 1
+        spans.append((keys[i], i, j))
+        i = j
+    return spans
+
+
+class Spans:
+    """The cache object of consecutive groups in one flat run of tokens: tokens [start, end) attend through their
+    group (or a sequence's own cache), one call per layer each."""
+
+    def __init__(self, spans):
+        self.spans = spans  # (start, end, group)
+
+    def attend(self, layer, q, k, v, positions):
+        outs = [group.attend(layer, q[a:b], k[a:b], v[a:b], positions[a:b]) for a, b, group in self.spans]
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
 class StepBatch:
     """The cache object the model sees for one step: `attend` splits the flat run by group."""
 
@@ -243,19 +268,12 @@ class StepBatch:
         """batch: [(seq, t)] and their group keys, as `order` returns them."""
         self.pool = pool
         self.batch = batch
-        self.groups = []  # (key, start, end, group)
-        i = 0
-        while i < len(batch):
-            key = keys[i]
-            j = i + 1
-            while key is not None and j < len(batch) and keys[j] == key:
-                j += 1
-            group = None if key is None else make_group(pool, key, batch[i:j])
-            self.groups.append((key, i, j, group))
-            i = j
-        self.starts = [0]
-        for _, t in batch:
-            self.starts.append(self.starts[-1] + t)
+        self.groups = [(key, i, j, None if key is None else make_group(pool, key, batch[i:j]))
+                       for key, i, j in group_spans(keys)]
+        starts = [0, *itertools.accumulate(t for _, t in batch)]
+        # a row without a group attends through its own cache, in one call for the whole group otherwise
+        self.spans = Spans([(starts[i], starts[j], batch[i][0].cache if group is None else group)
+                            for _, i, j, group in self.groups])
 
     @staticmethod
     def order(batch) -> tuple[list, list]:
@@ -277,13 +295,4 @@ class StepBatch:
                 finish_step(seq.cache, None if key is None else key.kind, t)
 
     def attend(self, layer, q, k, v, positions):
-        outs = []
-        for _, i, j, group in self.groups:
-            a, b = self.starts[i], self.starts[j]
-            if group is not None:  # one call for the whole group
-                outs.append(group.attend(layer, q[a:b], k[a:b], v[a:b], positions[a:b]))
-            else:
-                for seq, t in self.batch[i:j]:
-                    outs.append(seq.cache.attend(layer, q[a:a + t], k[a:a + t], v[a:a + t], positions[a:a + t]))
-                    a += t
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+        return self.spans.attend(layer, q, k, v, positions)
