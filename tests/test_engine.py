@@ -486,6 +486,28 @@ def test_bounded_prefill_pieces_evict_as_one_batch(model, monkeypatch, spec):
         assert out.outputs[0].token_ids == alone(model, ids, pol, GREEDY, 16)
 
 
+@pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=10,recent=12", "window:budget=24,sink=3", "tova:sink=2,heavy=22",
+                                  "snapkv:sink=2,heavy=12,recent=10,window=6", "keydiff:sink=2,heavy=10,recent=12"])
+def test_first_prefill_pieces_past_the_room_evict_as_one_batch(model, monkeypatch, spec):
+    """A prefill piece longer than a bounded cache's room joins the "chunk" group of the caches holding as many
+    tokens, the first piece (nothing held) as well as a full cache's later ones, with the same outputs as each
+    sequence alone (a piece that exactly fills the room is written, then evicts one, in the cache's own attend)."""
+    from kvbound.engine.runner import ChunkGroup
+    held, attend = [], ChunkGroup.attend
+
+    def recorded(self, layer, *a):
+        held.append((self.n, self.rows.shape[0]))
+        return attend(self, layer, *a)
+    monkeypatch.setattr(ChunkGroup, "attend", recorded)
+    pol = parse_policy(spec, pinned=((0, 5),))
+    reqs = [prompt(30 + i, 70 + (i % 2)) for i in range(4)]
+    llm = LLM(model, num_blocks=128, block_size=8, prefill_chunk=32, max_num_batched_tokens=128)
+    outs = llm.generate(reqs, GREEDY, pol, use_tqdm=False)
+    assert (0, 4) in held and (pol.budget, 4) in held, set(held)
+    for ids, out in zip(reqs, outs):
+        assert out.outputs[0].token_ids == alone(model, ids, pol, GREEDY, 32)
+
+
 def test_a_question_start_ends_a_bounded_prefill_piece(model, monkeypatch):
     """add_request(question_start=q): a bounded sequence's prefill pieces also end at q, so its context is evicted
     before the question is read (kvpress's protocol), with the single-sequence path's outputs; an unbounded one

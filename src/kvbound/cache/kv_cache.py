@@ -140,9 +140,9 @@ class KVCache:
     def step_kind(self, t: int) -> str | None:
         """Which batched step of the engine a step of t tokens of this cache can join: "prefill" (a prefill
         piece of an unbounded cache), "append" (an unbounded decode), "evict" (a steady bounded decode on
-        stacked rows), "chunk" (a later prefill piece of a full bounded cache on stacked rows), "fill" (a
-        prefill piece of a bounded cache with room for it, on stacked rows), or None
-        (this cache's own `attend`)."""
+        stacked rows), "chunk" (a prefill piece past a bounded cache's room, which keeps `budget` of its tokens and
+        the piece's, on stacked rows), "fill" (a prefill piece of a bounded cache with room for it, on stacked rows),
+        or None (this cache's own `attend`)."""
         if not self.bounded:
             if t == 1:
                 return "append"
@@ -155,7 +155,8 @@ class KVCache:
             return None
         if self.n[0] + t < self.policy.capacity:
             return "fill"
-        return "chunk" if self.n[0] == self.budget else None
+        # a piece that exactly fills the room is written, then evicts one (`attend`)
+        return "chunk" if self.n[0] + t > self.policy.capacity else None
 
     @property
     def table_row(self) -> int:
@@ -169,6 +170,11 @@ class KVCache:
     def appended(self, t: int):
         """Bookkeeping after a batched step wrote and attended t new tokens in every layer of an unbounded cache."""
         self.n = [self.n[0] + t] * len(self.n)
+        self.advance(t)
+
+    def chunked(self, t: int):
+        """Bookkeeping after a batched step kept `budget` of a bounded cache's tokens and a piece of t new ones."""
+        self.n = [self.budget] * len(self.n)
         self.advance(t)
 
     def slots_needed(self, t: int, layer: int = 0) -> int:

@@ -10,8 +10,9 @@ size, through the same steps a single cache runs (`cache.steps`), over the share
     head's next spare slot: slot replacement for the whole batch, with no per-sequence work.
   - "prefill": prefill pieces of unbounded caches, first or later, of any lengths: K/V into their slots, then
     one varlen causal attention over every piece (FlashAttention on CUDA), each after its cached tokens.
-  - "chunk": later prefill pieces of one length of full bounded caches that share a policy: one batched
-    attention with scores, one batched keep choice, kept tokens rewritten in place.
+  - "chunk": prefill pieces of one length past the room of bounded caches that hold as many tokens and share a
+    policy (a full cache's later pieces, or an empty one's first): one batched attention with scores, one
+    batched keep choice, kept tokens rewritten in place.
   - "fill": prefill pieces of bounded caches that still have room for them (nothing is evicted), of one
     length after as many held tokens, sharing a policy: K/V and positions into their slots, one batched
     attention with scores.
@@ -52,13 +53,15 @@ def group_key(seq, t: int) -> GroupKey | None:
     if kind == "prefill":  # one group whatever the pieces' lengths
         return GroupKey(kind)
     meta = seq.cache.stacked[0] if kind in ("evict", "chunk", "fill", "shared") else None
-    return GroupKey(kind, meta, t, len(seq.cache) if kind == "fill" else 0)
+    return GroupKey(kind, meta, t, len(seq.cache) if kind in ("fill", "chunk") else 0)
 
 
 def finish_step(cache, kind: str | None, t: int):
     """Bookkeeping after a group ran t tokens of this cache (a cache's own `attend` keeps its own counts)."""
     if kind in ("append", "prefill", "fill"):
         cache.appended(t)
+    elif kind == "chunk":
+        cache.chunked(t)
     else:
         cache.advance(t)
 
@@ -171,19 +174,19 @@ def _packed_slots(table: torch.Tensor, start: torch.Tensor, lens: list[int], cu:
 
 
 class ChunkGroup:
-    """Prefill pieces of t tokens of full bounded caches (budget tokens, no spare slot) that share one policy:
-    `cache.steps.chunk_attend` then `keep_and_rewrite` for all of them at once."""
+    """Prefill pieces of t tokens past the room of bounded caches holding n tokens each (no spare slot) that
+    share one policy: `cache.steps.chunk_attend` then `keep_and_rewrite` for all of them at once."""
 
-    def __init__(self, pool, meta, rows, table):
-        self.pool, self.meta, self.rows, self.table = pool, meta, rows, table
+    def __init__(self, pool, meta, rows, table, n):
+        self.pool, self.meta, self.rows, self.table, self.n = pool, meta, rows, table, n
 
     def attend(self, layer, q, k, v, positions):
-        m, b = self.meta, self.meta.policy.budget
+        m, n = self.meta, self.n
         pos, score = m.pos[:, layer], None if m.score is None else m.score[:, layer]
-        out, *cand = chunk_attend(q, k, v, self.pool, layer, self.table, b, self.rows, positions, pos, score, m.policy,
+        out, *cand = chunk_attend(q, k, v, self.pool, layer, self.table, n, self.rows, positions, pos, score, m.policy,
                                   ring=m.ring)
         new = (k.unflatten(0, (self.rows.shape[0], -1)), v.unflatten(0, (self.rows.shape[0], -1)))
-        keep_and_rewrite(self.pool, layer, self.table, b, self.rows, pos, score, m.policy, *cand, new=new)
+        keep_and_rewrite(self.pool, layer, self.table, n, self.rows, pos, score, m.policy, *cand, new=new)
         if m.ring is not None:
             m.ring.write(layer, self.rows, positions.view(self.rows.shape[0], -1), *new)
         return out
@@ -230,7 +233,7 @@ def make_group(pool, key: GroupKey, pieces):
     if key.kind == "fill":
         return FillGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.n + key.t).long(), key.n, key.t)
     if key.kind == "chunk":
-        return ChunkGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.budget).long())
+        return ChunkGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.budget).long(), key.n)
     if key.kind == "shared":
         return SharedGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.capacity))
     return EvictGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.capacity))
