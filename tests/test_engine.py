@@ -508,6 +508,26 @@ def test_first_prefill_pieces_past_the_room_evict_as_one_batch(model, monkeypatc
         assert out.outputs[0].token_ids == alone(model, ids, pol, GREEDY, 32)
 
 
+def test_first_decodes_of_full_bounded_caches_join_the_evict_group(model, monkeypatch):
+    """A bounded cache whose prompt filled its budget decodes its first token in the batched "evict" group (its
+    spare slot the empty one after the budget), not in its own `attend`, so on CUDA every decode step after such
+    prompts replays a graph. Outputs equal each sequence alone. (A cache still below its budget decodes alone.)"""
+    alone_decodes, attend = [], KVCache.attend
+
+    def recorded(self, layer, q, *a):
+        if q.shape[0] == 1 and self.stacked is not None:
+            alone_decodes.append(layer)
+        return attend(self, layer, q, *a)
+    monkeypatch.setattr(KVCache, "attend", recorded)
+    pol = parse_policy("h2o:sink=2,heavy=10,recent=12")
+    reqs = [prompt(50 + i, n) for i, n in enumerate((24, 30, 40, 57))]  # at and past the budget
+    llm = LLM(model, num_blocks=128, block_size=8, prefill_chunk=16, max_num_batched_tokens=64)
+    outs = llm.generate(reqs, GREEDY, pol, use_tqdm=False)
+    assert alone_decodes == []
+    for ids, out in zip(reqs, outs):
+        assert out.outputs[0].token_ids == alone(model, ids, pol, GREEDY, 16)
+
+
 def test_a_question_start_ends_a_bounded_prefill_piece(model, monkeypatch):
     """add_request(question_start=q): a bounded sequence's prefill pieces also end at q, so its context is evicted
     before the question is read (kvpress's protocol), with the single-sequence path's outputs; an unbounded one

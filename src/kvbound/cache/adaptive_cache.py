@@ -150,6 +150,9 @@ class AdaptiveKVCache:
             self.store.grow(self.slots_needed(t))
         self.store.make_private(self.writable_from() // self.store.pool.block_size)
 
+    def take_spare(self):
+        """Before a decode in the paged engine: nothing to do, the places' spares come from the keep rule."""
+
     def release(self):
         release(self)
 

@@ -189,6 +189,14 @@ class KVCache:
         self._grow(self.slots_needed(t))
         self.store.make_private(self.writable_from() // self.store.pool.block_size)
 
+    def take_spare(self):
+        """Before a decode in the paged engine: a full bounded cache with no spare slot yet takes the empty slot
+        after its budget as every head's spare, the slot its own `attend` would write into, so that its first
+        decode joins the batched "evict" group."""
+        if self.stacked is not None and not self.has_spare[0] and self.n[0] == self.budget:
+            self.spare.fill_(self.budget)
+            self.has_spare = [True] * len(self.has_spare)
+
     def writable_from(self) -> int:
         """The first local slot the next step may write: past the protected prefix of a bounded cache,
         the next free slot of an unbounded one (it only appends)."""

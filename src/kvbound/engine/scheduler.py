@@ -242,8 +242,10 @@ class Scheduler:
             n, bs = len(cache), self.pool.block_size
             if n < cache.store.capacity and self.pool.ref[cache.store.blocks[n // bs]] == 1:
                 return True
-        if t == 1 and seq.bounded and cache.store.private and cache.slots_needed(1) <= cache.store.capacity:
-            return True  # a bounded decode within its blocks, none of them shared
+        if t == 1 and seq.bounded:
+            cache.take_spare()
+            if cache.store.private and cache.slots_needed(1) <= cache.store.capacity:
+                return True  # a bounded decode within its blocks, none of them shared
         forks = self.fork_blocks(seq, t)
         if self._blocks_needed(seq, t) + forks > self.pool.num_free:
             return False
