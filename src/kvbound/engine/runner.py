@@ -19,8 +19,8 @@ size, through the same steps a single cache runs (`cache.steps`), over the share
   - "shared": decodes in steady state of caches whose heads share a layer's places (AdaKV), one policy: the
     new tokens into the spare places, owner-masked attention, and the places the keep rule drops become the
     next spares, for the whole batch (`cache.steps.shared_decode`).
-  - everything else (a bounded piece that fills its cache up to eviction, the first decodes of a bounded
-    cache, policies without stacked metadata): each cache's own `attend`.
+  - everything else (a bounded piece that exactly fills its cache's room, the decodes of a bounded cache still
+    below its budget, policies without stacked metadata): each cache's own `attend`.
 """
 from __future__ import annotations
 
