@@ -508,10 +508,13 @@ def test_first_prefill_pieces_past_the_room_evict_as_one_batch(model, monkeypatc
         assert out.outputs[0].token_ids == alone(model, ids, pol, GREEDY, 32)
 
 
-def test_first_decodes_of_full_bounded_caches_join_the_evict_group(model, monkeypatch):
-    """A bounded cache whose prompt filled its budget decodes its first token in the batched "evict" group (its
-    spare slot the empty one after the budget), not in its own `attend`, so on CUDA every decode step after such
-    prompts replays a graph. Outputs equal each sequence alone. (A cache still below its budget decodes alone.)"""
+@pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=10,recent=12", "keydiff:sink=2,heavy=10,recent=12",
+                                  "window:budget=24,sink=2", "knorm:sink=2,heavy=10,recent=12,granularity=layer"])
+def test_every_decode_of_a_bounded_cache_joins_the_evict_group(model, monkeypatch, spec):
+    """Every decode of a bounded cache runs in the batched "evict" group, not in its own `attend`, so on CUDA
+    every decode step replays a graph: after a prompt that filled the budget (its spare slot the empty one after
+    the budget) and after a shorter prompt, whose decodes evict nothing until the cache is full, one of them
+    while the others evict. Outputs equal each sequence alone."""
     alone_decodes, attend = [], KVCache.attend
 
     def recorded(self, layer, q, *a):
@@ -519,8 +522,8 @@ def test_first_decodes_of_full_bounded_caches_join_the_evict_group(model, monkey
             alone_decodes.append(layer)
         return attend(self, layer, q, *a)
     monkeypatch.setattr(KVCache, "attend", recorded)
-    pol = parse_policy("h2o:sink=2,heavy=10,recent=12")
-    reqs = [prompt(50 + i, n) for i, n in enumerate((24, 30, 40, 57))]  # at and past the budget
+    pol = parse_policy(spec)
+    reqs = [prompt(50 + i, n) for i, n in enumerate((3, 12, 23, 24, 30, 57))]  # below, at and past the budget
     llm = LLM(model, num_blocks=128, block_size=8, prefill_chunk=16, max_num_batched_tokens=64)
     outs = llm.generate(reqs, GREEDY, pol, use_tqdm=False)
     assert alone_decodes == []
@@ -720,7 +723,7 @@ def test_scored_policies_on_cuda_batched_equal_alone(model, spec, monkeypatch):
         fused, calls = shared.shared_decode, []
         monkeypatch.setattr(shared, "shared_decode", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
         pol = parse_policy(spec)
-        reqs = [prompt(40 + i, 30 + 7 * i) for i in range(4)]
+        reqs = [prompt(40 + i, 30 + 7 * i) for i in range(4)] + [prompt(39, 9)]  # the last below the budget
         # AdaKV as the engine's default: its "shared" graphs are captured up front
         llm = LLM(gpu, num_blocks=128, block_size=8, prefill_chunk=16, policy=pol if pol.adapts else None)
         stacks = pol.adapts and not pol.layered
@@ -1019,7 +1022,7 @@ def test_decodes_of_several_policies_replay_one_graph_and_equal_eager(model32, b
     specs = [None, "h2o:sink=2,heavy=10,recent=12", "window:budget=20,sink=2", "h2o:sink=2,heavy=6,recent=8",
              "window:budget=12,sink=2"]
     pols = {s: parse_policy(s) if s else None for s in specs}
-    reqs = [(prompt(90 + i, 20 + 9 * i), specs[i % 5], SamplingParams(max_tokens=48 - 8 * (i % 5),
+    reqs = [(prompt(90 + i, 8 + 9 * i), specs[i % 5], SamplingParams(max_tokens=48 - 8 * (i % 5),
                                                                         ignore_eos=True)) for i in range(10)]
     gpu = model32.cuda()
 

@@ -474,18 +474,25 @@ def test_half_precision_export_matches_reference():
     torch.testing.assert_close(score.cpu().double(), want_score, atol=2e-4, rtol=2e-3)
 
 
-def _evict_state(policy, seed, rows=4, batch=(2, 0, 3), layers=2, heads=2, d=32):
-    """A StackedMeta in steady state (every head holds budget tokens and one spare slot) and a pool."""
+def _evict_state(policy, seed, rows=4, batch=(2, 0, 3), layers=2, heads=2, d=32, held=None):
+    """A StackedMeta in steady state (every head holds budget tokens and one spare slot) and a pool. held: per
+    batch entry, None, or the tokens of a cache still below its budget (positions 0.. in slots 0.., then its
+    spare)."""
     from kvbound.cache.stacked import StackedMeta
     from kvbound.cache.store import DenseStore
     gen = torch.Generator().manual_seed(seed)
     meta = StackedMeta(policy, layers, heads, rows, "cpu")
     cap = meta.pos.shape[2]
     slots = len(batch) * cap + 50
-    now = [cap + 150 + 7 * i for i in range(len(batch))]
+    held = held or [None] * len(batch)
+    now = [cap + 150 + 7 * i if m is None else m for i, m in enumerate(held)]
     for i, r in enumerate(batch):
         for layer in range(layers):
             for h in range(heads):
+                if held[i] is not None:
+                    meta.pos[r, layer, :, h] = torch.where(torch.arange(cap) < held[i], torch.arange(cap), -1)
+                    meta.spare[r, layer, h] = held[i]
+                    continue
                 older = torch.randperm(now[i] - 1, generator=gen)[:cap - 1] + 0  # distinct past positions
                 if i == 0:  # keep the sinks and the newest ones in, so protection matters
                     older[:3] = torch.tensor([0, 1, now[i] - 1])
@@ -510,14 +517,16 @@ def _evict_state(policy, seed, rows=4, batch=(2, 0, 3), layers=2, heads=2, d=32)
     return meta, pool, table, torch.tensor(batch), step
 
 
-def _torch_evict(pool, meta, rows, table, step, layer):
+def _torch_evict(pool, meta, rows, table, step, layer, held=None):
     """cache.steps.evict_decode's PyTorch steps on copies of the state: (output, metadata, pool, lengths)."""
     import copy
     from kvbound.engine.runner import EvictGroup
     ref_meta, ref_pool = copy.deepcopy(meta), copy.deepcopy(pool)
-    want = EvictGroup(ref_pool, ref_meta, rows, table).attend(layer, step["q"], step["k"], step["v"],
-                                                              step["positions"])
-    return want, ref_meta, ref_pool, torch.full((len(rows),), table.shape[1], dtype=torch.int32)
+    lens = torch.tensor([table.shape[1] if m is None else m + 1 for m in held or [None] * len(rows)],
+                        dtype=torch.int32)
+    want = EvictGroup(ref_pool, ref_meta, rows, table, lens).attend(layer, step["q"], step["k"], step["v"],
+                                                                    step["positions"])
+    return want, ref_meta, ref_pool, lens
 
 
 @pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=5,recent=3", "h2o:sink=2,heavy=5,recent=3,score=ema",
@@ -534,12 +543,31 @@ def test_evict_decode_matches_torch_path(spec):
     the layer's summed attention into every head, which then evict the same token. Observed ranks by the
     summed attention over each key's age; knorm scores the new token from its key, keydiff rescores every key
     against an anchor summed over several blocks (the 300-token case)."""
+    _check_evict_decode(spec)
+
+
+@pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=5,recent=3", "window:budget=9,sink=2",
+                                  "keydiff:sink=2,heavy=300,recent=20", "knorm:sink=1,heavy=300,recent=20,granularity=layer",
+                                  "h2o:sink=2,heavy=5,recent=3,score=observed"])
+def test_evict_decode_below_budget_evicts_nothing(spec):
+    """Caches still below their budget decode in the same batch as full ones: each attends over the slots it
+    holds, evicts nothing, and takes its next free slot as its spare (one of them at 1 token, one a token short
+    of full)."""
+    _check_evict_decode(spec, held=(None, 1, "short"))
+
+
+def _check_evict_decode(spec, held=None):
     from kvbound.kernels.triton_decode import evict_decode
     from kvbound.cache.policies import parse_policy
     pol = parse_policy(spec, pinned=((1, 2),) if "window" in spec else ())
-    meta, pool, table, rows, step = _evict_state(pol, len(spec))
+    held = held and [pol.budget - 1 if m == "short" else m for m in held]
+    meta, pool, table, rows, step = _evict_state(pol, len(spec), held=held)
     layer = 1
-    want, ref_meta, ref_pool, lens = _torch_evict(pool, meta, rows, table, step, layer)
+    want, ref_meta, ref_pool, lens = _torch_evict(pool, meta, rows, table, step, layer, held)
+    if held:
+        for i, m in enumerate(held):
+            if m is not None:
+                assert (ref_meta.spare[rows[i], layer] == m + 1).all() and (ref_meta.pos[rows[i], layer, m] == m).all()
     dev = lambda t: t.to(DEV)  # noqa: E731
     kp, vp, pos, spare = dev(pool.k[layer]), dev(pool.v[layer]), dev(meta.pos[:, layer]), dev(meta.spare[:, layer])
     score = None if meta.score is None else dev(meta.score[:, layer])

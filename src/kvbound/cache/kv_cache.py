@@ -190,12 +190,19 @@ class KVCache:
         self.store.make_private(self.writable_from() // self.store.pool.block_size)
 
     def take_spare(self):
-        """Before a decode in the paged engine: a full bounded cache with no spare slot yet takes the empty slot
-        after its budget as every head's spare, the slot its own `attend` would write into, so that its first
-        decode joins the batched "evict" group."""
-        if self.stacked is not None and not self.has_spare[0] and self.n[0] == self.budget:
-            self.spare.fill_(self.budget)
+        """Before a decode in the paged engine: a bounded cache with no spare slot yet (its prompt just ended, at its
+        budget or below) takes the empty slot after its tokens as every head's spare, the slot its own `attend`
+        would write into, so that its decodes join the batched "evict" group. Below the budget they evict nothing
+        (`steps.evict_decode`) until the cache is full."""
+        if self.stacked is not None and not self.has_spare[0]:
+            self.spare.fill_(self.n[0])
             self.has_spare = [True] * len(self.has_spare)
+
+    def decoded(self):
+        """Bookkeeping after a batched "evict" step: the new token took the spare slot, and a cache below its
+        budget evicted nothing, so it holds one more."""
+        self.n = [min(self.n[0] + 1, self.budget)] * len(self.n)
+        self.advance(1)
 
     def writable_from(self) -> int:
         """The first local slot the next step may write: past the protected prefix of a bounded cache,
@@ -266,11 +273,12 @@ class KVCache:
         if self.has_spare[layer] and t > 1:
             self._densify(layer)
         storage, meta, ring = self.store.storage, self._layer_meta(layer), self.ring
-        if self.has_spare[layer]:  # steady-state decode: the new token takes the evicted token's slot
+        if self.has_spare[layer]:  # a decode into the spare slot: the evicted token's, or the next free one
             table = self.store.slot_table(self.capacity)[None]
-            lens = torch.full((1,), self.capacity, dtype=torch.int32, device=q.device)
+            lens = torch.full((1,), n + 1, dtype=torch.int32, device=q.device)
             out = evict_decode(q, k, v, storage, layer, table, lens, self.one_row, positions, *meta, self.policy,
                                ring=ring)
+            self.n[layer] = min(n + 1, self.budget)
         elif n + t <= self.capacity:  # room: the new tokens take slots [n, n + t) in every head
             self.store.write_range(layer, n, k, v)
             self.pos[layer, n:n + t] = positions[:, None].to(self.pos.dtype)
@@ -361,14 +369,17 @@ class KVCache:
             self.score[layer, dst, heads] = self.score[layer, src, heads]
 
     def _densify(self, layer):
-        """Before a multi-token step: move each head's token in the last slot into its spare slot."""
+        """Before a multi-token step: move each head's token in the last slot into its spare slot (a cache below
+        its budget holds slots [0, n) already: its spare is the next free one)."""
+        self.has_spare[layer] = False
+        if self.n[layer] < self.budget:
+            return
         b, spare = self.budget, self.spare[layer]
         heads = torch.arange(spare.shape[0], device=spare.device)
         last = torch.full_like(spare, b)
         keep = spare != b
         self._move(layer, heads[keep], last[keep], spare[keep])
         self.pos[layer, b] = -1
-        self.has_spare[layer] = False
 
     def _compact(self, layer):
         """evict_every > 1: evict down to `budget` among slots [0, n), refilling holes from the tail."""

@@ -45,11 +45,12 @@ def fresh_scores(policy, k: torch.Tensor, like: torch.Tensor, storage=None, laye
 
 
 def rescored(policy, score: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """`score` [..., M, H], or, for a policy that scores each key against all of them (KeyDiff), every
-    score recomputed from the keys k [..., M, H, D] held at positions `pos` (-1: none)."""
+    """`score` [..., M, H], or, for a policy that scores each key against all of them (KeyDiff), every held
+    key's score recomputed from the keys k [..., M, H, D] held at positions `pos` (-1: none, score kept)."""
     if not policy.rescores:
         return score
-    return _per_layer(policy, policy.rescore(k, pos >= 0).to(score.dtype))
+    held = pos >= 0
+    return torch.where(held, _per_layer(policy, policy.rescore(k, held).to(score.dtype)), score)
 
 
 def piece_attention(q, k, v, policy, old: torch.Tensor | None, pos: torch.Tensor):
@@ -124,20 +125,24 @@ def table_attention(q, storage, layer, table, lens, policy=None, score=None, con
     return out
 
 
-def evict_one(pos, spare, score, rows, policy):
+def evict_one(pos, spare, score, rows, policy, lens=None):
     """Every slot of rows `rows` is live: pick each head's victim (`policy.victim`), mark its position free
-    and make its slot the head's spare slot, which the next decoded token is written into."""
+    and make its slot the head's spare slot, which the next decoded token is written into. lens [B]: the live
+    slots of each row; a row with fewer than pos.shape[1] evicts nothing, its next free slot becomes the spare."""
     victim = policy.victim(pos[rows], None if score is None else score[rows])
+    if lens is not None:  # a free slot's position is -1 already
+        victim = torch.where(lens[:, None] < pos.shape[1], lens[:, None].to(victim.dtype), victim)
     heads = torch.arange(victim.shape[1], device=victim.device)[None, :]
     pos[rows[:, None], victim, heads] = pos.new_full((), -1)  # device scalars: graph capture allows no host copies
     spare[rows] = victim
 
 
 def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spare, score, policy, ring=None):
-    """Steady-state decode of B bounded caches (each head holds `budget` tokens plus its spare slot): each
-    head's new token goes into its spare slot, attends over all table.shape[1] slots in place while this
-    step's probabilities fold into the scores, and the head's victim's slot becomes the next spare.
-    Nothing else moves. On CUDA, a protection the kernels know runs as five fused kernels, six for KeyDiff
+    """Decode of B bounded caches that each hold their tokens in local slots [0, lens[b]) but one spare slot per
+    head: each head's new token goes into its spare slot, attends over the lens[b] slots in place while this
+    step's probabilities fold into the scores, and the head's victim's slot becomes the next spare. A cache still
+    below its budget (lens[b] < table.shape[1]; its spare is slot lens[b] - 1) evicts nothing: slot lens[b] becomes
+    the next spare. Nothing else moves. On CUDA, a protection the kernels know runs as five fused kernels, six for KeyDiff
     (`kernels.triton_decode.evict_decode`; packed pools are written quantized), the same steps as below.
     ring: the caches' mixed-width residuals (`quant.RecentResiduals`, rows `rows`); the new token's goes in first."""
     fused = policy.fused_protection()
@@ -163,7 +168,7 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
     out = table_attention(q, storage, layer, table, lens, policy, step_score, ring=read)
     if score is not None:
         score[rows] = rescored(policy, step_score, read_kv(storage, layer, table.long(), read)[0], pos[rows])
-    evict_one(pos, spare, score, rows, policy)
+    evict_one(pos, spare, score, rows, policy, lens)
     return out
 
 

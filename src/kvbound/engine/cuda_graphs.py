@@ -5,7 +5,7 @@ import torch
 
 from ..staging import to_device
 from .runner import (AppendGroup, EvictGroup, GroupKey, SharedGroup, Spans, append_rows, append_tables, bounded_tables,
-                     group_spans)
+                     decode_lens, group_spans)
 
 KINDS = ("append", "evict", "shared")  # the group kinds a graph can hold
 MAX_GROUPS = 4  # a step of more groups than this runs eagerly
@@ -61,18 +61,21 @@ class DecodeGraphs:
         if key.kind == "append":
             return AppendGroup(self.pool, self.new[:size], self.lens[:size],
                                self.table[:size, :width * self.pool.block_size])
-        rows, table = self.evict_buffers[key.meta]
-        group = SharedGroup if key.kind == "shared" else EvictGroup
-        return group(self.pool, key.meta, rows[:size], table[:size])
+        rows, table, lens = self.evict_buffers[key.meta]
+        if key.kind == "shared":
+            return SharedGroup(self.pool, key.meta, rows[:size], table[:size])
+        return EvictGroup(self.pool, key.meta, rows[:size], table[:size], lens[:size])
 
     def _buffers(self, meta):
-        """The rows and slot table an evict (or shared) group of this policy's metadata reads, made once."""
+        """The rows, slot table and slots held (evict groups) that an evict (or shared) group of this policy's
+        metadata reads, made once."""
         if meta not in self.evict_buffers:
-            dev = self.ids.device
+            dev, top, width = self.ids.device, self.sizes[-1], meta.pos.shape[2]
             self.generations[meta] = meta.generation
             self.evict_buffers[meta] = (
-                torch.full((self.sizes[-1],), meta.scratch_row, dtype=torch.long, device=dev),
-                torch.full((self.sizes[-1], meta.pos.shape[2]), self.scratch, dtype=torch.int32, device=dev))
+                torch.full((top,), meta.scratch_row, dtype=torch.long, device=dev),
+                torch.full((top, width), self.scratch, dtype=torch.int32, device=dev),
+                torch.full((top,), width, dtype=torch.int32, device=dev))
         return self.evict_buffers[meta]
 
     def _capture(self, parts):
@@ -83,8 +86,8 @@ class DecodeGraphs:
             if key.kind == "append":
                 self.new[:size], self.lens[:size], self.table[:size, 0] = self.scratch, 1, self.scratch
             else:
-                rows, table = self._buffers(key.meta)
-                rows[:size], table[:size] = key.meta.scratch_row, self.scratch
+                rows, table, lens = self._buffers(key.meta)
+                rows[:size], table[:size], lens[:size] = key.meta.scratch_row, self.scratch, table.shape[1]
             spans.append((start, start + size, self._group(key, size, width)))
             start += size
         attn = Spans(spans)
@@ -177,16 +180,18 @@ class DecodeGraphs:
             pos += [s.cache.seen for s in seqs[i:j]] + pad
             place += range(start, start + j - i)
             start += size
-        own = [appends[i][0] + appends[i][1] if i in appends else [s.cache.stacked[1] for s in seqs[i:j]]
-               for _, i, j in spans]
+        own = [appends[i][0] + appends[i][1] if i in appends else
+               [s.cache.stacked[1] for s in seqs[i:j]] + (decode_lens(seqs[i:j]) if key.kind == "evict" else [])
+               for key, i, j in spans]
+        place = place if len(parts) > 1 else []  # one group: its rows are the first, in order
         host = to_device(ids + pos + place + [x for values in own for x in values], self.ids.device)
         self.ids[:start], self.pos[:start] = host[:start], host[start:2 * start]
-        place, at = host[2 * start:2 * start + len(batch)], 2 * start + len(batch)
+        place, at = host[2 * start:2 * start + len(place)], 2 * start + len(place)
         for (key, size, _), (_, i, j), values in zip(parts, spans, own):
             self._fill(key, size, seqs[i:j], host[at:at + len(values)], appends.get(i))
             at += len(values)
         if fill is not None:
-            self.ids[place[fill[0]]] = fill[1]()
+            self.ids[place[fill[0]] if len(parts) > 1 else fill[0]] = fill[1]()
         self.last = parts
         if parts in self.several:  # now the most recently replayed
             self.several[parts] = self.several.pop(parts)
@@ -197,7 +202,7 @@ class DecodeGraphs:
     def _fill(self, key, size, seqs, values, append):
         """Point one group's buffers at its sequences' slots (and metadata rows), its padding at the scratch.
         values: on the device, the new slots and context lengths of an append group (`append`: its rows on the
-        host), else the sequences' metadata rows."""
+        host), else the sequences' metadata rows, then an evict group's slots held (`runner.decode_lens`)."""
         b = len(seqs)
         if key.kind == "append":
             self.new[:b], self.lens[:b] = values[:b], values[b:].to(torch.int32)
@@ -208,6 +213,8 @@ class DecodeGraphs:
             else:
                 self.table[:b, :need * self.pool.block_size] = append_tables(self.pool, seqs, need)
             return
-        rows, table = self.evict_buffers[key.meta]
-        rows[:b], rows[b:size], table[b:size] = values, key.meta.scratch_row, self.scratch
+        rows, table, lens = self.evict_buffers[key.meta]
+        rows[:b], rows[b:size], table[b:size] = values[:b], key.meta.scratch_row, self.scratch
+        if key.kind == "evict":
+            lens[:b], lens[b:size] = values[b:].to(torch.int32), table.shape[1]
         table[:b] = bounded_tables(self.pool, seqs, table.shape[1])

@@ -4,10 +4,11 @@ A step's rows are ordered in groups (`GroupKey`), and each group attends in one 
 size, through the same steps a single cache runs (`cache.steps`), over the shared block pool:
   - "append": decodes of unbounded caches. The new token's K/V go to the next slot of each sequence (one
     scatter into the pool), then one paged decode attention over every sequence's slot table.
-  - "evict": decodes of bounded caches in steady state (each head's spare slot is free) that share one
-    policy. The new token is written into the spare slot, attention exports its scores into the
-    sequences' stacked metadata (`cache.stacked.StackedMeta`), and one batched victim choice picks each
-    head's next spare slot: slot replacement for the whole batch, with no per-sequence work.
+  - "evict": decodes of bounded caches that share one policy, each head's spare slot free (`KVCache.take_spare`).
+    The new token is written into the spare slot, attention exports its scores into the sequences' stacked
+    metadata (`cache.stacked.StackedMeta`), and one batched victim choice picks each head's next spare slot:
+    slot replacement for the whole batch, with no per-sequence work. A cache still below its budget attends over
+    the slots it holds and takes its next free slot as the spare instead of evicting.
   - "prefill": prefill pieces of unbounded caches, first or later, of any lengths: K/V into their slots, then
     one varlen causal attention over every piece (FlashAttention on CUDA), each after its cached tokens.
   - "chunk": prefill pieces of one length past the room of bounded caches that hold as many tokens and share a
@@ -19,8 +20,8 @@ size, through the same steps a single cache runs (`cache.steps`), over the share
   - "shared": decodes in steady state of caches whose heads share a layer's places (AdaKV), one policy: the
     new tokens into the spare places, owner-masked attention, and the places the keep rule drops become the
     next spares, for the whole batch (`cache.steps.shared_decode`).
-  - everything else (a bounded piece that exactly fills its cache's room, the decodes of a bounded cache still
-    below its budget, policies without stacked metadata): each cache's own `attend`.
+  - everything else (a bounded piece that exactly fills its cache's room, policies without stacked metadata,
+    the decodes of AdaKV caches still below their budget): each cache's own `attend`.
 """
 from __future__ import annotations
 
@@ -62,6 +63,8 @@ def finish_step(cache, kind: str | None, t: int):
         cache.appended(t)
     elif kind == "chunk":
         cache.chunked(t)
+    elif kind == "evict":
+        cache.decoded()
     else:
         cache.advance(t)
 
@@ -75,9 +78,14 @@ def stacked_rows(seqs, device) -> torch.Tensor:
     return to_device([s.cache.stacked[1] for s in seqs], device)
 
 
+def decode_lens(seqs) -> list[int]:
+    """The slots each decode attends over: the tokens its cache holds and the new one."""
+    return [len(s.cache) + 1 for s in seqs]
+
+
 def append_rows(pool, seqs):
     """(new slots, context lengths, slot-table width in blocks) of append decodes, computed on the host."""
-    lens = [len(s.cache) + 1 for s in seqs]
+    lens = decode_lens(seqs)
     return [s.cache.next_slot() for s in seqs], lens, -(-max(lens) // pool.block_size)
 
 
@@ -109,12 +117,11 @@ class AppendGroup:
 
 
 class EvictGroup:
-    """Steady-state decodes of bounded caches sharing one policy, rows `rows` of its `StackedMeta`
-    (`cache.steps.evict_decode` for all of them at once)."""
+    """Decodes into the spare slots of bounded caches sharing one policy, rows `rows` of its `StackedMeta`, each
+    over lens[b] slots (`cache.steps.evict_decode` for all of them at once)."""
 
-    def __init__(self, pool, meta, rows, table):
-        self.pool, self.meta, self.rows, self.table = pool, meta, rows, table
-        self.lens = torch.full((table.shape[0],), table.shape[1], dtype=torch.int32, device=table.device)
+    def __init__(self, pool, meta, rows, table, lens):
+        self.pool, self.meta, self.rows, self.table, self.lens = pool, meta, rows, table, lens
 
     def attend(self, layer, q, k, v, positions):
         m = self.meta
@@ -236,7 +243,8 @@ def make_group(pool, key: GroupKey, pieces):
         return ChunkGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.budget).long(), key.n)
     if key.kind == "shared":
         return SharedGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.capacity))
-    return EvictGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.capacity))
+    lens = torch.tensor(decode_lens(seqs), dtype=torch.int32, device=dev)
+    return EvictGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.capacity), lens)
 
 
 def group_spans(keys) -> list[tuple]:

@@ -640,12 +640,14 @@ def _key_scores(K, KS, KB, SlotTable, Out, UnitSum, b, offs_n, offs_h, scored, n
 
 
 @triton.jit
-def _victim_kernel(CandKey, CandPos, CandJ, Rows, Pos, Spare, blocks, stride_pr, stride_pj, stride_spr,
-                   HKV: tl.constexpr, HKV_PAD: tl.constexpr, NC_PAD: tl.constexpr):
+def _victim_kernel(CandKey, CandPos, CandJ, Rows, Pos, Spare, CtxLen, width, blocks, stride_pr, stride_pj,
+                   stride_spr, HKV: tl.constexpr, HKV_PAD: tl.constexpr, NC_PAD: tl.constexpr):
     """Sequence b: each head's victim among its blocks' candidates (lowest key, then oldest position): its
-    position is marked free and its slot becomes the head's spare slot."""
+    position is marked free and its slot becomes the head's spare slot. A sequence whose `CtxLen` slots do not
+    fill its table's `width` yet evicts nothing: its next free slot becomes the spare."""
     b = tl.program_id(0)
     row = tl.load(Rows + b)
+    n = tl.load(CtxLen + b)
     offs_c = tl.arange(0, NC_PAD)
     offs_h = tl.arange(0, HKV_PAD)
     cm = (offs_c[:, None] < blocks) & (offs_h[None, :] < HKV)
@@ -654,6 +656,7 @@ def _victim_kernel(CandKey, CandPos, CandJ, Rows, Pos, Spare, blocks, stride_pr,
     pos = tl.load(CandPos + c, mask=cm, other=2147483647)
     j = tl.load(CandJ + c, mask=cm, other=0)
     _, _, j_min = _lowest(key, pos, j, cm, 0)
+    j_min = tl.where(n < width, n, j_min)  # a free slot's position is -1 already
     hmask = offs_h < HKV
     tl.store(Pos + row * stride_pr + j_min * stride_pj + offs_h, tl.full([HKV_PAD], -1, tl.int32), mask=hmask)
     tl.store(Spare + row * stride_spr + offs_h, j_min.to(tl.int64), mask=hmask)
@@ -722,7 +725,8 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     rows [B], [R, >= max_len, Hkv] read at row rows[b]), updated in place with this step's probabilities
     when score_mode is "cumulative" | "normalized" | "ema".
     victim: dict(pos=[R, max_len, Hkv] int32, spare=[R, Hkv] int64, positions=[B], prefix=, recent=,
-    by_score=, rank=) also picks each head's eviction victim after the fold (see `_fold_kernel`); needs rows.
+    by_score=, rank=) also picks each head's eviction victim after the fold (see `_fold_kernel`); needs rows. A
+    sequence with ctx_lens[b] < max_len evicts nothing: slot ctx_lens[b] becomes its heads' spare.
     rank (`Policy.rank_source`): "attention" (default), "age", or "key-norm" / "key-diff", which score the keys
     themselves into `score`.
     value_dot: packed values as (p * scale) @ codes per group (one or two groups per head) instead of
@@ -853,8 +857,8 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
             LAYER=bool(layer), RANK=rank, **key_tiles)
         if victim is not None:
             spare = vt["spare"]
-            _victim_kernel[(bsz,)](*cand, rows, pos, spare, blocks, pos.stride(0), pos.stride(1), spare.stride(0),
-                                   HKV=hkv, HKV_PAD=hkv_pad, NC_PAD=max(2, triton.next_power_of_2(blocks)))
+            _victim_kernel[(bsz,)](*cand, rows, pos, spare, ctx_lens, max_len, blocks, pos.stride(0), pos.stride(1),
+                                   spare.stride(0), HKV=hkv, HKV_PAD=hkv_pad, NC_PAD=max(2, triton.next_power_of_2(blocks)))
     return out
 
 
