@@ -25,6 +25,7 @@ MIXES = {  # name -> the policies of its requests, in turn
     "full + window + h2o + observed": ["full", "window", "h2o-heavy", "observed"],
     "h2o at 4 budgets": ["h2o:sink=4,heavy=124,recent=128", "h2o:sink=4,heavy=252,recent=256",
                          "h2o:sink=4,heavy=60,recent=64", "h2o:sink=4,heavy=188,recent=192"],
+    "keydiff, head budgets (AdaKV)": ["keydiff:alpha=0.2"],
 }
 
 

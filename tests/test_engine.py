@@ -509,19 +509,24 @@ def test_first_prefill_pieces_past_the_room_evict_as_one_batch(model, monkeypatc
 
 
 @pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=10,recent=12", "keydiff:sink=2,heavy=10,recent=12",
-                                  "window:budget=24,sink=2", "knorm:sink=2,heavy=10,recent=12,granularity=layer"])
+                                  "window:budget=24,sink=2", "knorm:sink=2,heavy=10,recent=12,granularity=layer",
+                                  "adakv:sink=2,heavy=12,recent=10,window=6", "keydiff:sink=2,heavy=12,recent=10,alpha=0.2"])
 def test_every_decode_of_a_bounded_cache_joins_the_evict_group(model, monkeypatch, spec):
-    """Every decode of a bounded cache runs in the batched "evict" group, not in its own `attend`, so on CUDA
-    every decode step replays a graph: after a prompt that filled the budget (its spare slot the empty one after
-    the budget) and after a shorter prompt, whose decodes evict nothing until the cache is full, one of them
-    while the others evict. Outputs equal each sequence alone."""
-    alone_decodes, attend = [], KVCache.attend
+    """Every decode of a bounded cache runs in the batched "evict" group ("shared" for AdaKV's head budgets), not
+    in its own `attend`, so on CUDA every decode step replays a graph: after a prompt that filled the budget (its
+    spare slot the empty one after the budget) and after a shorter prompt, whose decodes evict nothing until the
+    cache is full, one of them while the others evict. Outputs equal each sequence alone."""
+    from kvbound.cache.adaptive_cache import AdaptiveKVCache
+    alone_decodes = []
 
-    def recorded(self, layer, q, *a):
-        if q.shape[0] == 1 and self.stacked is not None:
-            alone_decodes.append(layer)
-        return attend(self, layer, q, *a)
-    monkeypatch.setattr(KVCache, "attend", recorded)
+    def recorded(attend):
+        def attend_recorded(self, layer, q, *a):
+            if q.shape[0] == 1 and self.stacked is not None:
+                alone_decodes.append(layer)
+            return attend(self, layer, q, *a)
+        return attend_recorded
+    for cls in (KVCache, AdaptiveKVCache):
+        monkeypatch.setattr(cls, "attend", recorded(cls.attend))
     pol = parse_policy(spec)
     reqs = [prompt(50 + i, n) for i, n in enumerate((3, 12, 23, 24, 30, 57))]  # below, at and past the budget
     llm = LLM(model, num_blocks=128, block_size=8, prefill_chunk=16, max_num_batched_tokens=64)

@@ -635,19 +635,28 @@ def test_fused_evict_decode_on_packed_pools_matches_torch_path(bits, spec):
     torch.testing.assert_close(score.cpu(), ref_meta.score[:, layer], atol=1e-6, rtol=1e-5)
 
 
-def _shared_state(policy, seed, storage, rows=4, batch=(2, 0, 3), layers=2, heads=3):
+def _shared_state(policy, seed, storage, rows=4, batch=(2, 0, 3), layers=2, heads=3, held=None):
     """AdaKV's stacked metadata in steady state: each row's places are owned by heads in uneven numbers, at
     distinct positions per head (the sinks and the newest in some), and each head has one spare place. The
-    second row is a uniform cache whose heads hold the same positions at equal scores: every order is by ties."""
+    second row is a uniform cache whose heads hold the same positions at equal scores: every order is by ties.
+    held: per batch entry, None, or the tokens of a cache below its budget (token j in slot j, column h for head
+    h; its spares the next slot's places)."""
     from kvbound.cache.stacked import StackedMeta
     gen = torch.Generator().manual_seed(seed)
     meta = StackedMeta(policy, layers, heads, rows, "cpu")
     cap = meta.pos.shape[2]
     places = cap * heads
-    now = [cap * heads + 150 + 7 * i for i in range(len(batch))]
+    held = held or [None] * len(batch)
+    now = [cap * heads + 150 + 7 * i if m is None else m for i, m in enumerate(held)]
     for i, r in enumerate(batch):
-        shared = torch.randperm(now[i] - 1, generator=gen)[:cap - 1].to(torch.int32)
+        shared = torch.randperm(max(now[i] - 1, cap), generator=gen)[:cap - 1].to(torch.int32)
         for layer in range(layers):
+            if held[i] is not None:
+                slot = torch.arange(places) // heads
+                meta.owner[r, layer] = torch.where(slot < held[i], torch.arange(places) % heads, -1).view(cap, heads)
+                meta.pos[r, layer] = torch.where(slot < held[i], slot, -1).view(cap, heads)
+                meta.spare[r, layer] = held[i] * heads + torch.arange(heads)
+                continue
             order = torch.randperm(places, generator=gen)
             spares, live = order[:heads], order[heads:]
             owner = torch.full((places,), -1, dtype=torch.int16)
@@ -693,6 +702,19 @@ def test_shared_decode_kernels_match_torch_path(spec, bits):
     each key's age) against the PyTorch route of cache.steps.shared_decode
     on the same state, dense and packed: output, pool bytes, positions, owners, scores and the next spare places. The last dense case spans several
     key blocks and a sort of 512 places."""
+    _check_shared_decode(spec, bits)
+
+
+@pytest.mark.parametrize("spec, bits", [("adakv:budget=12,window=4", None), ("keydiff:budget=12,alpha=0.2", 8),
+                                        ("knorm:budget=12,alpha=0.2", None),
+                                        ("h2o:sink=2,heavy=5,recent=3,score=observed,alpha=0.2", None)])
+def test_shared_decode_below_budget_drops_nothing(spec, bits):
+    """Caches still below their budget decode in the same batch as full ones: no place is dropped, and the next
+    slot's places become their spares (one cache at 1 token, one a token short of full)."""
+    _check_shared_decode(spec, bits, held=(None, 1, "short"))
+
+
+def _check_shared_decode(spec, bits, held=None):
     import copy
     from kvbound.cache.block_pool import BlockPool
     from kvbound.cache.policies import parse_policy
@@ -705,11 +727,19 @@ def test_shared_decode_kernels_match_torch_path(spec, bits):
     for layer in range(layers):
         pool.write(layer, torch.arange(pool.num_blocks), *(torch.randn(pool.num_blocks, heads, d, generator=gen)
                                                            for _ in range(2)))
-    meta, table, rows, step = _shared_state(pol, len(spec) + (bits or 0), pool)
+    held = held and [pol.budget - 1 if m == "short" else m for m in held]
+    meta, table, rows, step = _shared_state(pol, len(spec) + (bits or 0), pool, held=held)
     layer = 1
     ref_meta, ref_pool = copy.deepcopy(meta), copy.deepcopy(pool)
-    want = SharedGroup(ref_pool, ref_meta, rows, table).attend(layer, step["q"], step["k"], step["v"],
-                                                               step["positions"])
+    lens = torch.tensor([table.shape[1] if m is None else m + 1 for m in held or [None] * len(rows)],
+                        dtype=torch.int32)
+    want = SharedGroup(ref_pool, ref_meta, rows, table, lens).attend(layer, step["q"], step["k"], step["v"],
+                                                                     step["positions"])
+    for i, m in enumerate(held or ()):
+        if m is not None:  # nothing dropped: the new tokens in slot m, the spares the next slot's places
+            r = rows[i]
+            assert (ref_meta.owner[r, layer] >= 0).sum() == (m + 1) * 3
+            assert ref_meta.spare[r, layer].tolist() == [(m + 1) * 3 + h for h in range(3)]
     m = meta
     dev = lambda t: t.to(DEV)  # noqa: E731
     raw = [dev(t[layer]) for t in pool.raw]  # K and V, or K's codes, scales, biases, then V's
@@ -720,7 +750,7 @@ def test_shared_decode_kernels_match_torch_path(spec, bits):
     owner, pos, spare, score = (dev(t[:, layer]) for t in (m.owner, m.pos, m.spare, m.score))
     got = shared_decode(*(dev(step[x]) for x in "qkv"), k_pool, v_pool, dev(table), dev(rows), dev(step["positions"]),
                         owner, pos, spare, score, pol.fold, pol.fold_decay, *pol.fused_protection(), m.sure,
-                        quant=quant, splits=3, rank=pol.rank_source)
+                        quant=quant, splits=3, rank=pol.rank_source, lens=dev(lens))
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
     for got_t, want_t in zip(raw, ref_pool.raw):  # the new tokens stored as the pool's packer writes them
         assert torch.equal(got_t.cpu(), want_t[layer])

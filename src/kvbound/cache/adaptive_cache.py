@@ -9,8 +9,8 @@ rows that layers keeping fewer never use (`_place_map`), so the store holds what
 the engine's pool too. Each query head attends to its KV head's entries only (a mask over the layer's entries;
 the PyTorch route, for a batch of one). Evicted entries become holes that new tokens fill, lowest first, so
 nothing moves; the first tokens take slot j, column h for token j and head h, as in `KVCache`, which keeps a
-protected prefix's blocks shareable. In the engine (a `PagedStore`) the cache runs its own `attend` per
-sequence.
+protected prefix's blocks shareable. In the engine (a `PagedStore`) prefill pieces run the cache's own `attend`
+per sequence, and decodes the batched "shared" steps (`steps.shared_decode`), below the budget too.
 """
 from __future__ import annotations
 
@@ -66,6 +66,7 @@ class AdaptiveKVCache:
             self.score = torch.zeros(shape, dtype=torch.float32, device=device)
             self.spare = torch.zeros((layers, self.heads), dtype=torch.long, device=device)
         self.steady = [False] * layers  # a layer that evicted one step's tokens: exactly its spare places are free
+        self.filling = False  # below the budget, each decode's places are the next slot's (`take_spare`)
         self.used = 0  # local slots [0, used) may hold entries
         self.seen = 0
 
@@ -106,7 +107,7 @@ class AdaptiveKVCache:
     def step_kind(self, t: int) -> str | None:
         """"shared" (a steady decode on stacked rows, batched: `steps.shared_decode`), or None (this cache's own
         `attend`)."""
-        return "shared" if t == 1 and self.stacked is not None and all(self.steady) else None
+        return "shared" if t == 1 and self.stacked is not None and (self.filling or all(self.steady)) else None
 
     @property
     def table_row(self) -> int:
@@ -151,7 +152,26 @@ class AdaptiveKVCache:
         self.store.make_private(self.writable_from() // self.store.pool.block_size)
 
     def take_spare(self):
-        """Before a decode in the paged engine: nothing to do, the places' spares come from the keep rule."""
+        """Before a decode in the paged engine: a cache that has not evicted yet (at its budget or below) takes the
+        next slot's places as its heads' spares, where its own `attend` would write them, so that its decodes join
+        the batched "shared" group; they drop no place until the cache is full. Steady caches' spares come from the
+        keep rule."""
+        if self.stacked is not None and not self.filling and not all(self.steady):
+            self.spare.copy_(self.used * self.heads + torch.arange(self.heads, device=self.spare.device))
+            self.filling = True
+
+    def decode_slots(self) -> int:
+        """The local slots a decode attends over: those holding tokens and the new token's."""
+        return min(self.used + 1, self.slots)
+
+    def decoded(self):
+        """Bookkeeping after a batched "shared" step: a cache filling up holds one more slot, and once full it
+        evicted, so exactly its spares are free."""
+        if self.filling:
+            self.used += 1
+            if self.used == self.slots:
+                self.filling, self.steady = False, [True] * len(self.steady)
+        self.advance(1)
 
     def release(self):
         release(self)
@@ -159,7 +179,7 @@ class AdaptiveKVCache:
     def snapshot(self) -> dict:
         return dict(slots=self.store.capacity, bytes=self.store.pool.read_blocks(self.store.blocks),
                     meta=[x.cpu() for x in (self.owner, self.pos, self.score, self.spare)], used=self.used,
-                    seen=self.seen, steady=list(self.steady))
+                    seen=self.seen, steady=list(self.steady), filling=self.filling)
 
     def restore(self, state: dict):
         if self.seen:
@@ -169,6 +189,7 @@ class AdaptiveKVCache:
         for x, saved in zip((self.owner, self.pos, self.score, self.spare), state["meta"]):
             x.copy_(saved)
         self.used, self.seen, self.steady = state["used"], state["seen"], list(state["steady"])
+        self.filling = state["filling"]
 
     def adopt_prefix(self, t: int):
         """Local slots [0, t) already hold tokens [0, t) in every head (a prefix-cache hit)."""
@@ -193,6 +214,7 @@ class AdaptiveKVCache:
         """Attend the t new tokens over the layer's entries and themselves, fold this step's attention into the
         scores, keep the layer's budget if over it, and write the kept new tokens into free places."""
         t, h, d = k.shape
+        self.filling = False  # its spares are not the next slot's once this step writes the lowest free places
         storage = self.store.storage
         used = min(self.used, self.rows[layer])
         held = (self.owner[layer, :used] >= 0).flatten().nonzero()[:, 0]  # places: slot * heads + column

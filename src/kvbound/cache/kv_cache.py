@@ -198,6 +198,10 @@ class KVCache:
             self.spare.fill_(self.n[0])
             self.has_spare = [True] * len(self.has_spare)
 
+    def decode_slots(self) -> int:
+        """The local slots a decode attends over: those holding tokens and the new token's."""
+        return self.n[0] + 1
+
     def decoded(self):
         """Bookkeeping after a batched "evict" step: the new token took the spare slot, and a cache below its
         budget evicted nothing, so it holds one more."""

@@ -62,13 +62,12 @@ class DecodeGraphs:
             return AppendGroup(self.pool, self.new[:size], self.lens[:size],
                                self.table[:size, :width * self.pool.block_size])
         rows, table, lens = self.evict_buffers[key.meta]
-        if key.kind == "shared":
-            return SharedGroup(self.pool, key.meta, rows[:size], table[:size])
-        return EvictGroup(self.pool, key.meta, rows[:size], table[:size], lens[:size])
+        group = SharedGroup if key.kind == "shared" else EvictGroup
+        return group(self.pool, key.meta, rows[:size], table[:size], lens[:size])
 
     def _buffers(self, meta):
-        """The rows, slot table and slots held (evict groups) that an evict (or shared) group of this policy's
-        metadata reads, made once."""
+        """The rows, slot tables and slots held that an evict (or shared) group of this policy's metadata reads,
+        made once."""
         if meta not in self.evict_buffers:
             dev, top, width = self.ids.device, self.sizes[-1], meta.pos.shape[2]
             self.generations[meta] = meta.generation
@@ -181,8 +180,7 @@ class DecodeGraphs:
             place += range(start, start + j - i)
             start += size
         own = [appends[i][0] + appends[i][1] if i in appends else
-               [s.cache.stacked[1] for s in seqs[i:j]] + (decode_lens(seqs[i:j]) if key.kind == "evict" else [])
-               for key, i, j in spans]
+               [s.cache.stacked[1] for s in seqs[i:j]] + decode_lens(seqs[i:j]) for _, i, j in spans]
         place = place if len(parts) > 1 else []  # one group: its rows are the first, in order
         host = to_device(ids + pos + place + [x for values in own for x in values], self.ids.device)
         self.ids[:start], self.pos[:start] = host[:start], host[start:2 * start]
@@ -202,7 +200,7 @@ class DecodeGraphs:
     def _fill(self, key, size, seqs, values, append):
         """Point one group's buffers at its sequences' slots (and metadata rows), its padding at the scratch.
         values: on the device, the new slots and context lengths of an append group (`append`: its rows on the
-        host), else the sequences' metadata rows, then an evict group's slots held (`runner.decode_lens`)."""
+        host), else the sequences' metadata rows, then the slots they hold (`runner.decode_lens`)."""
         b = len(seqs)
         if key.kind == "append":
             self.new[:b], self.lens[:b] = values[:b], values[b:].to(torch.int32)
@@ -215,6 +213,5 @@ class DecodeGraphs:
             return
         rows, table, lens = self.evict_buffers[key.meta]
         rows[:b], rows[b:size], table[b:size] = values[:b], key.meta.scratch_row, self.scratch
-        if key.kind == "evict":
-            lens[:b], lens[b:size] = values[b:].to(torch.int32), table.shape[1]
+        lens[:b], lens[b:size] = values[b:].to(torch.int32), table.shape[1]
         table[:b] = bounded_tables(self.pool, seqs, table.shape[1])

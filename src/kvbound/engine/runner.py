@@ -17,11 +17,11 @@ size, through the same steps a single cache runs (`cache.steps`), over the share
   - "fill": prefill pieces of bounded caches that still have room for them (nothing is evicted), of one
     length after as many held tokens, sharing a policy: K/V and positions into their slots, one batched
     attention with scores.
-  - "shared": decodes in steady state of caches whose heads share a layer's places (AdaKV), one policy: the
-    new tokens into the spare places, owner-masked attention, and the places the keep rule drops become the
-    next spares, for the whole batch (`cache.steps.shared_decode`).
+  - "shared": decodes of caches whose heads share a layer's places (AdaKV), one policy: the new tokens into the
+    spare places, owner-masked attention, and the places the keep rule drops become the next spares, for the
+    whole batch (`cache.steps.shared_decode`); a cache below its budget drops none and takes the next slot's.
   - everything else (a bounded piece that exactly fills its cache's room, policies without stacked metadata,
-    the decodes of AdaKV caches still below their budget): each cache's own `attend`.
+    AdaKV's prefill pieces): each cache's own `attend`.
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def finish_step(cache, kind: str | None, t: int):
         cache.appended(t)
     elif kind == "chunk":
         cache.chunked(t)
-    elif kind == "evict":
+    elif kind in ("evict", "shared"):
         cache.decoded()
     else:
         cache.advance(t)
@@ -80,7 +80,7 @@ def stacked_rows(seqs, device) -> torch.Tensor:
 
 def decode_lens(seqs) -> list[int]:
     """The slots each decode attends over: the tokens its cache holds and the new one."""
-    return [len(s.cache) + 1 for s in seqs]
+    return [s.cache.decode_slots() for s in seqs]
 
 
 def append_rows(pool, seqs):
@@ -130,16 +130,16 @@ class EvictGroup:
 
 
 class SharedGroup:
-    """Steady-state decodes of caches whose heads share a layer's places (AdaKV), rows `rows` of their policy's
-    `StackedMeta` (`cache.steps.shared_decode` for all of them at once)."""
+    """Decodes of caches whose heads share a layer's places (AdaKV), rows `rows` of their policy's `StackedMeta`,
+    each over lens[b] slots (`cache.steps.shared_decode` for all of them at once)."""
 
-    def __init__(self, pool, meta, rows, table):
-        self.pool, self.meta, self.rows, self.table = pool, meta, rows, table
+    def __init__(self, pool, meta, rows, table, lens):
+        self.pool, self.meta, self.rows, self.table, self.lens = pool, meta, rows, table, lens
 
     def attend(self, layer, q, k, v, positions):
         m = self.meta
         return shared_decode(q, k, v, self.pool, layer, self.table, self.rows, positions, m.owner[:, layer],
-                             m.pos[:, layer], m.spare[:, layer], m.score[:, layer], m.policy, m.sure)
+                             m.pos[:, layer], m.spare[:, layer], m.score[:, layer], m.policy, m.sure, self.lens)
 
 
 class PrefillGroup:
@@ -241,10 +241,9 @@ def make_group(pool, key: GroupKey, pieces):
         return FillGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.n + key.t).long(), key.n, key.t)
     if key.kind == "chunk":
         return ChunkGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.budget).long(), key.n)
-    if key.kind == "shared":
-        return SharedGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.capacity))
+    group = SharedGroup if key.kind == "shared" else EvictGroup
     lens = torch.tensor(decode_lens(seqs), dtype=torch.int32, device=dev)
-    return EvictGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.capacity), lens)
+    return group(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.capacity), lens)
 
 
 def group_spans(keys) -> list[tuple]:

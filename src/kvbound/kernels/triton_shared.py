@@ -13,7 +13,8 @@ probabilities again in fp32, two stable argsorts over the places):
     into the place's score (sum, normalized or EMA);
   - `_victim_kernel`, one program per sequence: the `heads` places the keep rule drops (the lowest of each
     head's places past its `sure` ones, oldest among ties, the higher place among exact ties), picked one
-    at a time, freed and made the next spares.
+    at a time, freed and made the next spares; a sequence still below its budget drops none, and the next
+    slot's places become its spares.
 Same result as the PyTorch route (`tests/test_kernels.py`), for policies whose protected tokens are a prefix of
 positions plus the `recent` newest (`Policy.fused_protection`), whatever they rank by (`Policy.rank_source`): the
 folded attention, the same over each key's age (the victim kernel divides), or the keys (KNorm's new place is scored
@@ -214,15 +215,18 @@ def _fold_kernel(Q, K, KS, KB, Table, Rows, Owner, Score, Spare, PartO, PartM, P
 
 
 @triton.jit
-def _victim_kernel(Pos, Score, Owner, Rows, Spare, places, heads, prefix, recent, sure,
+def _victim_kernel(Pos, Score, Owner, Rows, Spare, Lens, width, places, heads, prefix, recent, sure,
                    stride_r, stride_j, stride_c, stride_spr, stride_sph, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
                    BLOCK: tl.constexpr, AGE: tl.constexpr):
     """Sequence b: the keep rule's order is protected places first, then by score, newer first among ties, then
     lower place first; each head keeps its first `sure` places in that order, and of the rest (each head's last
     count - sure) the last `heads` go. They are picked one at a time from the end of the order (lowest score,
-    oldest, higher place), each from a head whose share of the rest is not used up yet: no sort."""
+    oldest, higher place), each from a head whose share of the rest is not used up yet: no sort. A sequence whose
+    `Lens` slots do not fill its table's `width` yet drops nothing: head i's next spare is place Lens * heads + i,
+    free already."""
     b = tl.program_id(0)
     row = tl.load(Rows + b).to(tl.int64)
+    n = tl.load(Lens + b)
     e = tl.arange(0, BLOCK)
     inb = e < places
     ptr = row * stride_r + (e // heads) * stride_j + (e % heads) * stride_c
@@ -245,6 +249,7 @@ def _victim_kernel(Pos, Score, Owner, Rows, Spare, places, heads, prefix, recent
         oldest = tl.min(tl.where(pick, pos, 0x7FFFFFFF), 0)
         pick = pick & (pos == oldest)
         victim = tl.maximum(tl.max(tl.where(pick, e, -1), 0), 0)
+        victim = tl.where(n < width, n * heads + i, victim)
         taken = e == victim
         open_ = open_ & ~taken
         left = left - tl.sum(tl.where(mine & taken[:, None], 1, 0), 0)
@@ -261,7 +266,7 @@ def fits(places: int) -> bool:
 
 def shared_decode(q, k, v, k_pool, v_pool, table, rows, positions, owner, pos, spare, score, score_mode: str | None,
                   ema_decay: float, prefix: int, recent: int, sure: int, quant=None, splits: int | None = None,
-                  rank: str = "attention"):
+                  rank: str = "attention", lens=None):
     """One layer of AdaKV's steady decode, fused: head h's new token k, v [B, H, D] into its spare place, attention
     of q [B, Hq, D] over each KV head's places, this step's probabilities folded into `score`, and the places the
     keep rule drops freed (owner and pos -1) and made the next `spare`. owner/pos/score: the layer's [R, cap, H]
@@ -269,7 +274,8 @@ def shared_decode(q, k, v, k_pool, v_pool, table, rows, positions, owner, pos, s
     tokens'. quant: a packed pool's codes' scales and biases (8/4-bit). splits: how many programs share a
     sequence's places per KV head (default: enough to fill the GPU). rank: `Policy.rank_source`, "attention" (the
     folded scores), "age" (the folded scores over each key's age), or "key-norm" / "key-diff" (from the keys,
-    `score_mode` None)."""
+    `score_mode` None). lens [B] int32: the slots each sequence holds with the new token's (default: all of the
+    table's); one with fewer drops no place, and the next slot's places become its spares."""
     if rank not in RANK_IDS:
         raise ValueError(f"the shared decode kernels rank by {', '.join(RANK_IDS)}, got {rank!r}")
     bsz, hq, d = q.shape
@@ -314,8 +320,10 @@ def shared_decode(q, k, v, k_pool, v_pool, table, rows, positions, owner, pos, s
         heads, chunk, splits, *strides, *spare.stride(), *parts, out.stride(0), out.stride(1), d ** -0.5,
         float(ema_decay), S_PAD=max(2, triton.next_power_of_2(splits)), MODE=MODE_IDS[score_mode],
         RANK=RANK_IDS[rank], **tiles)
+    if lens is None:
+        lens = torch.full((bsz,), table.shape[1], dtype=torch.int32, device=q.device)
     _victim_kernel[(bsz,)](
-        pos, score, owner, rows, spare, places, heads, prefix, recent, sure, *pos.stride(), *spare.stride(),
+        pos, score, owner, rows, spare, lens, table.shape[1], places, heads, prefix, recent, sure, *pos.stride(), *spare.stride(),
         HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), BLOCK=max(16, triton.next_power_of_2(places)),
         AGE=rank == "age", num_warps=4 if places <= 2048 else 8)
     return out
