@@ -16,7 +16,8 @@ class DecodeGraphs:
     """CUDA graphs of whole decode steps, keyed by their parts: (group, batch size[, table width]) for each group
     of the step, in its order. A group's rows all append (unbounded caches), or all evict under one policy (or
     share places, AdaKV); a step of up to MAX_GROUPS groups (policies served side by side, full caches beside
-    bounded ones) replays one graph, whose groups attend in turn over consecutive rows. Batch sizes are 1, 2, 4,
+    bounded ones) replays one graph, whose groups attend over consecutive rows at once, each on a CUDA stream of its
+    own (`runner.Spans`). Batch sizes are 1, 2, 4,
     ... up to max_seqs per group; each group is padded to the next size with rows that write and read one
     scratch slot (and a scratch metadata row). Append graphs come in table widths max_len, 2 max_len, 4 max_len,
     ... up to the longest row there can be (the model's context, or the pool's tokens if fewer): the kernel
@@ -50,6 +51,7 @@ class DecodeGraphs:
         self.shared_logits = None  # [rows, vocab], the logits of the graphs of several groups
         self.last = None  # the key of the graph the last step replayed (benchmarks time it alone)
         self.mempool = torch.cuda.graph_pool_handle()
+        self.streams = [torch.cuda.Stream() for _ in range(MAX_GROUPS - 1)]  # a graph's groups attend at once
         for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
             self._capture(((GroupKey("append"), size, self.widths[0]),))
 
@@ -89,7 +91,7 @@ class DecodeGraphs:
                 rows[:size], table[:size], lens[:size] = key.meta.scratch_row, self.scratch, table.shape[1]
             spans.append((start, start + size, self._group(key, size, width)))
             start += size
-        attn = Spans(spans)
+        attn = Spans(spans, self.streams)
         if len(parts) > 1 and len(self.several) >= MAX_SEVERAL:
             self._forget([next(iter(self.several))])  # the least recently replayed
         stream = torch.cuda.Stream()

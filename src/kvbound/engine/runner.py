@@ -261,14 +261,35 @@ def group_spans(keys) -> list[tuple]:
 
 class Spans:
     """The cache object of consecutive groups in one flat run of tokens: tokens [start, end) attend through their
-    group (or a sequence's own cache), one call per layer each."""
+    group (or a sequence's own cache), one call per layer each. streams: CUDA streams for the groups after the
+    first, which then attend at once (their rows and metadata are their own): a group's small grids leave most of
+    the GPU idle, so in turn they take as long as the largest batch would."""
 
-    def __init__(self, spans):
+    def __init__(self, spans, streams=()):
         self.spans = spans  # (start, end, group)
+        self.streams = streams if len(spans) > 1 else ()
 
     def attend(self, layer, q, k, v, positions):
+        if self.streams:
+            return self._at_once(layer, q, k, v, positions)
         outs = [group.attend(layer, q[a:b], k[a:b], v[a:b], positions[a:b]) for a, b, group in self.spans]
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _at_once(self, layer, q, k, v, positions):
+        """The first group on the current stream, each other on a stream of its own that forks from it and joins
+        it again (the caching allocator keeps each block on the stream that took it, and every stream waits for the
+        current one before its next group, so no block is reused while another stream reads it)."""
+        main = torch.cuda.current_stream()
+        sides = self.streams[:len(self.spans) - 1]
+        for stream in sides:
+            stream.wait_stream(main)
+        outs = []
+        for (a, b, group), stream in zip(self.spans, [main, *sides]):
+            with torch.cuda.stream(stream):
+                outs.append(group.attend(layer, q[a:b], k[a:b], v[a:b], positions[a:b]))
+        for stream in sides:
+            main.wait_stream(stream)
+        return torch.cat(outs)
 
 
 class StepBatch:
