@@ -536,6 +536,38 @@ def test_every_decode_of_a_bounded_cache_joins_the_evict_group(model, monkeypatc
         assert out.outputs[0].token_ids == alone(model, ids, pol, GREEDY, 16)
 
 
+@pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=10,recent=12", "keydiff:sink=2,heavy=12,recent=10,alpha=0.2"])
+def test_forks_of_a_bounded_request_decode_in_the_batched_group(model, monkeypatch, spec):
+    """n > 1 completions of a bounded request: each fork takes a stacked row of its own, a copy of its parent's,
+    so its decodes batch with the others' (never its cache's own `attend`). Each completion equals a single
+    sequence sampled with its seed, below the budget and past it."""
+    from kvbound.cache.adaptive_cache import AdaptiveKVCache
+    alone_decodes = []
+
+    def recorded(attend):
+        def attend_recorded(self, layer, q, *a):
+            if q.shape[0] == 1:
+                alone_decodes.append(layer)
+            return attend(self, layer, q, *a)
+        return attend_recorded
+    for cls in (KVCache, AdaptiveKVCache):
+        monkeypatch.setattr(cls, "attend", recorded(cls.attend))
+    pol = parse_policy(spec)
+    llm = LLM(model, num_blocks=128, block_size=8, prefill_chunk=16)
+    for n in (9, 40):
+        ids = prompt(n, n)
+        p = SamplingParams(max_tokens=20, n=3, temperature=0.9, seed=4, ignore_eos=True)
+        outs = llm.generate(ids, p, pol, use_tqdm=False)[0].outputs
+        assert not alone_decodes
+        for i, comp in enumerate(outs):
+            monkeypatch.undo()
+            one = SamplingParams(max_tokens=20, temperature=0.9, seed=4 + i, ignore_eos=True)
+            assert comp.token_ids == alone(model, ids, pol, one, 16), (n, i)
+            for cls in (KVCache, AdaptiveKVCache):
+                monkeypatch.setattr(cls, "attend", recorded(cls.attend))
+    assert all(meta.idle for meta in llm.engine.caches.stacked.values())  # every fork gave its row back
+
+
 def test_a_question_start_ends_a_bounded_prefill_piece(model, monkeypatch):
     """add_request(question_start=q): a bounded sequence's prefill pieces also end at q, so its context is evicted
     before the question is read (kvpress's protocol), with the single-sequence path's outputs; an unbounded one

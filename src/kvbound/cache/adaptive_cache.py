@@ -202,11 +202,16 @@ class AdaptiveKVCache:
         self.used = self.seen = t
 
     def fork(self) -> "AdaptiveKVCache":
+        """A copy sharing this cache's blocks, with a stacked row of its own when one is free (`KVCache.fork`)."""
         child = copy(self)
         child.store = self.store.fork()
-        child.owner, child.pos, child.score, child.spare = (x.clone() for x in (self.owner, self.pos, self.score,
-                                                                                 self.spare))
-        child.stacked, child.steady = None, list(self.steady)
+        child.steady = list(self.steady)
+        child.stacked = None
+        if self.stacked is not None:
+            self.stacked[0].fork(self.stacked[1], child)
+        if child.stacked is None:
+            child.owner, child.pos, child.score, child.spare = (x.clone() for x in (self.owner, self.pos, self.score,
+                                                                                     self.spare))
         return child
 
     # --- called by each attention layer -------------------------------------------------------

@@ -254,15 +254,19 @@ class KVCache:
 
     def fork(self) -> "KVCache":
         """A copy that shares this cache's blocks (copy-on-write through the store's refcounts), with
-        metadata of its own."""
+        metadata of its own: a stacked row of the same policy when one is free (its steps then batch with the
+        others'), else tensors of its own."""
         child = copy(self)
         child.store = self.store.fork()
-        child.pos = self.pos.clone()
-        child.score = None if self.score is None else self.score.clone()
-        child.spare = self.spare.clone()
-        child.ring = None if self.ring is None else self.ring.clone()
-        child.stacked = None
         child.n, child.has_spare = list(self.n), list(self.has_spare)
+        child.stacked = None
+        if self.stacked is not None:
+            self.stacked[0].fork(self.stacked[1], child)
+        if child.stacked is None:
+            child.pos = self.pos.clone()
+            child.score = None if self.score is None else self.score.clone()
+            child.spare = self.spare.clone()
+            child.ring = None if self.ring is None else self.ring.clone()
         return child
 
     # --- called by each attention layer -------------------------------------------------------

@@ -80,6 +80,19 @@ class StackedMeta:
         """(pos, score, spare) of one row: [layers, cap, heads] twice (score None without scores), [layers, heads]."""
         return self.pos[row], None if self.score is None else self.score[row], self.spare[row]
 
+    def fork(self, row: int, cache):
+        """Give `cache`, a fork of row's cache, a free row holding a copy of `row` (positions, scores, spares, owners,
+        residuals), so that its steps batch with the others': `cache.stacked` becomes (self, new row), or None when
+        every row is in use."""
+        new = self.take()
+        cache.stacked = None if new is None else (self, new)
+        if new is None:
+            return
+        rows = [t for t in (self.pos, self.score, self.spare, self.owner) if t is not None]
+        for t in rows + (self.ring.tensors() if self.ring is not None else []):
+            t[new] = t[row]
+        self.hold(new, cache)
+
     def give(self, row: int):
         self.holders.pop(row, None)
         self.free.append(row)
