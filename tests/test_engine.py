@@ -568,6 +568,25 @@ def test_forks_of_a_bounded_request_decode_in_the_batched_group(model, monkeypat
     assert all(meta.idle for meta in llm.engine.caches.stacked.values())  # every fork gave its row back
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernels and CUDA graphs")
+def test_forks_of_bounded_requests_on_cuda_equal_alone(model):
+    """On CUDA, the forks' stacked rows go through the fused kernels and the decode graphs: n = 3 greedy
+    completions of a bounded request, below its budget and past it, each equal to the sequence alone."""
+    gpu = model.cuda()
+    try:
+        for spec in ("h2o:sink=2,heavy=10,recent=12", "keydiff:sink=2,heavy=12,recent=10,alpha=0.2"):
+            pol = parse_policy(spec)
+            llm = LLM(gpu, num_blocks=128, block_size=8, prefill_chunk=16)
+            for n in (9, 40):
+                ids = prompt(n, n)
+                outs = llm.generate(ids, SamplingParams(max_tokens=20, n=3, ignore_eos=True), pol, use_tqdm=False)
+                want = list(generate_ids(gpu, ids, SamplingParams(max_tokens=20, ignore_eos=True),
+                                         sequence_cache(gpu.config, pol, device="cuda"), (), 16))
+                assert [c.token_ids for c in outs[0].outputs] == [want] * 3, (spec, n)
+    finally:
+        model.cpu()
+
+
 def test_a_question_start_ends_a_bounded_prefill_piece(model, monkeypatch):
     """add_request(question_start=q): a bounded sequence's prefill pieces also end at q, so its context is evicted
     before the question is read (kvpress's protocol), with the single-sequence path's outputs; an unbounded one
