@@ -510,7 +510,8 @@ def test_first_prefill_pieces_past_the_room_evict_as_one_batch(model, monkeypatc
 
 @pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=10,recent=12", "keydiff:sink=2,heavy=10,recent=12",
                                   "window:budget=24,sink=2", "knorm:sink=2,heavy=10,recent=12,granularity=layer",
-                                  "adakv:sink=2,heavy=12,recent=10,window=6", "keydiff:sink=2,heavy=12,recent=10,alpha=0.2"])
+                                  "adakv:sink=2,heavy=12,recent=10,window=6",
+                                  "keydiff:sink=2,heavy=12,recent=10,alpha=0.2"])
 def test_every_decode_of_a_bounded_cache_joins_the_evict_group(model, monkeypatch, spec):
     """Every decode of a bounded cache runs in the batched "evict" group ("shared" for AdaKV's head budgets), not
     in its own `attend`, so on CUDA every decode step replays a graph: after a prompt that filled the budget (its

@@ -547,7 +547,8 @@ def test_evict_decode_matches_torch_path(spec):
 
 
 @pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=5,recent=3", "window:budget=9,sink=2",
-                                  "keydiff:sink=2,heavy=300,recent=20", "knorm:sink=1,heavy=300,recent=20,granularity=layer",
+                                  "keydiff:sink=2,heavy=300,recent=20",
+                                  "knorm:sink=1,heavy=300,recent=20,granularity=layer",
                                   "h2o:sink=2,heavy=5,recent=3,score=observed"])
 def test_evict_decode_below_budget_evicts_nothing(spec):
     """Caches still below their budget decode in the same batch as full ones: each attends over the slots it

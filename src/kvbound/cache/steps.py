@@ -138,12 +138,13 @@ def evict_one(pos, spare, score, rows, policy, lens=None):
 
 
 def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spare, score, policy, ring=None):
-    """Decode of B bounded caches that each hold their tokens in local slots [0, lens[b]) but one spare slot per
-    head: each head's new token goes into its spare slot, attends over the lens[b] slots in place while this
-    step's probabilities fold into the scores, and the head's victim's slot becomes the next spare. A cache still
-    below its budget (lens[b] < table.shape[1]; its spare is slot lens[b] - 1) evicts nothing: slot lens[b] becomes
-    the next spare. Nothing else moves. On CUDA, a protection the kernels know runs as five fused kernels, six for KeyDiff
-    (`kernels.triton_decode.evict_decode`; packed pools are written quantized), the same steps as below.
+    """Decode of B bounded caches whose local slots [0, lens[b]) hold their tokens and one free spare slot per head:
+    each head's new token goes into its spare slot, attends over the lens[b] slots in place while this step's
+    probabilities fold into the scores, and the head's victim's slot becomes the next spare. A cache still below
+    its budget (lens[b] < table.shape[1]; its spare is slot lens[b] - 1 in every head) evicts nothing: slot lens[b]
+    becomes the next spare. Nothing else moves. On CUDA, a protection the kernels know runs as five fused kernels,
+    six for KeyDiff (`kernels.triton_decode.evict_decode`; packed pools are written quantized), the same steps as
+    below.
     ring: the caches' mixed-width residuals (`quant.RecentResiduals`, rows `rows`); the new token's goes in first."""
     fused = policy.fused_protection()
     args = kernel_reads(storage, layer, q, policy)

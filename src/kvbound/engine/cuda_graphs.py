@@ -13,19 +13,18 @@ MAX_SEVERAL = 64  # graphs of several groups kept at once; the one replayed leas
 
 
 class DecodeGraphs:
-    """CUDA graphs of whole decode steps, keyed by their parts: (group, batch size[, table width]) for each group
-    of the step, in its order. A group's rows all append (unbounded caches), or all evict under one policy (or
-    share places, AdaKV); a step of up to MAX_GROUPS groups (policies served side by side, full caches beside
-    bounded ones) replays one graph, whose groups attend over consecutive rows at once, each on a CUDA stream of its
-    own (`runner.Spans`). Batch sizes are 1, 2, 4,
-    ... up to max_seqs per group; each group is padded to the next size with rows that write and read one
-    scratch slot (and a scratch metadata row). Append graphs come in table widths max_len, 2 max_len, 4 max_len,
-    ... up to the longest row there can be (the model's context, or the pool's tokens if fewer): the kernel
-    splits each graph's width over the GPU, so a step runs in the narrowest width that holds its longest row, as
-    an eager step would. Single-group append graphs of width max_len are captured at start-up, every other graph
-    when first used. Only the slot table grows with the longest row (4 bytes per token per batch row). Graphs of
-    several groups, whose sizes combine in many ways, write their logits into one buffer they share, so they hold
-    no memory of their own, and at most MAX_SEVERAL are kept. Other steps run eagerly."""
+    """CUDA graphs of whole decode steps, keyed by their parts: (group, batch size[, table width]) for each group of
+    the step, in its order. A group's rows all append (unbounded caches), or all evict under one policy (or share
+    places, AdaKV); a step of up to MAX_GROUPS groups (policies served side by side, full caches beside bounded
+    ones) replays one graph, whose groups attend over consecutive rows at once, each on a CUDA stream of its own
+    (`runner.Spans`). Batch sizes are 1, 2, 4, ... up to max_seqs per group; each group is padded to the next size
+    with rows that write and read one scratch slot (and a scratch metadata row). Append graphs come in table widths
+    max_len, 2 max_len, 4 max_len, ... up to the longest row there can be (the model's context, or the pool's tokens
+    if fewer): the kernel splits each graph's width over the GPU, so a step runs in the narrowest width that holds
+    its longest row, as an eager step would. Single-group append graphs of width max_len are captured at start-up,
+    every other graph when first used. Only the slot table grows with the longest row (4 bytes per token per batch
+    row). Graphs of several groups, whose sizes combine in many ways, write their logits into one buffer they share,
+    so they hold no memory of their own, and at most MAX_SEVERAL are kept. Other steps run eagerly."""
 
     def __init__(self, model, pool, max_seqs: int, max_len: int, context_len: int | None = None):
         self.model, self.pool = model, pool

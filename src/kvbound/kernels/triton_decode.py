@@ -858,7 +858,8 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         if victim is not None:
             spare = vt["spare"]
             _victim_kernel[(bsz,)](*cand, rows, pos, spare, ctx_lens, max_len, blocks, pos.stride(0), pos.stride(1),
-                                   spare.stride(0), HKV=hkv, HKV_PAD=hkv_pad, NC_PAD=max(2, triton.next_power_of_2(blocks)))
+                                   spare.stride(0), HKV=hkv, HKV_PAD=hkv_pad,
+                                   NC_PAD=max(2, triton.next_power_of_2(blocks)))
     return out
 
 

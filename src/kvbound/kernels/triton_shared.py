@@ -323,7 +323,8 @@ def shared_decode(q, k, v, k_pool, v_pool, table, rows, positions, owner, pos, s
     if lens is None:
         lens = torch.full((bsz,), table.shape[1], dtype=torch.int32, device=q.device)
     _victim_kernel[(bsz,)](
-        pos, score, owner, rows, spare, lens, table.shape[1], places, heads, prefix, recent, sure, *pos.stride(), *spare.stride(),
+        pos, score, owner, rows, spare, lens, table.shape[1], places, heads, prefix, recent, sure, *pos.stride(),
+        *spare.stride(),
         HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), BLOCK=max(16, triton.next_power_of_2(places)),
         AGE=rank == "age", num_warps=4 if places <= 2048 else 8)
     return out
