@@ -508,6 +508,23 @@ def test_first_prefill_pieces_past_the_room_evict_as_one_batch(model, monkeypatc
         assert out.outputs[0].token_ids == alone(model, ids, pol, GREEDY, 32)
 
 
+def recorded_own_decodes(monkeypatch) -> list:
+    """The layers of every decode step a cache ran in its own `attend` (KVCache or AdaptiveKVCache), not in a
+    batched group, from now on."""
+    from kvbound.cache.adaptive_cache import AdaptiveKVCache
+    layers = []
+
+    def recorded(attend):
+        def attend_recorded(self, layer, q, *a):
+            if q.shape[0] == 1:
+                layers.append(layer)
+            return attend(self, layer, q, *a)
+        return attend_recorded
+    for cls in (KVCache, AdaptiveKVCache):
+        monkeypatch.setattr(cls, "attend", recorded(cls.attend))
+    return layers
+
+
 @pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=10,recent=12", "keydiff:sink=2,heavy=10,recent=12",
                                   "window:budget=24,sink=2", "knorm:sink=2,heavy=10,recent=12,granularity=layer",
                                   "adakv:sink=2,heavy=12,recent=10,window=6",
@@ -517,17 +534,7 @@ def test_every_decode_of_a_bounded_cache_joins_the_evict_group(model, monkeypatc
     in its own `attend`, so on CUDA every decode step replays a graph: after a prompt that filled the budget (its
     spare slot the empty one after the budget) and after a shorter prompt, whose decodes evict nothing until the
     cache is full, one of them while the others evict. Outputs equal each sequence alone."""
-    from kvbound.cache.adaptive_cache import AdaptiveKVCache
-    alone_decodes = []
-
-    def recorded(attend):
-        def attend_recorded(self, layer, q, *a):
-            if q.shape[0] == 1 and self.stacked is not None:
-                alone_decodes.append(layer)
-            return attend(self, layer, q, *a)
-        return attend_recorded
-    for cls in (KVCache, AdaptiveKVCache):
-        monkeypatch.setattr(cls, "attend", recorded(cls.attend))
+    alone_decodes = recorded_own_decodes(monkeypatch)
     pol = parse_policy(spec)
     reqs = [prompt(50 + i, n) for i, n in enumerate((3, 12, 23, 24, 30, 57))]  # below, at and past the budget
     llm = LLM(model, num_blocks=128, block_size=8, prefill_chunk=16, max_num_batched_tokens=64)
@@ -542,17 +549,7 @@ def test_forks_of_a_bounded_request_decode_in_the_batched_group(model, monkeypat
     """n > 1 completions of a bounded request: each fork takes a stacked row of its own, a copy of its parent's,
     so its decodes batch with the others' (never its cache's own `attend`). Each completion equals a single
     sequence sampled with its seed, below the budget and past it."""
-    from kvbound.cache.adaptive_cache import AdaptiveKVCache
-    alone_decodes = []
-
-    def recorded(attend):
-        def attend_recorded(self, layer, q, *a):
-            if q.shape[0] == 1:
-                alone_decodes.append(layer)
-            return attend(self, layer, q, *a)
-        return attend_recorded
-    for cls in (KVCache, AdaptiveKVCache):
-        monkeypatch.setattr(cls, "attend", recorded(cls.attend))
+    alone_decodes = recorded_own_decodes(monkeypatch)
     pol = parse_policy(spec)
     llm = LLM(model, num_blocks=128, block_size=8, prefill_chunk=16)
     for n in (9, 40):
@@ -561,11 +558,9 @@ def test_forks_of_a_bounded_request_decode_in_the_batched_group(model, monkeypat
         outs = llm.generate(ids, p, pol, use_tqdm=False)[0].outputs
         assert not alone_decodes
         for i, comp in enumerate(outs):
-            monkeypatch.undo()
             one = SamplingParams(max_tokens=20, temperature=0.9, seed=4 + i, ignore_eos=True)
             assert comp.token_ids == alone(model, ids, pol, one, 16), (n, i)
-            for cls in (KVCache, AdaptiveKVCache):
-                monkeypatch.setattr(cls, "attend", recorded(cls.attend))
+        alone_decodes.clear()  # the references' own decodes
     assert all(meta.idle for meta in llm.engine.caches.stacked.values())  # every fork gave its row back
 
 
