@@ -528,12 +528,15 @@ def recorded_own_decodes(monkeypatch) -> list:
 @pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=10,recent=12", "keydiff:sink=2,heavy=10,recent=12",
                                   "window:budget=24,sink=2", "knorm:sink=2,heavy=10,recent=12,granularity=layer",
                                   "adakv:sink=2,heavy=12,recent=10,window=6",
-                                  "keydiff:sink=2,heavy=12,recent=10,alpha=0.2"])
+                                  "keydiff:sink=2,heavy=12,recent=10,alpha=0.2",
+                                  "pyramidkv:sink=2,heavy=12,recent=10,window=6,beta=4",
+                                  "keydiff:sink=2,heavy=12,recent=10,beta=4"])
 def test_every_decode_of_a_bounded_cache_joins_the_evict_group(model, monkeypatch, spec):
-    """Every decode of a bounded cache runs in the batched "evict" group ("shared" for AdaKV's head budgets), not
-    in its own `attend`, so on CUDA every decode step replays a graph: after a prompt that filled the budget (its
-    spare slot the empty one after the budget) and after a shorter prompt, whose decodes evict nothing until the
-    cache is full, one of them while the others evict. Outputs equal each sequence alone."""
+    """Every decode of a bounded cache runs in the batched "evict" group ("shared" for AdaKV's head budgets and
+    PyramidKV's layer budgets), not in its own `attend`, so on CUDA every decode step replays a graph: after a
+    prompt that filled the budget (its spare slot the empty one after the budget) and after a shorter prompt, whose
+    decodes evict nothing until the cache is full, one of them while the others evict (PyramidKV: prompts between
+    its layers' budgets, a layer filling while the other evicts). Outputs equal each sequence alone."""
     alone_decodes = recorded_own_decodes(monkeypatch)
     pol = parse_policy(spec)
     reqs = [prompt(50 + i, n) for i, n in enumerate((3, 12, 23, 24, 30, 57))]  # below, at and past the budget
@@ -767,8 +770,8 @@ def test_greedy_at_20k_context_alone_equals_batched_and_replays_wide_graphs():
 def test_scored_policies_on_cuda_batched_equal_alone(model, spec, monkeypatch):
     """On CUDA the decode steps of tova, knorm, observed and keydiff run the fused evict kernels (an EMA that
     forgets at once; the new key's norm; the sum over each key's age; every key against the anchor), adakv's
-    the shared-place kernels (`triton_shared`; KNorm, KeyDiff and observed under head budgets too) and
-    pyramidkv's each sequence's own attend over borrowed rows: batched outputs still equal each sequence alone."""
+    the shared-place kernels (`triton_shared`; KNorm, KeyDiff and observed under head budgets too, and pyramidkv's
+    layers, some rows borrowed from another layer): batched outputs still equal each sequence alone."""
     gpu = model.cuda()
     try:
         import kvbound.kernels.triton_shared as shared
@@ -778,14 +781,13 @@ def test_scored_policies_on_cuda_batched_equal_alone(model, spec, monkeypatch):
         reqs = [prompt(40 + i, 30 + 7 * i) for i in range(4)] + [prompt(39, 9)]  # the last below the budget
         # AdaKV as the engine's default: its "shared" graphs are captured up front
         llm = LLM(gpu, num_blocks=128, block_size=8, prefill_chunk=16, policy=pol if pol.adapts else None)
-        stacks = pol.adapts and not pol.layered
-        if stacks:
+        if pol.adapts:
             assert any(key.kind == "shared" for key, _, _ in llm.engine.graphs.parts())
         outs = llm.generate(reqs, GREEDY, pol, use_tqdm=False)
         for ids, out in zip(reqs, outs):
             cache = sequence_cache(gpu.config, pol, device="cuda")
             assert out.outputs[0].token_ids == list(generate_ids(gpu, ids, GREEDY, cache, (), 16)), spec
-        assert bool(calls) == stacks
+        assert bool(calls) == pol.adapts
     finally:
         model.cpu()
 

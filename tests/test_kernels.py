@@ -652,20 +652,21 @@ def _shared_state(policy, seed, storage, rows=4, batch=(2, 0, 3), layers=2, head
     for i, r in enumerate(batch):
         shared = torch.randperm(max(now[i] - 1, cap), generator=gen)[:cap - 1].to(torch.int32)
         for layer in range(layers):
+            mine_places = meta.layer_rows[layer] * heads  # PyramidKV's layers use fewer than the widest
             if held[i] is not None:
                 slot = torch.arange(places) // heads
                 meta.owner[r, layer] = torch.where(slot < held[i], torch.arange(places) % heads, -1).view(cap, heads)
                 meta.pos[r, layer] = torch.where(slot < held[i], slot, -1).view(cap, heads)
                 meta.spare[r, layer] = held[i] * heads + torch.arange(heads)
                 continue
-            order = torch.randperm(places, generator=gen)
+            order = torch.randperm(mine_places, generator=gen)
             spares, live = order[:heads], order[heads:]
             owner = torch.full((places,), -1, dtype=torch.int16)
             owner[live] = torch.randint(heads, (len(live),), generator=gen, dtype=torch.int16)
             owner[live[:heads]] = torch.arange(heads, dtype=torch.int16)  # no head without a place
             if i == 1:
-                owner = (torch.arange(places) % heads).to(torch.int16)
-                spares = torch.randint(cap, (heads,), generator=gen) * heads + torch.arange(heads)
+                owner = torch.where(torch.arange(places) < mine_places, torch.arange(places) % heads, -1).to(torch.int16)
+                spares = torch.randint(mine_places // heads, (heads,), generator=gen) * heads + torch.arange(heads)
                 owner[spares] = -1
             pos = torch.full((places,), -1, dtype=torch.int32)
             for h in range(heads):
@@ -715,7 +716,18 @@ def test_shared_decode_below_budget_drops_nothing(spec, bits):
     _check_shared_decode(spec, bits, held=(None, 1, "short"))
 
 
-def _check_shared_decode(spec, bits, held=None):
+@pytest.mark.parametrize("spec, bits", [("pyramidkv:sink=2,heavy=12,recent=4,window=4,beta=4", None),
+                                        ("pyramidkv:sink=2,heavy=12,recent=4,window=4,beta=4", 8),
+                                        ("keydiff:sink=2,heavy=12,recent=4,beta=4", 4)])
+@pytest.mark.parametrize("layer", [0, 1])
+def test_shared_decode_over_layers_of_different_budgets(spec, bits, layer):
+    """PyramidKV in the shared kernels: the first layer keeps more place rows than the store holds a layer, some of
+    them in the second layer's slots past its budget (read through the pool's `all_layers` view), the second fewer;
+    each layer's decode equals the PyTorch route, a cache below both budgets among the steady ones."""
+    _check_shared_decode(spec, bits, held=(None, 1, None), layer=layer)
+
+
+def _check_shared_decode(spec, bits, held=None, layer=1):
     import copy
     from kvbound.cache.block_pool import BlockPool
     from kvbound.cache.policies import parse_policy
@@ -723,14 +735,14 @@ def _check_shared_decode(spec, bits, held=None):
     from kvbound.kernels.triton_shared import shared_decode
     pol = parse_policy(spec)
     layers, heads, d = 2, 3, 32
-    pool = BlockPool(layers, heads, d, 3 * pol.capacity + 20, 1, kv_bits=bits, group_size=32)
+    widest = max(pol.head_budgets(n, layers)[1] for n in range(layers)) + 1  # the capacity, or PyramidKV's first layer
+    pool = BlockPool(layers, heads, d, 3 * widest + 20, 1, kv_bits=bits, group_size=32)
     gen = torch.Generator().manual_seed(len(spec))
     for layer in range(layers):
         pool.write(layer, torch.arange(pool.num_blocks), *(torch.randn(pool.num_blocks, heads, d, generator=gen)
                                                            for _ in range(2)))
     held = held and [pol.budget - 1 if m == "short" else m for m in held]
     meta, table, rows, step = _shared_state(pol, len(spec) + (bits or 0), pool, held=held)
-    layer = 1
     ref_meta, ref_pool = copy.deepcopy(meta), copy.deepcopy(pool)
     lens = torch.tensor([table.shape[1] if m is None else m + 1 for m in held or [None] * len(rows)],
                         dtype=torch.int32)
@@ -743,18 +755,24 @@ def _check_shared_decode(spec, bits, held=None):
             assert ref_meta.spare[r, layer].tolist() == [(m + 1) * 3 + h for h in range(3)]
     m = meta
     dev = lambda t: t.to(DEV)  # noqa: E731
-    raw = [dev(t[layer]) for t in pool.raw]  # K and V, or K's codes, scales, biases, then V's
-    quant = pool.kernel_args(layer)[2]
+    at, kernel_table, kernel_lens = layer, table, lens
+    if m.places is not None:  # PyramidKV: the layer's place rows, some in another layer's slots, as SharedGroup reads them
+        kernel_table = table[:, m.places[layer][1]] + (m.places[layer][0] * pool.layer_slots).to(torch.int32)
+        pool, ref_pool, at = pool.all_layers(), ref_pool.all_layers(), 0
+        kernel_lens = lens.clamp(max=m.layer_rows[layer])
+    raw = [dev(t[at]) for t in pool.raw]  # K and V, or K's codes, scales, biases, then V's
+    quant = pool.kernel_args(at)[2]
     if quant is not None:
         quant = dict(quant, k_scale=raw[1], k_bias=raw[2], v_scale=raw[4], v_bias=raw[5])
     k_pool, v_pool = (raw[0], raw[1]) if quant is None else (raw[0], raw[3])
     owner, pos, spare, score = (dev(t[:, layer]) for t in (m.owner, m.pos, m.spare, m.score))
-    got = shared_decode(*(dev(step[x]) for x in "qkv"), k_pool, v_pool, dev(table), dev(rows), dev(step["positions"]),
-                        owner, pos, spare, score, pol.fold, pol.fold_decay, *pol.fused_protection(), m.sure,
-                        quant=quant, splits=3, rank=pol.rank_source, lens=dev(lens))
+    got = shared_decode(*(dev(step[x]) for x in "qkv"), k_pool, v_pool, dev(kernel_table), dev(rows),
+                        dev(step["positions"]), owner, pos, spare, score, pol.fold, pol.fold_decay,
+                        *pol.fused_protection(), m.sure[layer], quant=quant, splits=3, rank=pol.rank_source,
+                        lens=dev(kernel_lens))
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
     for got_t, want_t in zip(raw, ref_pool.raw):  # the new tokens stored as the pool's packer writes them
-        assert torch.equal(got_t.cpu(), want_t[layer])
+        assert torch.equal(got_t.cpu(), want_t[at])
     assert torch.equal(owner.cpu(), ref_meta.owner[:, layer]) and torch.equal(pos.cpu(), ref_meta.pos[:, layer])
     assert torch.equal(spare.cpu(), ref_meta.spare[:, layer])
     torch.testing.assert_close(score.cpu(), ref_meta.score[:, layer], atol=1e-6, rtol=1e-5)

@@ -5,7 +5,7 @@ exactly its equal share. Here every (slot, column) place of a layer is an entry 
 layout of `KVCache` ([slots, heads] places, K/V in a `store.KVStore`) plus an owner per place. A layer holds at
 most heads x its budget per head (`policy.head_budgets`) after each eviction, however its heads share them.
 Layers whose budgets differ (PyramidKV) share the store's rows: a layer that keeps more than the mean borrows
-rows that layers keeping fewer never use (`_place_map`), so the store holds what a uniform budget's would, in
+rows that layers keeping fewer never use (`stacked.layer_places`), so the store holds what a uniform budget's would, in
 the engine's pool too. Each query head attends to its KV head's entries only (a mask over the layer's entries;
 the PyTorch route, for a batch of one). Evicted entries become holes that new tokens fill, lowest first, so
 nothing moves; the first tokens take slot j, column h for token j and head h, as in `KVCache`, which keeps a
@@ -21,7 +21,7 @@ import torch
 from ..errors import KvboundError
 from ..kernels import fold_scores
 from .policies import pinned_count
-from .stacked import release
+from .stacked import layer_places, release
 from .steps import fresh_scores, owner_attention, rescored
 from .store import DenseStore
 
@@ -50,7 +50,7 @@ class AdaptiveKVCache:
         self.rows = [share + policy.evict_every for _, share in self.budgets]  # place rows each layer may use
         self.slots = max(self.rows)
         self.store_rows = -(-sum(self.rows) // layers)  # what the store holds per layer: the mean layer's rows
-        self.places = self._place_map(device)
+        self.places = layer_places(self.rows, device)
         self.store = store if store is not None else DenseStore(layers, self.store_rows, self.heads,
                                                                 config.head_dim, device, dtype)
         self.stacked = stacked
@@ -66,22 +66,9 @@ class AdaptiveKVCache:
             self.score = torch.zeros(shape, dtype=torch.float32, device=device)
             self.spare = torch.zeros((layers, self.heads), dtype=torch.long, device=device)
         self.steady = [False] * layers  # a layer that evicted one step's tokens: exactly its spare places are free
-        self.filling = False  # below the budget, each decode's places are the next slot's (`take_spare`)
+        self.filling = False  # a layer below its budget takes the next slot's places for each decode (`take_spare`)
         self.used = 0  # local slots [0, used) may hold entries
         self.seen = 0
-
-    def _place_map(self, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, the (store layer, store row) of each of its place rows. A layer's rows up to the store's
-        width are its own; a layer that keeps more (PyramidKV's first layers) borrows the rows past the budget
-        of layers that keep fewer, so the store holds the mean layer's rows, as a uniform budget would."""
-        lent = [(other, row) for other, rows in enumerate(self.rows) for row in range(rows, self.store_rows)]
-        out = []
-        for layer, rows in enumerate(self.rows):
-            own = min(rows, self.store_rows)
-            extra, lent = lent[:rows - own], lent[rows - own:]
-            where = [(layer, row) for row in range(own)] + extra
-            out.append(tuple(torch.tensor(x, dtype=torch.long, device=device) for x in zip(*where)))
-        return out
 
     @property
     def capacity(self) -> int:
@@ -152,12 +139,15 @@ class AdaptiveKVCache:
         self.store.make_private(self.writable_from() // self.store.pool.block_size)
 
     def take_spare(self):
-        """Before a decode in the paged engine: a cache that has not evicted yet (at its budget or below) takes the
-        next slot's places as its heads' spares, where its own `attend` would write them, so that its decodes join
-        the batched "shared" group; they drop no place until the cache is full. Steady caches' spares come from the
-        keep rule."""
+        """Before a decode in the paged engine: each layer that has not evicted yet (at its budget or below) takes
+        the next slot's places as its heads' spares, where its own `attend` would write them, so that the cache's
+        decodes join the batched "shared" group; a layer drops no place until it is full. Steady layers' spares
+        come from the keep rule."""
         if self.stacked is not None and not self.filling and not all(self.steady):
-            self.spare.copy_(self.used * self.heads + torch.arange(self.heads, device=self.spare.device))
+            nxt = self.used * self.heads + torch.arange(self.heads, device=self.spare.device)
+            for layer, steady in enumerate(self.steady):
+                if not steady:
+                    self.spare[layer] = nxt
             self.filling = True
 
     def decode_slots(self) -> int:
@@ -165,12 +155,12 @@ class AdaptiveKVCache:
         return min(self.used + 1, self.slots)
 
     def decoded(self):
-        """Bookkeeping after a batched "shared" step: a cache filling up holds one more slot, and once full it
-        evicted, so exactly its spares are free."""
+        """Bookkeeping after a batched "shared" step: a cache filling up holds one more slot, and a layer whose rows
+        are all in use evicted, so exactly its spares are free."""
         if self.filling:
             self.used += 1
-            if self.used == self.slots:
-                self.filling, self.steady = False, [True] * len(self.steady)
+            self.steady = [self.used >= rows for rows in self.rows]
+            self.filling = not all(self.steady)
         self.advance(1)
 
     def release(self):
@@ -246,9 +236,10 @@ class AdaptiveKVCache:
         meta[1][held[~keep[:m]]] = -1
         meta[2][held] = score[:m]
         self._write(layer, self._room(layer, t), k, v, keep[m:], (own[m:], pos[m:], score[m:]), meta)
-        if evicted and self.policy.evict_every == 1 and share == self.slots - 1:
-            self.spare[layer] = (meta[0] < 0).nonzero()[:, 0]  # the one free place per head's worth
-            self.steady[layer], self.used = True, self.slots
+        if evicted and self.policy.evict_every == 1:
+            rows = self.rows[layer]
+            self.spare[layer] = (meta[0][:rows * h] < 0).nonzero()[:, 0]  # the one free place per head's worth
+            self.steady[layer], self.used = True, max(self.used, rows)
         return out
 
     def _write(self, layer, rows, k, v, keep, new_meta, meta):

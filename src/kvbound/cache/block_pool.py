@@ -23,6 +23,7 @@ So a block is only ever held by its own row.
 from __future__ import annotations
 
 from collections import OrderedDict
+from copy import copy
 
 import torch
 
@@ -99,6 +100,7 @@ class BlockPool:
         rows = max_seqs if self.striped else 16
         self.tables = torch.zeros(rows, self.stripe or num_blocks, dtype=torch.int32, device=device)
         self.free_rows = list(range(rows - 1, -1, -1))
+        self._all_layers = None  # `all_layers`, made on first use
         if self.striped:
             # block 0, held for good: the tables' unused entries point at it, since a batch's gather reads a
             # whole table width and an entry left from a freed block could point at an unmapped page
@@ -163,6 +165,26 @@ class BlockPool:
     def raw(self) -> list[torch.Tensor]:
         """The stored tensors, [layers, slots, heads, ...] each: K and V, or K's and V's codes, scales, biases."""
         return [self.k, self.v] if self.packed is None else self.packed.tensors
+
+    @property
+    def layer_slots(self) -> int:
+        """Slots per layer: slot s of layer l is slot l * layer_slots + s of `all_layers`."""
+        return self.raw[0].shape[1]
+
+    def all_layers(self) -> "BlockPool":
+        """This pool's storage with every layer's slots as layer 0's (slot l * layer_slots + s), a view of the same
+        tensors: a step that reads slots of several layers at once (PyramidKV's rows borrowed from other layers)
+        passes it, with layer 0. Only its slot storage (reads, writes, kernel arguments) is for use."""
+        if self._all_layers is None:
+            def one(t):
+                return t.view(1, -1, *t.shape[2:])
+            flat = copy(self)
+            if self.packed is None:
+                flat.k, flat.v = one(self.k), one(self.v)
+            else:
+                flat.packed = self.packed.mapped(one)
+            self._all_layers = flat
+        return self._all_layers
 
     def pack(self, k, v) -> list[torch.Tensor]:
         """New tokens' K/V [..., H, D] as stored (quantized for a packed pool), matching `raw`."""

@@ -80,6 +80,11 @@ class _Packed:
     def tensors(self):
         return [self.codes, self.scale, self.bias]
 
+    def mapped(self, fn) -> "_Packed":
+        out = copy(self)
+        out.codes, out.scale, out.bias = map(fn, self.tensors())
+        return out
+
     def bytes_per_token_head(self):
         return packed_head_bytes(self.codes.shape[-1] * 8 // self.bits, self.bits, self.group)
 
@@ -95,6 +100,13 @@ class PackedKV:
         self.k = _Packed(layers, slots, heads, head_dim, bits, group_size, zeros)
         self.v = _Packed(layers, slots, heads, head_dim, bits, group_size, zeros)
         self.tensors = self.k.tensors() + self.v.tensors()
+
+    def mapped(self, fn) -> "PackedKV":
+        """The same storage with fn applied to each tensor (a view of them: `BlockPool.all_layers`)."""
+        out = copy(self)
+        out.k, out.v = self.k.mapped(fn), self.v.mapped(fn)
+        out.tensors = out.k.tensors() + out.v.tensors()
+        return out
 
     def pack(self, k, v) -> list[torch.Tensor]:
         return [*quantize(k, self.bits, self.group), *quantize(v, self.bits, self.group)]
@@ -132,6 +144,11 @@ class Fp8KV:
             return [zeros((layers, slots, heads, head_dim), torch.uint8),
                     zeros((layers, slots, heads, 1), torch.float16)]
         self.tensors = side() + side()
+
+    def mapped(self, fn) -> "Fp8KV":
+        out = copy(self)
+        out.tensors = [fn(t) for t in self.tensors]
+        return out
 
     @staticmethod
     def _pack(x):

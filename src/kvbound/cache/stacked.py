@@ -9,9 +9,25 @@ import torch
 
 
 def stackable(policy) -> bool:
-    """Bounded policies whose steady-state decode runs batched on stacked rows: one eviction per step, and
-    every layer the same budget (heads may share one: AdaKV's rows also hold an owner per place)."""
-    return policy.bounded and policy.evict_every == 1 and not policy.layered
+    """Bounded policies whose steady-state decode runs batched on stacked rows: one eviction per step (heads may
+    share a layer's budget, AdaKV's rows also holding an owner per place; layers may keep different budgets,
+    PyramidKV's, reading rows of other layers through `layer_places`)."""
+    return policy.bounded and policy.evict_every == 1
+
+
+def layer_places(rows: list[int], device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the (store layer, store row) of each of its `rows[layer]` place rows, where the store holds the
+    mean layer's rows: a layer's rows up to that width are its own, and a layer that keeps more (PyramidKV's first
+    layers) borrows the rows past the budget of layers that keep fewer, so a uniform budget's blocks hold them."""
+    width = -(-sum(rows) // len(rows))
+    lent = [(other, row) for other, n in enumerate(rows) for row in range(n, width)]
+    out = []
+    for layer, n in enumerate(rows):
+        own = min(n, width)
+        extra, lent = lent[:n - own], lent[n - own:]
+        where = [(layer, row) for row in range(own)] + extra
+        out.append(tuple(torch.tensor(x, dtype=torch.long, device=device) for x in zip(*where)))
+    return out
 
 
 def release(cache):
@@ -28,20 +44,28 @@ class StackedMeta:
         cache finds none free: a policy that few sequences use holds few rows. ring: mixed widths' residuals for a
         number of rows (a function giving `quant.RecentResiduals`), or None; they grow with the rows."""
         self.policy, self.max_rows = policy, rows
-        self.sure = policy.head_budgets(0, layers)[0]
+        budgets = [policy.head_budgets(layer, layers) for layer in range(layers)]
+        self.sure = [sure for sure, _ in budgets]  # each head's guaranteed places, per layer
+        self.layer_rows = [share + policy.evict_every for _, share in budgets]  # the place rows each layer uses
+        # layers of different budgets (PyramidKV): where each layer's place rows are in the store
+        self.places = layer_places(self.layer_rows, device) if policy.layered else None
         self.rows = rows if first_rows is None else min(rows, first_rows)
         self.ring = None if ring is None else ring(self.rows + 1)
         # the scratch row, last, is where the padding rows of a decode graph write
-        shape = (self.rows + 1, layers, policy.capacity, heads)
+        shape = (self.rows + 1, layers, max(self.layer_rows), heads)
         self.pos = torch.full(shape, -1, dtype=torch.int32, device=device)
         self.score = torch.zeros(shape, device=device) if policy.score else None
         self.spare = torch.zeros(shape[:2] + shape[3:], dtype=torch.long, device=device)
-        # heads sharing a layer's places (AdaKV): each place's head, and spare holds places (slot * heads + column);
-        # each head's guaranteed places, every layer alike (layered policies are not stackable)
+        # heads sharing a layer's places (AdaKV): each place's head, and spare holds places (slot * heads + column)
         self.owner = torch.full(shape, -1, dtype=torch.int16, device=device) if policy.adapts else None
         self.free = list(range(self.rows - 1, -1, -1))
         self.holders: dict = {}  # row -> the cache whose views point into it (`bind_stacked` after growing)
         self.generation = 0  # how many times the rows grew: graphs captured over older tensors are stale
+
+    @property
+    def width(self) -> int:
+        """Slots of a row's slot table: its policy's capacity, or the widest layer's rows (PyramidKV)."""
+        return self.pos.shape[2]
 
     @property
     def scratch_row(self) -> int:

@@ -238,20 +238,21 @@ def shared_decode(q, k, v, storage, layer, table, rows, positions, owner, pos, s
     shared_store(k, v, storage, layer, table, rows, positions, owner, pos, spare, score, policy)
     kc, vc = storage.gather(layer, table.long())
     ks, vs = kc.flatten(1, 2).to(q.dtype), vc.flatten(1, 2).to(q.dtype)  # [B, E, D]
-    own, held = owner[rows].flatten(1), pos[rows].flatten(1)
+    width = table.shape[1]  # the layer's place rows (fewer than the metadata's in PyramidKV's smaller layers)
+    own, held = owner[rows, :width].flatten(1), pos[rows, :width].flatten(1)
     group = torch.arange(q.shape[1], device=q.device) // (q.shape[1] // h)
     mask = own[:, None, None, :] == group[None, None, :, None]  # [B, 1, Hq, E]
     out, step = owner_attention(q[:, None], ks, vs, mask, policy)
-    folded = score[rows].flatten(1)
+    folded = score[rows, :width].flatten(1)
     if step is not None:
         folded = fold_scores(folded, step, policy.fold, policy.fold_decay)
     if policy.rescores:
         folded = rescored_places(policy, folded, ks, own, held, h)
-    score[rows] = folded.view(bsz, -1, h)
+    score[rows, :width] = folded.view(bsz, -1, h)
     victim = policy.entry_victims(held, folded, own, h, sure)
     if lens is not None:  # the next slot's places are free already
         nxt = lens[:, None].long() * h + torch.arange(h, device=lens.device)
-        victim = torch.where(lens[:, None] < table.shape[1], nxt, victim)
+        victim = torch.where(lens[:, None] < width, nxt, victim)
     r, vslot, vcol = rows[:, None], victim // h, victim % h
     owner[r, vslot, vcol] = owner.new_full((), -1)
     pos[r, vslot, vcol] = pos.new_full((), -1)

@@ -17,11 +17,12 @@ size, through the same steps a single cache runs (`cache.steps`), over the share
   - "fill": prefill pieces of bounded caches that still have room for them (nothing is evicted), of one
     length after as many held tokens, sharing a policy: K/V and positions into their slots, one batched
     attention with scores.
-  - "shared": decodes of caches whose heads share a layer's places (AdaKV), one policy: the new tokens into the
-    spare places, owner-masked attention, and the places the keep rule drops become the next spares, for the
-    whole batch (`cache.steps.shared_decode`); a cache below its budget drops none and takes the next slot's.
+  - "shared": decodes of caches whose heads share a layer's places (AdaKV) or whose layers keep different budgets
+    (PyramidKV), one policy: the new tokens into the spare places, owner-masked attention, and the places the keep
+    rule drops become the next spares, for the whole batch (`cache.steps.shared_decode`); a layer below its budget
+    drops none and takes the next slot's.
   - everything else (a bounded piece that exactly fills its cache's room, policies without stacked metadata,
-    AdaKV's prefill pieces): each cache's own `attend`.
+    AdaKV's and PyramidKV's prefill pieces): each cache's own `attend`.
 """
 from __future__ import annotations
 
@@ -131,15 +132,23 @@ class EvictGroup:
 
 class SharedGroup:
     """Decodes of caches whose heads share a layer's places (AdaKV), rows `rows` of their policy's `StackedMeta`,
-    each over lens[b] slots (`cache.steps.shared_decode` for all of them at once)."""
+    each over lens[b] slots (`cache.steps.shared_decode` for all of them at once). Layers of different budgets
+    (PyramidKV) read their place rows where `StackedMeta.places` puts them, some in other layers' slots, through
+    the pool's `all_layers` view."""
 
     def __init__(self, pool, meta, rows, table, lens):
         self.pool, self.meta, self.rows, self.table, self.lens = pool, meta, rows, table, lens
 
     def attend(self, layer, q, k, v, positions):
         m = self.meta
-        return shared_decode(q, k, v, self.pool, layer, self.table, self.rows, positions, m.owner[:, layer],
-                             m.pos[:, layer], m.spare[:, layer], m.score[:, layer], m.policy, m.sure, self.lens)
+        storage, at, table, lens = self.pool, layer, self.table, self.lens
+        if m.places is not None:
+            store_layer, store_row = m.places[layer]
+            storage, at = self.pool.all_layers(), 0
+            table = table[:, store_row] + (store_layer * self.pool.layer_slots).to(table.dtype)
+            lens = lens.clamp(max=m.layer_rows[layer])
+        return shared_decode(q, k, v, storage, at, table, self.rows, positions, m.owner[:, layer], m.pos[:, layer],
+                             m.spare[:, layer], m.score[:, layer], m.policy, m.sure[layer], lens)
 
 
 class PrefillGroup:
@@ -243,7 +252,7 @@ def make_group(pool, key: GroupKey, pieces):
         return ChunkGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.budget).long(), key.n)
     group = SharedGroup if key.kind == "shared" else EvictGroup
     lens = torch.tensor(decode_lens(seqs), dtype=torch.int32, device=dev)
-    return group(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.capacity), lens)
+    return group(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.width), lens)
 
 
 def group_spans(keys) -> list[tuple]:
