@@ -547,6 +547,29 @@ def test_every_decode_of_a_bounded_cache_joins_the_evict_group(model, monkeypatc
         assert out.outputs[0].token_ids == alone(model, ids, pol, GREEDY, 16)
 
 
+@pytest.mark.parametrize("spec", ["adakv:sink=2,heavy=12,recent=10,window=6",
+                                  "keydiff:sink=2,heavy=12,recent=10,alpha=0.2",
+                                  "h2o:sink=2,heavy=12,recent=10,score=observed,alpha=0.2",
+                                  "pyramidkv:sink=2,heavy=12,recent=10,window=6,beta=4"])
+def test_prefill_pieces_of_shared_places_run_batched(model, monkeypatch, spec):
+    """Prefill pieces of caches whose heads share places (AdaKV, PyramidKV) run as batched "places" groups, never a
+    cache's own `attend`: pieces that fill, that evict for the first time, and that evict from a full cache, several
+    caches a group. Each sequence's outputs equal its own cache's."""
+    from kvbound.cache.adaptive_cache import AdaptiveKVCache
+    from kvbound.engine.runner import PlacesGroup
+    rows = group_sizes(monkeypatch, PlacesGroup)
+    own = []
+    attend = AdaptiveKVCache.attend
+    monkeypatch.setattr(AdaptiveKVCache, "attend", lambda self, *a: own.append(1) or attend(self, *a))
+    pol = parse_policy(spec)
+    reqs = [prompt(90 + i, n) for i, n in enumerate((9, 20, 20, 47, 47, 47, 70))]
+    llm = LLM(model, num_blocks=128, block_size=8, prefill_chunk=16, max_num_batched_tokens=128)
+    outs = llm.generate(reqs, GREEDY, pol, use_tqdm=False)
+    assert own == [] and max(rows) >= 3
+    for ids, out in zip(reqs, outs):
+        assert out.outputs[0].token_ids == alone(model, ids, pol, GREEDY, 16)
+
+
 @pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=10,recent=12", "keydiff:sink=2,heavy=12,recent=10,alpha=0.2"])
 def test_forks_of_a_bounded_request_decode_in_the_batched_group(model, monkeypatch, spec):
     """n > 1 completions of a bounded request: each fork takes a stacked row of its own, a copy of its parent's,

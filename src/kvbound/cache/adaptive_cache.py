@@ -9,8 +9,9 @@ rows that layers keeping fewer never use (`stacked.layer_places`), so the store 
 the engine's pool too. Each query head attends to its KV head's entries only (a mask over the layer's entries;
 the PyTorch route, for a batch of one). Evicted entries become holes that new tokens fill, lowest first, so
 nothing moves; the first tokens take slot j, column h for token j and head h, as in `KVCache`, which keeps a
-protected prefix's blocks shareable. In the engine (a `PagedStore`) prefill pieces run the cache's own `attend`
-per sequence, and decodes the batched "shared" steps (`steps.shared_decode`), below the budget too.
+protected prefix's blocks shareable. In the engine (a `PagedStore`) prefill pieces run batched as "places" groups
+(`steps.shared_piece`, the step `attend` runs for one cache), and decodes as "shared" ones (`steps.shared_decode`),
+below the budget too.
 """
 from __future__ import annotations
 
@@ -19,10 +20,9 @@ from copy import copy
 import torch
 
 from ..errors import KvboundError
-from ..kernels import fold_scores
 from .policies import pinned_count
 from .stacked import layer_places, release
-from .steps import fresh_scores, owner_attention, rescored
+from .steps import shared_piece
 from .store import DenseStore
 
 
@@ -68,6 +68,8 @@ class AdaptiveKVCache:
         self.steady = [False] * layers  # a layer that evicted one step's tokens: exactly its spare places are free
         self.filling = False  # a layer below its budget takes the next slot's places for each decode (`take_spare`)
         self.used = 0  # local slots [0, used) may hold entries
+        self.held = [0] * layers  # entries each layer holds
+        self.reach = 0  # the place rows this step's pieces reach in any layer: `used` after it
         self.seen = 0
 
     @property
@@ -89,12 +91,15 @@ class AdaptiveKVCache:
 
     def advance(self, t: int):
         self.seen += t
+        self.used = max(self.used, self.reach)
 
     # --- used by the paged engine ---------------------------------------------------------------
     def step_kind(self, t: int) -> str | None:
-        """"shared" (a steady decode on stacked rows, batched: `steps.shared_decode`), or None (this cache's own
-        `attend`)."""
-        return "shared" if t == 1 and self.stacked is not None and (self.filling or all(self.steady)) else None
+        """On stacked rows: "shared" (a decode, each layer's spares free: `steps.shared_decode`) or "places" (a
+        prefill piece: `steps.shared_piece`), both batched; None without a row (this cache's own `attend`)."""
+        if self.stacked is None:
+            return None
+        return "shared" if t == 1 and (self.filling or all(self.steady)) else "places"
 
     @property
     def table_row(self) -> int:
@@ -108,26 +113,6 @@ class AdaptiveKVCache:
         (all of it before any row is borrowed)."""
         n = min(self.rows[layer], self.used + t)
         return n if self.store.capacity >= self.store_rows else min(n, self.store.capacity)
-
-    def _rows(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(store layer, store slot) of the layer's first n place rows."""
-        at_layer, row = self.places[layer]
-        return at_layer[:n], self.store.slot_table(self.store_rows if n > self.store_rows else n).long()[row[:n]]
-
-    def _gather(self, layer: int, n: int):
-        """K, V of the layer's first n place rows, [n, heads, D] each."""
-        at_layer, slots = self._rows(layer, n)
-        storage = self.store.storage
-        if n <= self.store_rows:  # all its own
-            return storage.gather(layer, slots)
-        k = v = None
-        for lay in at_layer.unique().tolist():
-            mine = at_layer == lay
-            kl, vl = storage.gather(lay, slots[mine])
-            if k is None:
-                k, v = kl.new_empty(n, *kl.shape[1:]), vl.new_empty(n, *vl.shape[1:])
-            k[mine], v[mine] = kl, vl
-        return k, v
 
     def writable_from(self) -> int:
         return self.policy.protected_prefix
@@ -160,6 +145,7 @@ class AdaptiveKVCache:
         if self.filling:
             self.used += 1
             self.steady = [self.used >= rows for rows in self.rows]
+            self.held = [self.heads * min(self.used, share) for _, share in self.budgets]
             self.filling = not all(self.steady)
         self.advance(1)
 
@@ -169,7 +155,7 @@ class AdaptiveKVCache:
     def snapshot(self) -> dict:
         return dict(slots=self.store.capacity, bytes=self.store.pool.read_blocks(self.store.blocks),
                     meta=[x.cpu() for x in (self.owner, self.pos, self.score, self.spare)], used=self.used,
-                    seen=self.seen, steady=list(self.steady), filling=self.filling)
+                    seen=self.seen, steady=list(self.steady), filling=self.filling, held=list(self.held))
 
     def restore(self, state: dict):
         if self.seen:
@@ -179,6 +165,7 @@ class AdaptiveKVCache:
         for x, saved in zip((self.owner, self.pos, self.score, self.spare), state["meta"]):
             x.copy_(saved)
         self.used, self.seen, self.steady = state["used"], state["seen"], list(state["steady"])
+        self.held = list(state["held"])
         self.filling = state["filling"]
 
     def adopt_prefix(self, t: int):
@@ -190,12 +177,13 @@ class AdaptiveKVCache:
         self.owner[:, :t] = torch.arange(self.heads, dtype=self.owner.dtype, device=self.device)
         self.pos[:, :t] = torch.arange(t, dtype=self.pos.dtype, device=self.device)[:, None]
         self.used = self.seen = t
+        self.held = [t * self.heads] * len(self.held)
 
     def fork(self) -> "AdaptiveKVCache":
         """A copy sharing this cache's blocks, with a stacked row of its own when one is free (`KVCache.fork`)."""
         child = copy(self)
         child.store = self.store.fork()
-        child.steady = list(self.steady)
+        child.steady, child.held = list(self.steady), list(self.held)
         child.stacked = None
         if self.stacked is not None:
             self.stacked[0].fork(self.stacked[1], child)
@@ -207,87 +195,52 @@ class AdaptiveKVCache:
     # --- called by each attention layer -------------------------------------------------------
     def attend(self, layer: int, q, k, v, positions):
         """Attend the t new tokens over the layer's entries and themselves, fold this step's attention into the
-        scores, keep the layer's budget if over it, and write the kept new tokens into free places."""
-        t, h, d = k.shape
-        self.filling = False  # its spares are not the next slot's once this step writes the lowest free places
-        storage = self.store.storage
-        used = min(self.used, self.rows[layer])
-        held = (self.owner[layer, :used] >= 0).flatten().nonzero()[:, 0]  # places: slot * heads + column
-        meta = [x[layer].view(-1) for x in (self.owner, self.pos, self.score)]
-        if used:
-            kc, vc = self._gather(layer, used)
-            kc, vc = kc.flatten(0, 1)[held], vc.flatten(0, 1)[held]
-        else:
-            kc = vc = k.new_zeros(0, d)
-        own = torch.cat([meta[0][held], torch.arange(h, device=k.device, dtype=meta[0].dtype).repeat(t)])
-        pos = torch.cat([meta[1][held], positions.to(torch.int32).repeat_interleave(h)])
-        ks = torch.cat([kc.to(q.dtype), storage.roundtrip(layer, k).reshape(t * h, d).to(q.dtype)])
-        vs = torch.cat([vc.to(q.dtype), storage.roundtrip(layer, v).reshape(t * h, d).to(q.dtype)])
-        out, step = self._attention(q, ks, vs, own, pos, positions)
-        fresh = fresh_scores(self.policy, k, self.score).flatten()
-        score = self._folded(step, own, pos, ks, torch.cat([meta[2][held], fresh]), t)
+        scores, keep the layer's budget if over it, and write the kept new tokens into free places: the batched step
+        (`steps.shared_piece`) for this one cache."""
+        plan = self.piece_plan(layer, k.shape[0])
+        storage, table = self.layer_table(layer, max(plan[0], plan[1]))
+        rows = torch.zeros(1, dtype=torch.long, device=k.device)
         sure, share = self.budgets[layer]
-        keep = torch.ones_like(pos, dtype=torch.bool)
-        evicted = len(pos) > h * (share + self.policy.evict_every - 1)
-        if evicted:
-            keep = self.policy.keep_entries(pos, score, own, h, sure, h * share)
-        m = len(held)
-        meta[0][held[~keep[:m]]] = -1
-        meta[1][held[~keep[:m]]] = -1
-        meta[2][held] = score[:m]
-        self._write(layer, self._room(layer, t), k, v, keep[m:], (own[m:], pos[m:], score[m:]), meta)
-        if evicted and self.policy.evict_every == 1:
-            rows = self.rows[layer]
-            self.spare[layer] = (meta[0][:rows * h] < 0).nonzero()[:, 0]  # the one free place per head's worth
-            self.steady[layer], self.used = True, max(self.used, rows)
-        return out
+        steady = plan[2] and self.policy.evict_every == 1
+        out = shared_piece(q[None], k[None], v[None], storage, 0, table[None], rows, positions[None], self.owner[layer][None],
+                           self.pos[layer][None], self.score[layer][None], self.policy, sure, share, *plan,
+                           spare=self.spare[layer][None] if steady else None)
+        self.after_piece(layer, k.shape[0], *plan)
+        return out[0]
 
-    def _write(self, layer, rows, k, v, keep, new_meta, meta):
-        """The kept new entries (token-major `keep` [t * heads]) into the lowest free places of the layer's
-        first `rows` place rows."""
-        new = keep.nonzero()[:, 0]
-        if not len(new):
-            return
-        free = (meta[0][:rows * self.heads] < 0).nonzero()[:len(new), 0]
-        assert len(free) == len(new), "no free place for a kept token"
-        slots, cols = free // self.heads, free % self.heads
-        d = k.shape[-1]
-        at_layer, at_slot = self._rows(layer, rows)
-        at_layer, at_slot = at_layer[slots], at_slot[slots]
-        ks, vs = k.reshape(-1, d)[new][:, None], v.reshape(-1, d)[new][:, None]
-        for lay in ([layer] if rows <= self.store_rows else at_layer.unique().tolist()):  # borrowed rows: by layer
-            mine = at_layer == lay
-            self.store.storage.write(lay, at_slot[mine][:, None], ks[mine], vs[mine], cols[mine][:, None])
-        for x, y in zip(meta, new_meta):
-            x[free] = y[new].to(x.dtype)
-        self.used = max(self.used, int(slots.max()) + 1)
+    def piece_plan(self, layer: int, t: int) -> tuple[int, int, bool]:
+        """(place rows the layer's entries are in, place rows its new entries may take, whether it evicts) for a
+        piece of t tokens: on the host, from the counts this cache keeps."""
+        sure, share = self.budgets[layer]
+        evict = self.held[layer] + t * self.heads > self.heads * (share + self.policy.evict_every - 1)
+        room = self._room(layer, t)
+        assert not evict or self.policy.evict_every > 1 or room == self.rows[layer], "an evicting layer fills its rows"
+        return min(self.used, self.rows[layer]), room, evict
 
-    def _attention(self, q, ks, vs, own, pos, positions):
-        """Each query head over its KV head's entries at positions up to its own (`steps.owner_attention`):
-        out [t, Hq, D], and each entry's attention over the last `policy.score_window` queries [E] or None."""
-        t, hq, _ = q.shape
-        group = torch.arange(hq, device=q.device) // (hq // self.heads)
-        mask = (own[None, None, :] == group[None, :, None]) & (pos[None, None, :] <= positions[:, None, None])
-        out, step = owner_attention(q[None], ks[None], vs[None], mask[None], self.policy,
-                                    t - min(t, self.policy.score_window or t))
-        return out[0], None if step is None else step[0]
+    def after_piece(self, layer: int, t: int, n: int, room: int, evict: bool):
+        """Bookkeeping after a piece of t tokens in one layer (`piece_plan`'s figures): a layer that evicted holds its
+        budget, and one evicting a step's tokens (evict_every 1) is steady, exactly its spares free."""
+        self.filling = False  # its spares are not the next slot's once a piece wrote the lowest free places
+        share = self.budgets[layer][1]
+        self.held[layer] = self.heads * share if evict else self.held[layer] + t * self.heads
+        self.reach = max(self.reach, room if evict else min(n + t, room))  # `used` once every layer ran (`advance`)
+        if evict and self.policy.evict_every == 1:
+            self.steady[layer] = True
 
-    def _folded(self, step, own, pos, ks, score, t):
-        """The candidates' scores after this step, from their scores before it: a decode step's attention folds
-        in; a prefill piece's goes through the policy's `piece_scores` one head at a time (SnapKV pools along
-        each head's stream order); KeyDiff rescores each head's keys."""
-        if step is not None and t == 1:
-            score = fold_scores(score, step, self.policy.fold, self.policy.fold_decay)
-            step = None
-        if step is None and not self.policy.rescores:
-            return score
-        out = torch.empty_like(score)
-        for head in range(self.heads):
-            mine = (own == head).nonzero()[:, 0]
-            one = score[mine, None] if step is None else self.policy.piece_scores(score[mine, None], step[mine, None],
-                                                                                  pos[mine, None])
-            out[mine] = rescored(self.policy, one, ks[mine, None], pos[mine, None])[:, 0]
-        return out
+    def pieced(self, t: int):
+        """Bookkeeping after a batched piece of t tokens ("places" group) ran every layer."""
+        plans = [self.piece_plan(layer, t) for layer in range(len(self.rows))]
+        for layer, plan in enumerate(plans):
+            self.after_piece(layer, t, *plan)
+        self.advance(t)
+
+    def layer_table(self, layer: int, n: int):
+        """(storage, slots [n]): the layer's first n place rows as slots of the store's view of every layer's slots
+        (`all_layers`), borrowed rows included."""
+        at_layer, row = self.places[layer]
+        storage = self.store.storage
+        local = self.store.slot_table(self.store_rows if n > self.store_rows else n).long()[row[:n]]
+        return storage.all_layers(), (at_layer[:n] * storage.layer_slots + local).to(torch.int32)
 
     # --- introspection ------------------------------------------------------------------------
     def positions_held(self, layer: int) -> torch.Tensor:

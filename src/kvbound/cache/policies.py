@@ -94,14 +94,16 @@ def _shared_order(pos, rank, protected, owner, heads: int):
 
 def select_shared(pos: torch.Tensor, rank: torch.Tensor, protected: torch.Tensor, owner: torch.Tensor, heads: int,
                   guaranteed: int, total: int) -> torch.Tensor:
-    """`select_keep` over a layer's entries [E], each owned by a KV head (`owner`): every protected entry, then
-    each head's highest-ranked up to `guaranteed` entries, then the highest-ranked others up to `total` in all
-    (newer wins ties). Protected entries must fit in each head's `guaranteed`."""
-    order, place = _shared_order(pos, rank, protected, owner, heads)
-    sure = place <= guaranteed
-    rest = ~sure
-    take = sure | (rest & (rest.cumsum(0) <= total - sure.sum()))
-    return torch.zeros_like(protected).scatter_(0, order, take)
+    """`select_keep` over a layer's entries [..., E], each owned by a KV head (`owner`; -1: no entry, never kept):
+    every protected entry, then each head's highest-ranked up to `guaranteed` entries, then the highest-ranked others
+    up to `total` in all (newer wins ties). Protected entries must fit in each head's `guaranteed`."""
+    held = owner >= 0
+    rank = torch.where(held, rank.float(), float("-inf"))  # no entry: last in the order, after every held one
+    order, place = _shared_order(pos, rank, protected & held, owner, heads)
+    sure = (place <= guaranteed) & held.gather(-1, order)
+    rest = ~sure & held.gather(-1, order)
+    take = sure | (rest & (rest.cumsum(-1) <= total - sure.sum(-1, keepdim=True)))
+    return torch.zeros_like(protected).scatter_(-1, order, take)
 
 
 def shared_victims(pos: torch.Tensor, rank: torch.Tensor, protected: torch.Tensor, owner: torch.Tensor, heads: int,
@@ -384,9 +386,9 @@ class H2OPolicy(Policy):
         return protected + int(self.alpha * max(0, share - protected)), share
 
     def keep_entries(self, pos, score, owner, heads: int, guaranteed: int, total: int) -> torch.Tensor:
-        """The keep rule over a layer's entries [E] owned by heads (`select_shared`)."""
-        col = pos[:, None]  # one column: protection and rank see the whole layer's newest position
-        return select_shared(pos, self.rank(col, score[:, None])[:, 0], self._protected(col)[:, 0], owner, heads,
+        """The keep rule over a layer's entries [E], or a batch of layers' [B, E], owned by heads (`select_shared`)."""
+        col = pos[..., None]  # one column: protection and rank see the whole layer's newest position
+        return select_shared(pos, self.rank(col, score[..., None])[..., 0], self._protected(col)[..., 0], owner, heads,
                              guaranteed, total)
 
     def entry_victims(self, pos, score, owner, heads: int, guaranteed: int) -> torch.Tensor:
@@ -465,13 +467,19 @@ class SnapKVPolicy(H2OPolicy):
         return self.window
 
     def piece_scores(self, old, step, pos):
-        """The window's probabilities, pooled along stream order, replace the piece's candidates' scores."""
-        order = pos.argsort(dim=-2)
-        by_pos = step.gather(-2, order).movedim(-2, -1)  # [..., H, M]
-        shape = by_pos.shape
-        pooled = F.avg_pool1d(by_pos.reshape(-1, 1, shape[-1]), self.kernel, 1, self.kernel // 2,
-                              count_include_pad=False).reshape(shape).movedim(-1, -2)
-        return torch.empty_like(pooled).scatter_(-2, order, pooled)
+        """The window's probabilities, pooled along stream order, replace the piece's candidates' scores. Entries at
+        position -1 (none: another head's place, `steps.piece_places`) go last in that order, count for nothing in the
+        pool and keep their old scores; with none of them the pool is avg_pool's alone."""
+        held = pos >= 0
+        order = torch.where(held, pos, torch.iinfo(pos.dtype).max).argsort(dim=-2)
+
+        def pooled(x):  # [..., M, H] in stream order, pooled along it
+            by_pos = x.gather(-2, order).movedim(-2, -1)  # [..., H, M]
+            shape = by_pos.shape
+            return F.avg_pool1d(by_pos.reshape(-1, 1, shape[-1]), self.kernel, 1, self.kernel // 2,
+                                count_include_pad=False).reshape(shape).movedim(-1, -2)
+        mean = pooled(step * held) / pooled(held.to(step.dtype))  # exactly avg_pool's when every entry is held
+        return torch.where(held, torch.empty_like(mean).scatter_(-2, order, mean), old)
 
     def describe(self) -> str:
         return super().describe()[:-1] + f",window={self.window},kernel={self.kernel})"

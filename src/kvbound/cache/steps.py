@@ -260,6 +260,88 @@ def shared_decode(q, k, v, storage, layer, table, rows, positions, owner, pos, s
     return out[:, 0]
 
 
+def shared_piece(q, k, v, storage, layer, table, rows, positions, owner, pos, score, policy, sure: int, share: int,
+                 n: int, room: int, evict: bool, spare=None):
+    """Prefill pieces of t tokens of B caches whose heads share a layer's places (AdaKV, PyramidKV; a cache's own
+    `attend` with B = 1), each holding its entries in its first n place rows (table [B, >= max(n, room)]: the storage
+    slot of each place row; owner/pos/score the layer's [R, cap, H] metadata at rows `rows`): each query head attends
+    to its KV head's entries and the piece (q [B, t, Hq, D], k, v [B, t, H, D], positions [B, t]), the scores fold
+    (`piece_places`), the keep rule keeps heads x share entries if `evict`, and the kept new tokens fill the lowest
+    free places of the first `room` rows (`fill_places`). spare [R, H]: after an eviction, each cache's free places
+    (one per head's worth) become its spares. Returns out [B, t, Hq, D]. No host sync."""
+    bsz, t, h, _ = k.shape
+    e = n * h
+    kc, vc = storage.gather(layer, table[:, :n].long())  # [B, n, H, D]
+    own_c, pos_c, score_c = (x[rows, :n].flatten(1) for x in (owner, pos, score))  # [B, E]
+    own = torch.cat([own_c, torch.arange(h, device=k.device, dtype=owner.dtype).repeat(t).expand(bsz, -1)], 1)
+    cand_pos = torch.cat([pos_c, positions[:, :, None].expand(-1, -1, h).flatten(1).to(pos.dtype)], 1)
+    ks = torch.cat([kc.flatten(1, 2).to(q.dtype), storage.roundtrip(layer, k).flatten(1, 2).to(q.dtype)], 1)
+    vs = torch.cat([vc.flatten(1, 2).to(q.dtype), storage.roundtrip(layer, v).flatten(1, 2).to(q.dtype)], 1)
+    group = torch.arange(q.shape[2], device=q.device) // (q.shape[2] // h)
+    mask = (own[:, None, None, :] == group[None, None, :, None]) & (cand_pos[:, None, None, :]
+                                                                      <= positions[:, :, None, None])
+    out, step = owner_attention(q, ks, vs, mask, policy, t - min(t, policy.score_window or t))
+    cand_score = torch.cat([score_c, fresh_scores(policy, k, score).flatten(1)], 1)
+    folded = piece_places(policy, step, own, cand_pos, ks, cand_score, t, h)
+    held = own >= 0
+    keep = policy.keep_entries(cand_pos, folded, own, h, sure, h * share) if evict else held
+    drop = held[:, :e] & ~keep[:, :e]
+    shape = (bsz, n, h)
+    owner[rows, :n] = torch.where(drop, -1, own_c).view(shape).to(owner.dtype)
+    pos[rows, :n] = torch.where(drop, -1, pos_c).view(shape)
+    score[rows, :n] = torch.where(held[:, :e], folded[:, :e], score_c).view(shape)
+    fill_places(storage, layer, table, rows, owner, pos, score, k, v, keep[:, e:],
+                (own[:, e:], cand_pos[:, e:], folded[:, e:]), room)
+    if spare is not None:
+        free = owner[rows, :room].flatten(1) < 0
+        spare[rows] = torch.sort((~free).to(torch.int8), dim=1, stable=True).indices[:, :h]
+    return out
+
+
+def piece_places(policy, step, own, pos, ks, score, t: int, heads: int) -> torch.Tensor:
+    """Candidates' scores [B, E] after a piece of t tokens whose attention is `step` [B, E] (None without): a decode's
+    fold in; a prefill piece's through the policy's `piece_scores` one head at a time (SnapKV pools along each
+    head's stream order, the other heads' entries standing aside at position -1); KeyDiff rescores each head's keys."""
+    if step is not None and t == 1:
+        score = fold_scores(score, step, policy.fold, policy.fold_decay)
+        step = None
+    if step is None and not policy.rescores:
+        return score
+    out = score
+    for head in range(heads):
+        mine = own == head
+        held = torch.where(mine, pos, -1)[..., None]  # [B, E, 1]
+        one = score[..., None] if step is None else policy.piece_scores(score[..., None], step[..., None], held)
+        out = torch.where(mine, rescored(policy, one, ks[:, :, None], held)[..., 0], out)
+    return out
+
+
+def fill_places(storage, layer, table, rows, owner, pos, score, k, v, kept, new_meta, room: int):
+    """The kept new entries (token-major `kept` [B, t * heads]; their owners, positions and scores `new_meta`) into
+    the lowest free places of each cache's first `room` place rows, in order, as a cache fills its holes. Rows
+    keeping fewer entries than others repeat their first write (the same bytes to the same place), or, keeping
+    none, write a free place that stays free: every row writes as many, with no host sync."""
+    bsz, t, h, d = k.shape
+    free = owner[rows, :room].flatten(1) < 0
+    m = min(t * h, room * h)
+    at_free = torch.sort((~free).to(torch.int8), dim=1, stable=True).indices[:, :m]  # free places, lowest first
+    at_new = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices[:, :m]  # kept entries, in order
+    count = kept.sum(1, keepdim=True)
+    i = torch.arange(m, device=k.device)[None]
+    first = torch.where(i < count, i, 0)
+    ok = first < count
+    place, entry = at_free.gather(1, first), at_new.gather(1, first)
+    slot, col = place // h, place % h
+    ks, vs = (x.flatten(1, 2).gather(1, entry[..., None].expand(-1, -1, d)) for x in (k, v))
+    storage.write(layer, table.gather(1, slot).reshape(-1, 1).long(), ks.reshape(-1, 1, d), vs.reshape(-1, 1, d),
+                  col.reshape(-1, 1))
+    r = rows[:, None]
+    own, new_pos, new_score = (x.gather(1, entry) for x in new_meta)
+    owner[r, slot, col] = torch.where(ok, own, -1).to(owner.dtype)
+    pos[r, slot, col] = torch.where(ok, new_pos, -1).to(pos.dtype)
+    score[r, slot, col] = torch.where(ok, new_score, score[r, slot, col])
+
+
 def chunk_attend(q, k, v, storage, layer, table, n, rows, positions, pos, score, policy, ring=None):
     """Prefill pieces of t tokens of B bounded caches holding n tokens each (slots table[:, :n]): each
     piece attends over its cache plus itself. Returns (out [B*t, Hq, D], and the n + t candidates of each

@@ -10,6 +10,7 @@ Two protocols:
 """
 from __future__ import annotations
 
+from copy import copy
 from typing import Protocol
 
 import torch
@@ -104,6 +105,19 @@ class DenseStore:
     def slot_table(self, n):
         """Where local slots [0, n) live in the storage: here, the same slots."""
         return torch.arange(n, device=self.k.device, dtype=torch.int32)
+
+    @property
+    def layer_slots(self) -> int:
+        """Slots per layer: slot s of layer l is slot l * layer_slots + s of `all_layers`."""
+        return self.k.shape[1]
+
+    def all_layers(self) -> "DenseStore":
+        """This store with every layer's slots as layer 0's (slot l * layer_slots + s), a view of the same tensors
+        until the store grows (`BlockPool.all_layers`)."""
+        flat = copy(self)
+        flat.k, flat.v = (x.view(1, -1, *x.shape[2:]) for x in (self.k, self.v))
+        flat.storage = flat
+        return flat
 
     def grow(self, slots):
         """Room for at least `slots` slots (doubling); returns the new slot count."""

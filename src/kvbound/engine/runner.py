@@ -21,8 +21,11 @@ size, through the same steps a single cache runs (`cache.steps`), over the share
     (PyramidKV), one policy: the new tokens into the spare places, owner-masked attention, and the places the keep
     rule drops become the next spares, for the whole batch (`cache.steps.shared_decode`); a layer below its budget
     drops none and takes the next slot's.
-  - everything else (a bounded piece that exactly fills its cache's room, policies without stacked metadata,
-    AdaKV's and PyramidKV's prefill pieces): each cache's own `attend`.
+  - "places": prefill pieces of one length of caches whose heads share places (AdaKV, PyramidKV), holding as many
+    place rows, one policy: owner-masked attention over their entries and the pieces, the keep rule, and the kept
+    new tokens into the lowest free places, for the whole batch (`cache.steps.shared_piece`).
+  - everything else (a bounded piece that exactly fills its cache's room, policies without stacked metadata):
+    each cache's own `attend`.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ import torch
 
 from ..cache.stacked import StackedMeta
 from ..cache.steps import (chunk_attend, evict_decode, keep_and_rewrite, piece_attention, shared_decode,
-                           table_attention)
+                           shared_piece, table_attention)
 from ..kernels import varlen_causal_attention
 from ..staging import to_device
 
@@ -54,8 +57,9 @@ def group_key(seq, t: int) -> GroupKey | None:
         return None
     if kind == "prefill":  # one group whatever the pieces' lengths
         return GroupKey(kind)
-    meta = seq.cache.stacked[0] if kind in ("evict", "chunk", "fill", "shared") else None
-    return GroupKey(kind, meta, t, len(seq.cache) if kind in ("fill", "chunk") else 0)
+    meta = seq.cache.stacked[0] if kind in ("evict", "chunk", "fill", "shared", "places") else None
+    n = len(seq.cache) if kind in ("fill", "chunk") else seq.cache.used if kind == "places" else 0
+    return GroupKey(kind, meta, t, n)
 
 
 def finish_step(cache, kind: str | None, t: int):
@@ -66,6 +70,8 @@ def finish_step(cache, kind: str | None, t: int):
         cache.chunked(t)
     elif kind in ("evict", "shared"):
         cache.decoded()
+    elif kind == "places":
+        cache.pieced(t)
     else:
         cache.advance(t)
 
@@ -130,6 +136,18 @@ class EvictGroup:
                             m.spare[:, layer], None if m.score is None else m.score[:, layer], m.policy, ring=m.ring)
 
 
+def layer_slots(pool, meta, layer: int, table, lens=None):
+    """(storage, layer, slot table, lens) a group of caches whose heads share places reads in `layer`: the pool and
+    the table as they are, or, for layers of different budgets (PyramidKV), the layer's place rows in the pool's view
+    of every layer's slots (`BlockPool.all_layers`), some borrowed from other layers (`StackedMeta.places`), and lens
+    no longer than its rows."""
+    if meta.places is None:
+        return pool, layer, table, lens
+    store_layer, store_row = meta.places[layer]
+    table = table[:, store_row] + (store_layer * pool.layer_slots).to(table.dtype)
+    return pool.all_layers(), 0, table, None if lens is None else lens.clamp(max=meta.layer_rows[layer])
+
+
 class SharedGroup:
     """Decodes of caches whose heads share a layer's places (AdaKV), rows `rows` of their policy's `StackedMeta`,
     each over lens[b] slots (`cache.steps.shared_decode` for all of them at once). Layers of different budgets
@@ -141,14 +159,32 @@ class SharedGroup:
 
     def attend(self, layer, q, k, v, positions):
         m = self.meta
-        storage, at, table, lens = self.pool, layer, self.table, self.lens
-        if m.places is not None:
-            store_layer, store_row = m.places[layer]
-            storage, at = self.pool.all_layers(), 0
-            table = table[:, store_row] + (store_layer * self.pool.layer_slots).to(table.dtype)
-            lens = lens.clamp(max=m.layer_rows[layer])
+        storage, at, table, lens = layer_slots(self.pool, m, layer, self.table, self.lens)
         return shared_decode(q, k, v, storage, at, table, self.rows, positions, m.owner[:, layer], m.pos[:, layer],
                              m.spare[:, layer], m.score[:, layer], m.policy, m.sure[layer], lens)
+
+
+class PlacesGroup:
+    """Prefill pieces of t tokens of caches whose heads share a layer's places (AdaKV, PyramidKV), rows `rows` of
+    their policy's `StackedMeta`, each holding as many place rows (`AdaptiveKVCache.used`): `cache.steps.shared_piece`
+    for all of them at once, each layer's plan (rows held, rows the piece may take, whether it evicts) the same for
+    every cache and made on the host before the step (`AdaptiveKVCache.piece_plan`)."""
+
+    def __init__(self, pool, meta, rows, table, cache, t: int):
+        self.pool, self.meta, self.rows, self.table, self.t = pool, meta, rows, table, t
+        self.budgets = cache.budgets
+        self.plans = [cache.piece_plan(layer, t) for layer in range(len(cache.budgets))]
+
+    def attend(self, layer, q, k, v, positions):
+        m, t = self.meta, self.t
+        storage, at, table, _ = layer_slots(self.pool, m, layer, self.table)
+        plan = self.plans[layer]
+        sure, share = self.budgets[layer]
+        bsz = self.rows.shape[0]
+        out = shared_piece(*(x.unflatten(0, (bsz, t)) for x in (q, k, v)), storage, at, table, self.rows,
+                           positions.view(bsz, t), m.owner[:, layer], m.pos[:, layer], m.score[:, layer], m.policy,
+                           sure, share, *plan, spare=m.spare[:, layer] if plan[2] else None)
+        return out.flatten(0, 1)
 
 
 class PrefillGroup:
@@ -250,6 +286,8 @@ def make_group(pool, key: GroupKey, pieces):
         return FillGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.n + key.t).long(), key.n, key.t)
     if key.kind == "chunk":
         return ChunkGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.budget).long(), key.n)
+    if key.kind == "places":
+        return PlacesGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.width), seqs[0].cache, key.t)
     group = SharedGroup if key.kind == "shared" else EvictGroup
     lens = torch.tensor(decode_lens(seqs), dtype=torch.int32, device=dev)
     return group(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.width), lens)
