@@ -556,6 +556,7 @@ def test_prefill_pieces_of_shared_places_run_batched(model, monkeypatch, spec):
     cache's own `attend`: pieces that fill, that evict for the first time, and that evict from a full cache, several
     caches a group. Each sequence's outputs equal its own cache's."""
     from kvbound.cache.adaptive_cache import AdaptiveKVCache
+    from kvbound.engine import runner
     from kvbound.engine.runner import PlacesGroup
     rows = group_sizes(monkeypatch, PlacesGroup)
     own = []
@@ -568,6 +569,11 @@ def test_prefill_pieces_of_shared_places_run_batched(model, monkeypatch, spec):
     assert own == [] and max(rows) >= 3
     for ids, out in zip(reqs, outs):
         assert out.outputs[0].token_ids == alone(model, ids, pol, GREEDY, 16)
+    # a bound on one call's attention tensors splits a group's rows into calls of one row: the same outputs
+    monkeypatch.setattr(runner, "PIECE_ELEMENTS", 1)
+    llm = LLM(model, num_blocks=128, block_size=8, prefill_chunk=16, max_num_batched_tokens=128)
+    assert [o.outputs[0].token_ids for o in llm.generate(reqs, GREEDY, pol, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in outs]
 
 
 @pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=10,recent=12", "keydiff:sink=2,heavy=12,recent=10,alpha=0.2"])

@@ -164,6 +164,11 @@ class SharedGroup:
                              m.spare[:, layer], m.score[:, layer], m.policy, m.sure[layer], lens)
 
 
+# the most elements of a "places" step's mask and probabilities ([rows, t, query heads, entries]) in one call: a
+# batch of long pieces runs in chunks of rows under it, as each cache's own `attend` once ran alone
+PIECE_ELEMENTS = 1 << 28
+
+
 class PlacesGroup:
     """Prefill pieces of t tokens of caches whose heads share a layer's places (AdaKV, PyramidKV), rows `rows` of
     their policy's `StackedMeta`, each holding as many place rows (`AdaptiveKVCache.used`): `cache.steps.shared_piece`
@@ -180,11 +185,15 @@ class PlacesGroup:
         storage, at, table, _ = layer_slots(self.pool, m, layer, self.table)
         plan = self.plans[layer]
         sure, share = self.budgets[layer]
-        bsz = self.rows.shape[0]
-        out = shared_piece(*(x.unflatten(0, (bsz, t)) for x in (q, k, v)), storage, at, table, self.rows,
-                           positions.view(bsz, t), m.owner[:, layer], m.pos[:, layer], m.score[:, layer], m.policy,
-                           sure, share, *plan, spare=m.spare[:, layer] if plan[2] else None)
-        return out.flatten(0, 1)
+        bsz, h = self.rows.shape[0], k.shape[1]
+        q, k, v = (x.unflatten(0, (bsz, t)) for x in (q, k, v))
+        positions = positions.view(bsz, t)
+        each = max(1, PIECE_ELEMENTS // (t * q.shape[2] * (plan[0] + t) * h))  # rows a call takes
+        outs = [shared_piece(q[a:a + each], k[a:a + each], v[a:a + each], storage, at, table[a:a + each],
+                             self.rows[a:a + each], positions[a:a + each], m.owner[:, layer], m.pos[:, layer],
+                             m.score[:, layer], m.policy, sure, share, *plan,
+                             spare=m.spare[:, layer] if plan[2] else None) for a in range(0, bsz, each)]
+        return torch.cat(outs).flatten(0, 1)
 
 
 class PrefillGroup:
