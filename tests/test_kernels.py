@@ -665,7 +665,8 @@ def _shared_state(policy, seed, storage, rows=4, batch=(2, 0, 3), layers=2, head
             owner[live] = torch.randint(heads, (len(live),), generator=gen, dtype=torch.int16)
             owner[live[:heads]] = torch.arange(heads, dtype=torch.int16)  # no head without a place
             if i == 1:
-                owner = torch.where(torch.arange(places) < mine_places, torch.arange(places) % heads, -1).to(torch.int16)
+                owner = torch.arange(places) % heads
+                owner = torch.where(torch.arange(places) < mine_places, owner, -1).to(torch.int16)
                 spares = torch.randint(mine_places // heads, (heads,), generator=gen) * heads + torch.arange(heads)
                 owner[spares] = -1
             pos = torch.full((places,), -1, dtype=torch.int32)
@@ -731,7 +732,7 @@ def _check_shared_decode(spec, bits, held=None, layer=1):
     import copy
     from kvbound.cache.block_pool import BlockPool
     from kvbound.cache.policies import parse_policy
-    from kvbound.engine.runner import SharedGroup
+    from kvbound.engine.runner import SharedGroup, layer_slots
     from kvbound.kernels.triton_shared import shared_decode
     pol = parse_policy(spec)
     layers, heads, d = 2, 3, 32
@@ -755,11 +756,9 @@ def _check_shared_decode(spec, bits, held=None, layer=1):
             assert ref_meta.spare[r, layer].tolist() == [(m + 1) * 3 + h for h in range(3)]
     m = meta
     dev = lambda t: t.to(DEV)  # noqa: E731
-    at, kernel_table, kernel_lens = layer, table, lens
-    if m.places is not None:  # PyramidKV: the layer's place rows, some in another layer's slots, as SharedGroup reads them
-        kernel_table = table[:, m.places[layer][1]] + (m.places[layer][0] * pool.layer_slots).to(torch.int32)
-        pool, ref_pool, at = pool.all_layers(), ref_pool.all_layers(), 0
-        kernel_lens = lens.clamp(max=m.layer_rows[layer])
+    # PyramidKV: the layer's place rows, some in another layer's slots, read as the engine's groups read them
+    pool, at, kernel_table, kernel_lens = layer_slots(pool, m, layer, table, lens)
+    ref_pool = ref_pool if m.places is None else ref_pool.all_layers()
     raw = [dev(t[at]) for t in pool.raw]  # K and V, or K's codes, scales, biases, then V's
     quant = pool.kernel_args(at)[2]
     if quant is not None:

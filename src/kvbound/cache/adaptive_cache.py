@@ -5,9 +5,9 @@ exactly its equal share. Here every (slot, column) place of a layer is an entry 
 layout of `KVCache` ([slots, heads] places, K/V in a `store.KVStore`) plus an owner per place. A layer holds at
 most heads x its budget per head (`policy.head_budgets`) after each eviction, however its heads share them.
 Layers whose budgets differ (PyramidKV) share the store's rows: a layer that keeps more than the mean borrows
-rows that layers keeping fewer never use (`stacked.layer_places`), so the store holds what a uniform budget's would, in
-the engine's pool too. Each query head attends to its KV head's entries only (a mask over the layer's entries;
-the PyTorch route, for a batch of one). Evicted entries become holes that new tokens fill, lowest first, so
+rows that layers keeping fewer never use (`stacked.layer_places`), so the store holds what a uniform budget's would,
+in the engine's pool too. Each query head attends to its KV head's entries only (a mask over the layer's entries,
+`steps.shared_piece`). Evicted entries become holes that new tokens fill, lowest first, so
 nothing moves; the first tokens take slot j, column h for token j and head h, as in `KVCache`, which keeps a
 protected prefix's blocks shareable. In the engine (a `PagedStore`) prefill pieces run batched as "places" groups
 (`steps.shared_piece`, the step `attend` runs for one cache), and decodes as "shared" ones (`steps.shared_decode`),
@@ -197,14 +197,14 @@ class AdaptiveKVCache:
         """Attend the t new tokens over the layer's entries and themselves, fold this step's attention into the
         scores, keep the layer's budget if over it, and write the kept new tokens into free places: the batched step
         (`steps.shared_piece`) for this one cache."""
-        plan = self.piece_plan(layer, k.shape[0])
-        storage, table = self.layer_table(layer, max(plan[0], plan[1]))
+        plan = self.piece_plan(layer, k.shape[0])  # (rows held, rows the piece may take: at least as many, evicts)
+        storage, table = self.layer_table(layer, plan[1])
         rows = torch.zeros(1, dtype=torch.long, device=k.device)
         sure, share = self.budgets[layer]
-        steady = plan[2] and self.policy.evict_every == 1
-        out = shared_piece(q[None], k[None], v[None], storage, 0, table[None], rows, positions[None], self.owner[layer][None],
-                           self.pos[layer][None], self.score[layer][None], self.policy, sure, share, *plan,
-                           spare=self.spare[layer][None] if steady else None)
+        spares = plan[2] and self.policy.evict_every == 1  # evicting one step's tokens leaves its spares free
+        meta = (x[layer][None] for x in (self.owner, self.pos, self.score))
+        out = shared_piece(q[None], k[None], v[None], storage, 0, table[None], rows, positions[None], *meta,
+                           self.policy, sure, share, *plan, spare=self.spare[layer][None] if spares else None)
         self.after_piece(layer, k.shape[0], *plan)
         return out[0]
 
