@@ -300,20 +300,23 @@ def shared_piece(q, k, v, storage, layer, table, rows, positions, owner, pos, sc
 
 def piece_places(policy, step, own, pos, ks, score, t: int, heads: int) -> torch.Tensor:
     """Candidates' scores [B, E] after a piece of t tokens whose attention is `step` [B, E] (None without): a decode's
-    fold in; a prefill piece's through the policy's `piece_scores` one head at a time (SnapKV pools along each
-    head's stream order, the other heads' entries standing aside at position -1); KeyDiff rescores each head's keys."""
+    fold in; a prefill piece's through the policy's `piece_scores`, every head's column at once (SnapKV pools along
+    each head's stream order, the other heads' entries standing aside at position -1); KeyDiff rescores each head's
+    keys against its own anchor."""
     if step is not None and t == 1:
         score = fold_scores(score, step, policy.fold, policy.fold_decay)
         step = None
     if step is None and not policy.rescores:
         return score
-    out = score
-    for head in range(heads):
-        mine = own == head
-        held = torch.where(mine, pos, -1)[..., None]  # [B, E, 1]
-        one = score[..., None] if step is None else policy.piece_scores(score[..., None], step[..., None], held)
-        out = torch.where(mine, rescored(policy, one, ks[:, :, None], held)[..., 0], out)
-    return out
+    mine = own[..., None] == torch.arange(heads, device=own.device, dtype=own.dtype)  # [B, E, H]
+    held = torch.where(mine, pos[..., None], -1)  # each head's column: its entries at their positions
+    if step is not None:
+        cols = policy.piece_scores(score[..., None].expand(held.shape), step[..., None].expand(held.shape), held)
+        score = torch.where(own >= 0, cols.gather(-1, own.long().clamp(min=0)[..., None])[..., 0], score)
+    for head in range(heads if policy.rescores else 0):
+        got = rescored(policy, score[..., None], ks[:, :, None], held[..., head:head + 1])[..., 0]
+        score = torch.where(mine[..., head], got, score)
+    return score
 
 
 def fill_places(storage, layer, table, rows, owner, pos, score, k, v, kept, new_meta, room: int):
