@@ -576,6 +576,21 @@ def test_prefill_pieces_of_shared_places_run_batched(model, monkeypatch, spec):
         o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_shared_places_over_packed_blocks_batch_as_they_run_alone(model32, bits):
+    """AdaKV and PyramidKV over a pool of packed blocks (which a single-sequence cache of theirs refuses): a batch's
+    outputs equal each request run alone through the engine, prefill pieces and decodes in groups of one row."""
+    for spec in ("adakv:sink=2,heavy=12,recent=10,window=6", "pyramidkv:sink=2,heavy=12,recent=10,window=6,beta=4"):
+        pol = parse_policy(spec)
+        reqs = [prompt(60 + i, n) for i, n in enumerate((5, 20, 33, 33, 70))]
+
+        def run(batch):
+            llm = LLM(model32, num_blocks=128, block_size=8, prefill_chunk=16, max_num_batched_tokens=64,
+                      kv_bits=bits, kv_group_size=32)
+            return [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, pol, use_tqdm=False)]
+        assert run(reqs) == [run([ids])[0] for ids in reqs], spec
+
+
 @pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=10,recent=12", "keydiff:sink=2,heavy=12,recent=10,alpha=0.2"])
 def test_forks_of_a_bounded_request_decode_in_the_batched_group(model, monkeypatch, spec):
     """n > 1 completions of a bounded request: each fork takes a stacked row of its own, a copy of its parent's,
