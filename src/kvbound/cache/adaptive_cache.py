@@ -21,7 +21,7 @@ import torch
 
 from ..errors import KvboundError
 from .policies import pinned_count
-from .stacked import layer_places, release
+from .stacked import layer_places, place_slots, release
 from .steps import shared_piece
 from .store import DenseStore
 
@@ -239,8 +239,8 @@ class AdaptiveKVCache:
         (`all_layers`), borrowed rows included."""
         at_layer, row = self.places[layer]
         storage = self.store.storage
-        local = self.store.slot_table(self.store_rows if n > self.store_rows else n).long()[row[:n]]
-        return storage.all_layers(), (at_layer[:n] * storage.layer_slots + local).to(torch.int32)
+        local = self.store.slot_table(self.store_rows if n > self.store_rows else n)
+        return storage.all_layers(), place_slots((at_layer[:n], row[:n]), local, storage.layer_slots)
 
     # --- introspection ------------------------------------------------------------------------
     def positions_held(self, layer: int) -> torch.Tensor:

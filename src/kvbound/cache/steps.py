@@ -260,6 +260,11 @@ def shared_decode(q, k, v, storage, layer, table, rows, positions, owner, pos, s
     return out[:, 0]
 
 
+def marked_first(mask: torch.Tensor, dim: int) -> torch.Tensor:
+    """Indices along `dim` of the marked entries in order, then the others in order (a stable sort, no host sync)."""
+    return torch.sort(mask.to(torch.int8), dim=dim, descending=True, stable=True).indices
+
+
 def shared_piece(q, k, v, storage, layer, table, rows, positions, owner, pos, score, policy, sure: int, share: int,
                  n: int, room: int, evict: bool, spare=None):
     """Prefill pieces of t tokens of B caches whose heads share a layer's places (AdaKV, PyramidKV; a cache's own
@@ -294,7 +299,7 @@ def shared_piece(q, k, v, storage, layer, table, rows, positions, owner, pos, sc
                 (own[:, e:], cand_pos[:, e:], folded[:, e:]), room)
     if spare is not None:
         free = owner[rows, :room].flatten(1) < 0
-        spare[rows] = torch.sort((~free).to(torch.int8), dim=1, stable=True).indices[:, :h]
+        spare[rows] = marked_first(free, 1)[:, :h]
     return out
 
 
@@ -327,8 +332,8 @@ def fill_places(storage, layer, table, rows, owner, pos, score, k, v, kept, new_
     bsz, t, h, d = k.shape
     free = owner[rows, :room].flatten(1) < 0
     m = min(t * h, room * h)
-    at_free = torch.sort((~free).to(torch.int8), dim=1, stable=True).indices[:, :m]  # free places, lowest first
-    at_new = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices[:, :m]  # kept entries, in order
+    at_free = marked_first(free, 1)[:, :m]  # free places, lowest first
+    at_new = marked_first(kept, 1)[:, :m]  # kept entries, in order
     count = kept.sum(1, keepdim=True)
     i = torch.arange(m, device=k.device)[None]
     first = torch.where(i < count, i, 0)
@@ -367,7 +372,7 @@ def chunk_attend(q, k, v, storage, layer, table, n, rows, positions, pos, score,
 def kept_order(policy, cand_pos, cand_score):
     """The candidates each head keeps, as indices in stream order: [..., budget, H] of [..., M, H]."""
     keep = policy.keep_mask(cand_pos, cand_score)
-    order = torch.sort(keep.to(torch.int8), dim=-2, descending=True, stable=True).indices
+    order = marked_first(keep, -2)
     return order.narrow(-2, 0, policy.budget)
 
 

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..cache.stacked import StackedMeta
+from ..cache.stacked import StackedMeta, place_slots
 from ..cache.steps import (chunk_attend, evict_decode, keep_and_rewrite, piece_attention, shared_decode,
                            shared_piece, table_attention)
 from ..kernels import varlen_causal_attention
@@ -143,8 +143,7 @@ def layer_slots(pool, meta, layer: int, table, lens=None):
     no longer than its rows."""
     if meta.places is None:
         return pool, layer, table, lens
-    store_layer, store_row = meta.places[layer]
-    table = table[:, store_row] + (store_layer * pool.layer_slots).to(table.dtype)
+    table = place_slots(meta.places[layer], table, pool.layer_slots)
     return pool.all_layers(), 0, table, None if lens is None else lens.clamp(max=meta.layer_rows[layer])
 
 
