@@ -836,6 +836,26 @@ def test_scored_policies_on_cuda_batched_equal_alone(model, spec, monkeypatch):
         model.cpu()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention's varlen kernel")
+@pytest.mark.parametrize("spec", ["adakv:sink=2,heavy=12,recent=10,window=6",
+                                  "keydiff:sink=2,heavy=12,recent=10,alpha=0.2",
+                                  "pyramidkv:sink=2,heavy=12,recent=10,window=6,beta=4"])
+def test_shared_places_prefill_in_half_precision_runs_flash_batched_as_alone(spec, monkeypatch):
+    """In bf16 on CUDA, prefill pieces over shared places attend through FlashAttention, one varlen sequence per
+    (cache, KV head) (`steps.owned_attention`), in the engine's groups as in a cache alone: the same outputs."""
+    from kvbound.cache import steps
+    gpu = tiny_model(16).to("cuda", torch.bfloat16)
+    owned, calls = steps.owned_attention, []
+    monkeypatch.setattr(steps, "owned_attention", lambda *a: calls.append(a[0].shape[0]) or owned(*a))
+    pol = parse_policy(spec)
+    reqs = [prompt(70 + i, n) for i, n in enumerate((9, 20, 47, 47, 70))]
+    outs = LLM(gpu, num_blocks=128, block_size=8, prefill_chunk=16).generate(reqs, GREEDY, pol, use_tqdm=False)
+    assert max(calls) >= 2
+    for ids, out in zip(reqs, outs):
+        cache = sequence_cache(gpu.config, pol, device="cuda", dtype=torch.bfloat16)
+        assert out.outputs[0].token_ids == list(generate_ids(gpu, ids, GREEDY, cache, (), 16)), spec
+
+
 # --- packed KV blocks (kv_bits) -------------------------------------------------------------------------
 
 

@@ -840,6 +840,36 @@ def test_varlen_causal_attention_matches_each_piece_written_out(dtype):
     torch.testing.assert_close(got.float().cpu(), torch.cat(want), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32] + [torch.bfloat16] * (DEV == "cuda"))  # the CUDA path is flash's
+@pytest.mark.parametrize("mode, first, g", [(None, 0, 2), ("cumulative", 0, 2), ("normalized", 4, 1), ("ema", 9, 3)])
+def test_owned_attention_matches_the_masked_reference(mode, first, g, dtype):
+    """A prefill piece over places KV heads own (AdaKV), as one varlen sequence per (cache, head) with the scores
+    from its LSE, against the masked attention over every place: free places, heads owning none, GQA."""
+    from types import SimpleNamespace
+    from kvbound.cache.steps import owned_attention, owner_attention
+    gen = torch.Generator().manual_seed(g * 10 + first)
+    b, t, h, d, n = 3, 11, 3, 64, 9
+    e = n * h
+    q = torch.randn(b, t, h * g, d, generator=gen).to(dtype)
+    ks, vs = (torch.randn(b, e + t * h, d, generator=gen).to(dtype) for _ in range(2))
+    own_c = torch.randint(-1, h, (b, e), generator=gen)
+    own_c[1] = torch.where(own_c[1] == 2, -1, own_c[1])  # a head that owns no place yet
+    own = torch.cat([own_c, torch.arange(h).repeat(t).expand(b, -1)], 1)
+    pos_c = torch.where(own_c >= 0, torch.randint(0, 40, (b, e), generator=gen), -1)
+    positions = 40 + torch.arange(t).expand(b, -1)
+    cand_pos = torch.cat([pos_c, positions[:, :, None].expand(-1, -1, h).flatten(1)], 1)
+    group = torch.arange(h * g) // g
+    mask = (own[:, None, None] == group[None, None, :, None]) & (cand_pos[:, None, None] <= positions[..., None, None])
+    want, want_step = owner_attention(q.float(), ks.float(), vs.float(), mask, SimpleNamespace(fold=mode), first)
+    got, step = owned_attention(q.to(DEV), ks.to(DEV), vs.to(DEV), own.to(DEV), h, mode, first)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.float().cpu(), want, **tol)
+    if mode is None:
+        assert step is None
+    else:
+        torch.testing.assert_close(step.cpu(), want_step, **tol)
+
+
 @pytest.mark.parametrize("mode, last, n, d", [("cumulative", None, 50, 64), ("normalized", None, 0, 64),
                                               ("ema", 8, 70, 48), ("cumulative", 100, 3, 64)])
 def test_prefill_key_scores_from_lse_match_the_reference(mode, last, n, d):

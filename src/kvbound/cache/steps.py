@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ..kernels import (causal_attention_batch, contiguous_slots, decode_attention, decode_with_scores, fold_scores,
-                       layer_sum)
+from ..kernels import (causal_attention_batch, contiguous_slots, decode_attention, decode_with_scores, flash_ok,
+                       fold_scores, layer_sum, varlen_attention_lse)
 from .store import EACH_HEAD
 
 if TYPE_CHECKING:
@@ -190,6 +190,35 @@ def owner_attention(q, ks, vs, mask, policy, first: int = 0):
     return out, probs.sum(dim=(1, 2))
 
 
+def owned_attention(q, ks, vs, own, heads: int, score_mode: str | None, first: int = 0):
+    """`owner_attention` of a prefill piece without its [B, T, Hq, E] mask: each (cache, KV head) becomes a varlen
+    sequence of the places it owns, in order (a stable sort by owner), so each head attends to its own places
+    only: one FlashAttention call on CUDA, and the scores from its LSE (`triton_prefill.key_scores`). ks, vs
+    [B, E, D] end with the piece's t tokens, token-major (own [B, E]: the owning KV head, -1 free); every held
+    place is older than the piece, so the causal mask is each sequence's bottom-right one. Returns out
+    [B, T, Hq, D] and each place's probability summed over queries [first, T) and its group's heads, [B, E]."""
+    b, t, hq, d = q.shape
+    e, g = ks.shape[1], hq // heads
+    key = torch.where(own < 0, heads, own).long()  # free places last
+    order = torch.sort(key, dim=1, stable=True).indices
+    counts = torch.zeros(b, heads + 1, dtype=torch.int32, device=q.device).scatter_add_(
+        1, key, torch.ones_like(key, dtype=torch.int32))[:, :heads]
+    base = e * torch.arange(b, device=q.device, dtype=torch.int32)[:, None]
+    starts = counts.cumsum(1, dtype=torch.int32) - counts + base
+    cu_k = torch.cat([starts.flatten(), starts.new_full((1,), b * e)])
+    cu_q = torch.arange(0, b * heads * t + 1, t, device=q.device, dtype=torch.int32)
+    qs = q.view(b, t, heads, g, d).transpose(1, 2).reshape(b * heads * t, g, d)
+    ks_s, vs_s = (x.gather(1, order[..., None].expand(-1, -1, d)).view(b * e, 1, d) for x in (ks, vs))
+    out, lse = varlen_attention_lse(qs, ks_s, vs_s, cu_q, cu_k, t, e, counts.flatten())
+    out = out.view(b, heads, t, g, d).transpose(1, 2).reshape(b, t, hq, d)
+    if score_mode is None:
+        return out, None
+    from ..kernels.triton_prefill import key_scores
+    step = key_scores(qs.view(b * heads, t, g, d), ks_s, lse, first, score_mode == "normalized", starts.flatten(),
+                      counts.flatten(), e)
+    return out, torch.zeros(b, e, device=q.device).scatter_(1, order, step.view(b, e))
+
+
 def shared_store(k, v, storage, layer, table, rows, positions, owner, pos, spare, score, policy):
     """Head h's new token k, v [B, H, D] into its spare place spare[b, h] (slot * heads + column, any column), which
     it then owns, with its position and starting score."""
@@ -282,10 +311,14 @@ def shared_piece(q, k, v, storage, layer, table, rows, positions, owner, pos, sc
     cand_pos = torch.cat([pos_c, positions[:, :, None].expand(-1, -1, h).flatten(1).to(pos.dtype)], 1)
     ks = torch.cat([kc.flatten(1, 2).to(q.dtype), storage.roundtrip(layer, k).flatten(1, 2).to(q.dtype)], 1)
     vs = torch.cat([vc.flatten(1, 2).to(q.dtype), storage.roundtrip(layer, v).flatten(1, 2).to(q.dtype)], 1)
-    group = torch.arange(q.shape[2], device=q.device) // (q.shape[2] // h)
-    mask = (own[:, None, None, :] == group[None, None, :, None]) & (cand_pos[:, None, None, :]
-                                                                      <= positions[:, :, None, None])
-    out, step = owner_attention(q, ks, vs, mask, policy, t - min(t, policy.score_window or t))
+    first = t - min(t, policy.score_window or t)
+    if flash_ok(q):
+        out, step = owned_attention(q, ks, vs, own, h, policy.fold, first)
+    else:
+        group = torch.arange(q.shape[2], device=q.device) // (q.shape[2] // h)
+        mask = (own[:, None, None, :] == group[None, None, :, None]) & (cand_pos[:, None, None, :]
+                                                                          <= positions[:, :, None, None])
+        out, step = owner_attention(q, ks, vs, mask, policy, first)
     cand_score = torch.cat([score_c, fresh_scores(policy, k, score).flatten(1)], 1)
     folded = piece_places(policy, step, own, cand_pos, ks, cand_score, t, h)
     held = own >= 0

@@ -37,7 +37,7 @@ import torch
 from ..cache.stacked import StackedMeta, place_slots
 from ..cache.steps import (chunk_attend, evict_decode, keep_and_rewrite, piece_attention, shared_decode,
                            shared_piece, table_attention)
-from ..kernels import varlen_causal_attention
+from ..kernels import flash_ok, varlen_causal_attention
 from ..staging import to_device
 
 
@@ -163,8 +163,9 @@ class SharedGroup:
                              m.spare[:, layer], m.score[:, layer], m.policy, m.sure[layer], lens)
 
 
-# the most elements of a "places" step's mask and probabilities ([rows, t, query heads, entries]) in one call: a
-# batch of long pieces runs in chunks of rows under it, as each cache's own `attend` once ran alone
+# the most elements of a "places" step's largest tensors in one call: its places' keys [rows, entries, D] where
+# FlashAttention runs it (`steps.owned_attention`), else its mask and probabilities [rows, t, query heads,
+# entries]; a batch of long pieces runs in chunks of rows under it, as each cache's own `attend` once ran alone
 PIECE_ELEMENTS = 1 << 28
 
 
@@ -187,7 +188,8 @@ class PlacesGroup:
         bsz, h = self.rows.shape[0], k.shape[1]
         q, k, v = (x.unflatten(0, (bsz, t)) for x in (q, k, v))
         positions = positions.view(bsz, t)
-        each = max(1, PIECE_ELEMENTS // (t * q.shape[2] * (plan[0] + t) * h))  # rows a call takes
+        per_row = (plan[0] + t) * h * (q.shape[3] if flash_ok(q) else t * q.shape[2])
+        each = max(1, PIECE_ELEMENTS // per_row)  # rows a call takes
         outs = [shared_piece(q[a:a + each], k[a:a + each], v[a:a + each], storage, at, table[a:a + each],
                              self.rows[a:a + each], positions[a:a + each], m.owner[:, layer], m.pos[:, layer],
                              m.score[:, layer], m.policy, sure, share, *plan,

@@ -6,7 +6,8 @@ reference elsewhere. Triton is imported only on CUDA, so CPU users need not inst
 from __future__ import annotations
 
 from .reference import (SCORE_MODES, causal_attention, causal_attention_batch, contiguous_slots, decode_with_scores,
-                        fold_scores, fused_sdpa, layer_sum, paged_decode_attention, varlen_causal_attention)
+                        flash_ok, fold_scores, fused_sdpa, layer_sum, paged_decode_attention, varlen_attention_lse,
+                        varlen_causal_attention)
 
 
 def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, **kw):
@@ -18,5 +19,5 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, **kw):
 
 
 __all__ = ["SCORE_MODES", "causal_attention", "causal_attention_batch", "contiguous_slots", "decode_attention",
-           "decode_with_scores", "fold_scores", "fused_sdpa", "layer_sum", "paged_decode_attention",
-           "varlen_causal_attention"]
+           "decode_with_scores", "flash_ok", "fold_scores", "fused_sdpa", "layer_sum", "paged_decode_attention",
+           "varlen_attention_lse", "varlen_causal_attention"]

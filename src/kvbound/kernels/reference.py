@@ -54,7 +54,7 @@ def causal_attention_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     hkv = k.shape[2]
     n = k.shape[1] - t
     scale = d ** -0.5
-    if t > 1 and _flash_ok(q):
+    if t > 1 and flash_ok(q):
         return _flash_batch(q, k, v, score_mode, last_queries)
     mask = None if t == 1 else _causal_mask(t, n, q.device)
     if mask is not None and q.is_cuda:
@@ -95,21 +95,52 @@ def varlen_causal_attention(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, max
     are its last keys k[cu_k[i]:cu_k[i+1]] [Tk, Hkv, D] (its cached keys come first), the causal mask aligned
     to the bottom right, GQA. On CUDA (half precision) one FlashAttention varlen call for all pieces, however
     their lengths differ; elsewhere the pieces one by one. cu_q, cu_k: int32 [N + 1] on q's device."""
-    if _flash_ok(q):
+    if flash_ok(q):
         return _flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k)[0]
     bq, bk = cu_q.tolist(), cu_k.tolist()
     return torch.cat([causal_attention(q[a:b], k[c:e], v[c:e])[0] for a, b, c, e in zip(bq, bq[1:], bk, bk[1:])])
 
 
-def _flash_ok(q) -> bool:
+def varlen_attention_lse(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
+                         used_k: torch.Tensor | None = None):
+    """`varlen_causal_attention` that also returns each query's LSE [Hq, Tq] (fp32, natural log of its logits
+    scaled by D^-0.5). used_k [N] (int32): piece i's keys are only the first used_k[i] from cu_k[i], so pieces
+    may sit in slices longer than they are, and no host sync sizes them on CUDA. max_k: any bound on a piece's
+    keys. On CUDA one FlashAttention varlen call; elsewhere the pieces one by one, in fp32."""
+    if flash_ok(q):
+        return _flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, used_k)
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    ends = bk[1:] if used_k is None else [c + u for c, u in zip(bk, used_k.tolist())]
+    outs, lses = [], []
+    for a, b, c, e in zip(bq, bq[1:], bk, ends):
+        out, lse = _attention_lse(q[a:b], k[c:e], v[c:e])
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses, 1)
+
+
+def _attention_lse(q, k, v):
+    """One piece's causal attention and LSE, q [T, Hq, D] the last of k, v [n + T, Hkv, D], in fp32."""
+    t, hq, d = q.shape
+    g = hq // k.shape[1]
+    logits = torch.einsum("thd,mhd->htm", q.float(), k.float().repeat_interleave(g, 1)) * d ** -0.5
+    logits = logits.masked_fill(~_causal_mask(t, k.shape[0] - t, q.device), float("-inf"))
+    lse = logits.logsumexp(-1)
+    out = torch.einsum("htm,mhd->thd", (logits - lse[..., None]).exp(), v.float().repeat_interleave(g, 1))
+    return out.to(q.dtype), lse
+
+
+def flash_ok(q) -> bool:
+    """Whether FlashAttention takes these queries (CUDA, half precision, a head size it supports)."""
     d = q.shape[-1]
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256
 
 
-def _flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k):
+def _flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, used_k=None):
     """FlashAttention's varlen forward: (out [Tq, Hq, D], LSE [Hq, Tq] float32, natural log)."""
     out, lse = torch.ops.aten._flash_attention_forward(q, k.to(q.dtype), v.to(q.dtype), cu_q, cu_k, max_q, max_k,
-                                                       0.0, True, False, scale=q.shape[-1] ** -0.5)[:2]
+                                                       0.0, True, False, scale=q.shape[-1] ** -0.5,
+                                                       seqused_k=used_k)[:2]
     if lse.dim() == 3:  # older builds pad it per sequence: [N, Hq, max_q]
         lens = (cu_q[1:] - cu_q[:-1]).tolist()
         lse = torch.cat([lse[i, :, :n] for i, n in enumerate(lens)], 1)

@@ -21,17 +21,25 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2
 
 
 @triton.jit
-def _key_scores_kernel(Q, K, Lse, Out, t, m_keys, n_cached, first, scale_log2,
+def _key_scores_kernel(Q, K, Lse, Out, Starts, Used, t, m_keys, n_cached, first, scale_log2,
                        stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_lh, stride_ob, stride_ot,
                        G: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, NORMALIZED: tl.constexpr, IEEE: tl.constexpr):
+                       BLOCK_N: tl.constexpr, NORMALIZED: tl.constexpr, IEEE: tl.constexpr, VARLEN: tl.constexpr):
     jb = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
+    if VARLEN:  # sequence b's keys are Used[b] rows of K (and of Out) from row Starts[b]
+        m_keys = tl.load(Used + b)
+        n_cached = m_keys - t
+        K += tl.load(Starts + b).to(tl.int64) * stride_kt
+        Out += tl.load(Starts + b).to(tl.int64) * stride_ot
+    else:
+        K += b * stride_kb
+        Out += b * stride_ob
     offs_n = jb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_P)
     key_ok = offs_n < m_keys
-    k = tl.load(K + b * stride_kb + offs_n[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+    k = tl.load(K + offs_n[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
                 mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     lo = tl.maximum(first, jb * BLOCK_N - n_cached)  # earlier queries see none of this block's keys
@@ -53,28 +61,37 @@ def _key_scores_kernel(Q, K, Lse, Out, t, m_keys, n_cached, first, scale_log2,
             if NORMALIZED:  # each query's probabilities weighted by the number of keys it saw
                 p = p * (n_cached + offs_m + 1).to(tl.float32)[:, None]
             acc += tl.sum(p, 0)
-    tl.store(Out + b * stride_ob + offs_n * stride_ot + kvh, acc, mask=key_ok)
+    tl.store(Out + offs_n * stride_ot + kvh, acc, mask=key_ok)
 
 
 def key_scores(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, first: int = 0,
-               normalized: bool = False) -> torch.Tensor:
+               normalized: bool = False, starts: torch.Tensor | None = None, used: torch.Tensor | None = None,
+               max_keys: int = 0) -> torch.Tensor:
     """q [B, t, Hq, D] (the piece's queries), k [B, n + t, Hkv, D] (its cached keys, then its own), lse
     [Hq, B * t] (natural-log LSE of each query's logits, scaled by D^-0.5, as FlashAttention returns it).
     Returns [B, n + t, Hkv] float32: each key's probability summed over its group's query heads and over
-    queries first..t-1 that see it (weighted by n + i + 1 with `normalized`)."""
+    queries first..t-1 that see it (weighted by n + i + 1 with `normalized`).
+    Varlen (`varlen_attention_lse`'s packing): k [rows, Hkv, D], sequence b's keys the used[b] rows from
+    starts[b] (int32 [B], at most max_keys), its own t last; returns [rows, Hkv], 0 in rows no sequence uses."""
     bsz, t, hq, d = q.shape
-    m_keys, hkv = k.shape[1], k.shape[2]
+    hkv = k.shape[-2]
+    varlen = starts is not None
+    m_keys = max_keys if varlen else k.shape[1]
     q = q.reshape(bsz * t, hq, d)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k.stride(-1) != 1:
         k = k.contiguous()
-    out = torch.empty(bsz, m_keys, hkv, dtype=torch.float32, device=q.device)
+    if varlen:
+        out = torch.zeros(k.shape[0], 1, hkv, dtype=torch.float32, device=q.device)
+        k = k[:, None]
+    else:
+        out = torch.empty(bsz, m_keys, hkv, dtype=torch.float32, device=q.device)
     block_n = 64
     grid = (triton.cdiv(m_keys, block_n), hkv, bsz)
-    _key_scores_kernel[grid](q, k, lse, out, t, m_keys, m_keys - t, first, d ** -0.5 * LOG2E.value,
+    _key_scores_kernel[grid](q, k, lse, out, starts, used, t, m_keys, m_keys - t, first, d ** -0.5 * LOG2E.value,
                              q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), lse.stride(0),
                              out.stride(0), out.stride(1), G=hq // hkv, D=d, D_P=max(16, triton.next_power_of_2(d)),
                              BLOCK_M=64, BLOCK_N=block_n, NORMALIZED=normalized,
-                             IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
-    return out
+                             IEEE=q.dtype == torch.float32, VARLEN=varlen, num_warps=4, num_stages=2)
+    return out[:, 0] if varlen else out
