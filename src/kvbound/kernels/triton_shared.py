@@ -238,21 +238,21 @@ def _victim_kernel(Pos, Score, Owner, Rows, Spare, Lens, width, places, heads, p
         score = score / tl.maximum(newest - pos + 1, 1).to(tl.float32)
     key = tl.where((pos < prefix) | (pos > newest - recent), float("inf"), score)
     hs = tl.arange(0, HEADS_PAD)
-    mine = (own[:, None] == hs[None, :]) & inb[:, None]  # [BLOCK, HEADS_PAD]
-    left = tl.maximum(tl.sum(mine.to(tl.int32), 0) - sure, 0)  # each head's places past its sure ones
-    open_ = inb
+    left = tl.zeros([HEADS_PAD], tl.int32)  # each head's places past its sure ones
+    for h in tl.static_range(HEADS):
+        left = tl.where(hs == h, tl.maximum(tl.sum(((own == h) & inb).to(tl.int32), 0) - sure, 0), left)
+    # the places of heads with room left, kept per place (no [places, heads] tensor in the loop)
+    room = inb & (tl.sum(tl.where(own[:, None] == hs[None, :], left[None, :], 0), 1) > 0)
     for i in tl.static_range(HEADS):
-        room = tl.sum(tl.where(mine, left[None, :], 0), 1) > 0
-        pick = open_ & room
-        low = tl.min(tl.where(pick, key, float("inf")), 0)
-        pick = pick & (key == low)
+        low = tl.min(tl.where(room, key, float("inf")), 0)
+        pick = room & (key == low)
         oldest = tl.min(tl.where(pick, pos, 0x7FFFFFFF), 0)
         pick = pick & (pos == oldest)
         victim = tl.maximum(tl.max(tl.where(pick, e, -1), 0), 0)
+        head = tl.max(tl.where(e == victim, own, -1), 0)
+        left = left - (hs == head).to(tl.int32)
+        room = room & (e != victim) & ((own != head) | (tl.sum(tl.where(hs == head, left, 0), 0) > 0))
         victim = tl.where(n < width, n * heads + i, victim)
-        taken = e == victim
-        open_ = open_ & ~taken
-        left = left - tl.sum(tl.where(mine & taken[:, None], 1, 0), 0)
         at = row * stride_r + (victim // heads) * stride_j + (victim % heads) * stride_c
         tl.store(Owner + at, -1)
         tl.store(Pos + at, -1)
