@@ -4,8 +4,9 @@ A layer holds places [cap, H] per sequence, place e = slot * H + column, each ow
 free, -1), so a head may hold more places than another (`cache.adaptive_cache`). Four kernels replace the
 PyTorch route of `cache.steps.shared_decode` (index writes, a gather of every place, masked SDPA, the
 probabilities again in fp32, two stable argsorts over the places):
-  - `_store_kernel`, one program per (sequence, KV head): the new token into the head's spare place;
-  - `_split_kernel`, one program per (sequence, KV head, split of the places): its query heads attend to the
+  - `_store_kernel`, one program per (sequence, KV head): the new token into the head's spare place, and the list
+    of the places the head owns (a prefix sum), so the next two visit each head's own places alone;
+  - `_split_kernel`, one program per (sequence, KV head, split of its list): its query heads attend to the
     places their head owns (keys read through the slot table, any column; packed pools dequantized in
     registers), a partial softmax per split (flash decoding);
   - `_fold_kernel`, on the same grid: the splits merged into the output, then a second pass over the split's
@@ -33,16 +34,25 @@ MAX_PLACES = 8192  # one program holds a sequence's places in registers; larger 
 
 
 @triton.jit
-def _store_kernel(KN, VN, KP, VP, KS, KB, VS, VB, Table, Rows, Spare, Owner, Pos, Score, Positions, heads,
-                  stride_nt, stride_nh, stride_ps, stride_ph, stride_ss, stride_sh, stride_tb, stride_spr, stride_sph,
-                  stride_r, stride_j, stride_c, D: tl.constexpr, DP: tl.constexpr, BITS: tl.constexpr,
-                  GS: tl.constexpr):
+def _store_kernel(KN, VN, KP, VP, KS, KB, VS, VB, Table, Rows, Spare, Owner, Pos, Score, Positions, Places, Count,
+                  heads, places, stride_nt, stride_nh, stride_ps, stride_ph, stride_ss, stride_sh, stride_tb,
+                  stride_spr, stride_sph, stride_r, stride_j, stride_c, D: tl.constexpr, DP: tl.constexpr,
+                  BITS: tl.constexpr, GS: tl.constexpr, BLOCK: tl.constexpr):
     """Sequence b, KV head h: the new token goes into the head's spare place (K and V in its slot's column,
-    quantized for a packed pool as `store_kv` writes it), which h then owns, at its position with score 0."""
+    quantized for a packed pool as `store_kv` writes it), which h then owns, at its position with score 0. Then
+    the places h owns, its spare among them, listed in order (Places [B, H, places], Count [B, H]): the split and
+    fold kernels visit those alone."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.load(Rows + b).to(tl.int64)
     place = tl.load(Spare + row * stride_spr + h * stride_sph)
+    e = tl.arange(0, BLOCK)
+    inb = e < places
+    own = tl.load(Owner + row * stride_r + (e // heads) * stride_j + (e % heads) * stride_c, mask=inb, other=-1)
+    mine = inb & ((own == h) | (e == place))  # another head's spare turns from free to its own: never h's
+    at_list = (b * heads + h) * places
+    tl.store(Places + at_list + tl.cumsum(mine.to(tl.int32), 0) - 1, e, mask=mine)
+    tl.store(Count + b * heads + h, tl.sum(mine.to(tl.int32), 0))
     j = place // heads
     c = place % heads
     slot = tl.load(Table + b * stride_tb + j).to(tl.int64)
@@ -55,14 +65,14 @@ def _store_kernel(KN, VN, KP, VP, KS, KB, VS, VB, Table, Rows, Spare, Owner, Pos
 
 
 @triton.jit
-def _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks, stride_kh, stride_ss,
-          stride_sh, stride_tb, stride_oj, stride_oc, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
-          IEEE: tl.constexpr):
-    """Places e [N] of sequence b: which head `g` owns, their slots and columns, and q . k over them."""
+def _keys(K, KS, KB, Table, Places, b, g, i, count, places, heads, q, stride_ks, stride_kh, stride_ss,
+          stride_sh, stride_tb, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, IEEE: tl.constexpr):
+    """Entries i [N] of the list of places head `g` of sequence b owns (`count` of them): the places, their slots
+    and columns, and q . k over them."""
+    valid = i < count
+    e = tl.load(Places + (b * heads + g) * places + i, mask=valid, other=0)
     j = e // heads
     c = e % heads
-    own = tl.load(Owner + own_row + j * stride_oj + c * stride_oc, mask=e < places, other=-1)
-    valid = own == g
     slot = tl.load(Table + b * stride_tb + j, mask=valid, other=0).to(tl.int64)
     if BITS == 16:
         offs_d = tl.arange(0, D)
@@ -72,7 +82,14 @@ def _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks
         k = _dequant(K, KS, KB, slot, c[:, None], valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, IEEE,
                      False)
     qk = tl.where(valid[None, :], _dot(q, tl.trans(k), IEEE), float("-inf"))
-    return valid, slot, c, j, qk
+    return valid, slot, c, j, qk, e
+
+
+@triton.jit
+def _split_range(count, s, splits, BLOCK_E: tl.constexpr):
+    """Split s of `splits` over a list of `count` places: [lo, hi), whole blocks of BLOCK_E but the last."""
+    chunk = tl.cdiv(tl.cdiv(count, splits), BLOCK_E) * BLOCK_E
+    return s * chunk, tl.minimum(s * chunk + chunk, count)
 
 
 @triton.jit
@@ -85,30 +102,29 @@ def _group_q(Q, b, g, stride_qb, stride_qh, scale, G: tl.constexpr, G_PAD: tl.co
 
 
 @triton.jit
-def _split_kernel(Q, K, V, KS, KB, VS, VB, Table, Rows, Owner, PartO, PartM, PartL, PartN, PartU, places, heads,
-                  chunk, stride_qb, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb,
-                  stride_or, stride_oj, stride_oc, stride_pb, stride_ph, stride_ps, stride_mb, stride_mh, stride_nb,
+def _split_kernel(Q, K, V, KS, KB, VS, VB, Table, Places, Count, PartO, PartM, PartL, PartU, places, heads,
+                  stride_qb, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb,
+                  stride_or, stride_oj, stride_oc, stride_pb, stride_ph, stride_ps, stride_mb, stride_mh,
                   scale, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr,
                   BITS: tl.constexpr, GS: tl.constexpr, IEEE: tl.constexpr, DIFF: tl.constexpr):
-    """Program (b, g, s): the query heads of KV head g over the places of split s that g owns, as a partial
-    softmax (running max, sum, weighted values) and a count of those places; with DIFF also the sum of those
-    places' unit keys (PartU [B, H, splits, D]), KeyDiff's anchor in part."""
+    """Program (b, g, s): the query heads of KV head g over split s of the places g owns (its list, `_store_kernel`),
+    as a partial softmax (running max, sum, weighted values); with DIFF also the sum of those places' unit keys
+    (PartU [B, H, splits, D]), KeyDiff's anchor in part."""
     b = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
-    own_row = tl.load(Rows + b).to(tl.int64) * stride_or
+    count = tl.load(Count + b * heads + g)
+    lo, hi = _split_range(count, s, tl.num_programs(2), BLOCK_E)
     q, qh, gmask = _group_q(Q, b, g, stride_qb, stride_qh, scale, G, G_PAD, D)
     offs_d = tl.arange(0, D)
-    m = tl.full([G_PAD], -1e30, tl.float32)  # finite: a block of other heads' places changes nothing
+    m = tl.full([G_PAD], -1e30, tl.float32)  # finite: an empty split changes nothing in the merge
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
     unit_sum = tl.zeros([D], tl.float32)
-    owned = 0
-    for e0 in range(s * chunk, tl.minimum(s * chunk + chunk, places), BLOCK_E):
-        e = e0 + tl.arange(0, BLOCK_E)
-        valid, slot, c, j, qk = _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks,
-                                      stride_kh, stride_ss, stride_sh, stride_tb, stride_oj, stride_oc, D, BITS, GS,
-                                      IEEE)
+    for i0 in range(lo, hi, BLOCK_E):
+        valid, slot, c, j, qk, e = _keys(K, KS, KB, Table, Places, b, g, i0 + tl.arange(0, BLOCK_E), count, places,
+                                         heads, q, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb, D, BITS, GS,
+                                         IEEE)
         m_new = tl.maximum(m, tl.max(qk, 1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(qk - m_new[:, None])
@@ -120,7 +136,6 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, Table, Rows, Owner, PartO, PartM, Par
             v = _dequant(V, VS, VB, slot, c[:, None], valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS,
                          IEEE, False)
         acc = acc * alpha[:, None] + _dot(p, v, IEEE)
-        owned += tl.sum(valid.to(tl.int32), 0)
         m = m_new
         if DIFF:  # the keys as the store's gather reads them back, as the PyTorch route scores them
             k = _read_keys(K, KS, KB, Q, slot, c[:, None], valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS,
@@ -130,23 +145,22 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, Table, Rows, Owner, PartO, PartM, Par
     tl.store(part_o, acc, mask=gmask[:, None])
     tl.store(PartM + b * stride_mb + qh * stride_mh + s, m, mask=gmask)
     tl.store(PartL + b * stride_mb + qh * stride_mh + s, l, mask=gmask)
-    tl.store(PartN + b * stride_nb + g * tl.num_programs(2) + s, owned)
     if DIFF:
         tl.store(PartU + ((b * heads + g) * tl.num_programs(2) + s) * D + offs_d, unit_sum)
 
 
 @triton.jit
-def _fold_kernel(Q, K, KS, KB, Table, Rows, Owner, Score, Spare, PartO, PartM, PartL, PartN, PartU, Out, places,
-                 heads, chunk, splits, stride_qb, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb,
+def _fold_kernel(Q, K, KS, KB, Table, Rows, Places, Count, Score, Spare, PartO, PartM, PartL, PartU, Out, places,
+                 heads, splits, stride_qb, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb,
                  stride_or, stride_oj, stride_oc, stride_spr, stride_sph, stride_pb, stride_ph, stride_ps,
-                 stride_mb, stride_mh, stride_nb, stride_outb, stride_outh, scale, decay, G: tl.constexpr,
+                 stride_mb, stride_mh, stride_outb, stride_outh, scale, decay, G: tl.constexpr,
                  G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr, S_PAD: tl.constexpr,
                  BITS: tl.constexpr, GS: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr, RANK: tl.constexpr):
-    """Program (b, g, s): the splits' softmax merged (split 0 writes the output), then each place of split s
-    that g owns gets its exact probability, summed over the group, folded into its score (Score shares Owner's
-    layout). Ranks by the keys (RANK, `RANK_IDS`) score them instead: KNorm the new token's place (g's spare), minus
-    its key's norm as the pool reads it back (`Policy.key_score`); KeyDiff every place, minus its unit key's cosine
-    to g's anchor (`Policy.rescore`: the splits' unit sums added up and normalized)."""
+    """Program (b, g, s): the splits' softmax merged (split 0 writes the output), then each place of split s of g's
+    list gets its exact probability, summed over the group, folded into its score (Score shares Owner's layout).
+    Ranks by the keys (RANK, `RANK_IDS`) score them instead: KNorm the new token's place (g's spare), minus its
+    key's norm as the pool reads it back (`Policy.key_score`); KeyDiff every place, minus its unit key's cosine to
+    g's anchor (`Policy.rescore`: the splits' unit sums added up and normalized)."""
     b = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
@@ -170,20 +184,19 @@ def _fold_kernel(Q, K, KS, KB, Table, Rows, Owner, Score, Spare, PartO, PartM, P
             acc += po * wi[:, None]
         tl.store(Out + b * stride_outb + qh[:, None] * stride_outh + offs_d[None, :], acc / l[:, None],
                  mask=gmask[:, None])
-    if RANK == 2:  # KNorm
-        place = tl.load(Spare + row * stride_spr + g * stride_sph)
-        if place // chunk == s:
-            e = place + tl.arange(0, 16)
-            valid, slot, c, j, qk = _keys(K, KS, KB, Table, Owner, b, g, row * stride_or, e, places, heads, q,
-                                          stride_ks, stride_kh, stride_ss, stride_sh, stride_tb, stride_oj, stride_oc,
-                                          D, BITS, GS, IEEE)
-            k = _read_keys(K, KS, KB, Q, slot, c[:, None], valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS,
-                           GS, False)
-            norm = tl.sqrt(tl.sum(k * k, 1))
-            tl.store(Score + row * stride_or + j * stride_oj + c * stride_oc, -norm, mask=valid & (e == place))
-    if MODE != 0 or RANK == 3:  # every owned place of the split: its attention folded in, or KeyDiff's rescore
-        if MODE != 0:
-            owned = tl.sum(tl.load(PartN + b * stride_nb + g * splits + offs_s, mask=offs_s < splits, other=0), 0)
+    if RANK == 2 and s == 0:  # KNorm
+        first = tl.arange(0, 16) == 0  # the spare place alone, in a vector of the shape _read_keys takes
+        e = tl.load(Spare + row * stride_spr + g * stride_sph) + tl.zeros([16], tl.int32)
+        j = e // heads
+        c = e % heads
+        slot = tl.load(Table + b * stride_tb + j, mask=first, other=0).to(tl.int64)
+        k = _read_keys(K, KS, KB, Q, slot, c[:, None], first, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS,
+                       GS, False)
+        norm = tl.sqrt(tl.sum(k * k, 1))
+        tl.store(Score + row * stride_or + j * stride_oj + c * stride_oc, -norm, mask=first)
+    if MODE != 0 or RANK == 3:  # every place of the split: its attention folded in, or KeyDiff's rescore
+        count = tl.load(Count + b * heads + g)
+        lo, hi = _split_range(count, s, splits, BLOCK_E)
         if RANK == 3:
             offs_d = tl.arange(0, D)
             anchor = tl.zeros([D], tl.float32)
@@ -191,11 +204,10 @@ def _fold_kernel(Q, K, KS, KB, Table, Rows, Owner, Score, Spare, PartO, PartM, P
                 anchor += tl.load(PartU + ((b * heads + g) * splits + i) * D + offs_d)
             anchor = anchor / tl.maximum(tl.sqrt(tl.sum(anchor * anchor, 0)), 1e-12)
         own_row = row * stride_or
-        for e0 in range(s * chunk, tl.minimum(s * chunk + chunk, places), BLOCK_E):
-            e = e0 + tl.arange(0, BLOCK_E)
-            valid, slot, c, j, qk = _keys(K, KS, KB, Table, Owner, b, g, own_row, e, places, heads, q, stride_ks,
-                                          stride_kh, stride_ss, stride_sh, stride_tb, stride_oj, stride_oc, D, BITS,
-                                          GS, IEEE)
+        for i0 in range(lo, hi, BLOCK_E):
+            valid, slot, c, j, qk, e = _keys(K, KS, KB, Table, Places, b, g, i0 + tl.arange(0, BLOCK_E), count,
+                                             places, heads, q, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb,
+                                             D, BITS, GS, IEEE)
             ptr = Score + own_row + j * stride_oj + c * stride_oc
             if RANK == 3:
                 k = _read_keys(K, KS, KB, Q, slot, c[:, None], valid, stride_ks, stride_kh, stride_ss, stride_sh, D,
@@ -205,7 +217,7 @@ def _fold_kernel(Q, K, KS, KB, Table, Rows, Owner, Score, Spare, PartO, PartM, P
                 p = tl.exp(tl.where(gmask[:, None], qk - m[:, None], float("-inf"))) / l[:, None]
                 step = tl.sum(p, 0)
                 if MODE == 2:  # normalized: each query weighs by the places it sees
-                    step = step * owned
+                    step = step * count
                 old = tl.load(ptr, mask=valid, other=0.0)
                 if MODE == 3:
                     new = old * decay + step * (1 - decay)
@@ -288,36 +300,36 @@ def shared_decode(q, k, v, k_pool, v_pool, table, rows, positions, owner, pos, s
     if not (owner.stride() == pos.stride() == score.stride()):
         raise ValueError("owner, pos and score must share one layout")
     ss = (0, 0) if quant is None else (scales[0].stride(0), scales[0].stride(1))
+    # each head's places in a list: B x H x places (int32), filled by the store kernel
+    place_lists = torch.empty(bsz, heads, places, device=q.device, dtype=torch.int32)
+    counts = torch.empty(bsz, heads, device=q.device, dtype=torch.int32)
     _store_kernel[(bsz, heads)](
-        k, v, k_pool, v_pool, *scales, table, rows, spare, owner, pos, score, positions, heads, k.stride(0),
-        k.stride(1), k_pool.stride(0), k_pool.stride(1), ss[0], ss[1], table.stride(0), *spare.stride(),
-        *owner.stride(), D=d, DP=triton.next_power_of_2(d), BITS=bits, GS=gs)
+        k, v, k_pool, v_pool, *scales, table, rows, spare, owner, pos, score, positions, place_lists, counts, heads,
+        places, k.stride(0), k.stride(1), k_pool.stride(0), k_pool.stride(1), ss[0], ss[1], table.stride(0),
+        *spare.stride(), *owner.stride(), D=d, DP=triton.next_power_of_2(d), BITS=bits, GS=gs,
+        BLOCK=max(16, triton.next_power_of_2(places)))
     out = torch.empty_like(q)
     ieee = q.dtype == torch.float32 or not q.is_cuda
     block_e = 64
-    blocks = triton.cdiv(places, block_e)
+    blocks = triton.cdiv(places // heads, block_e)  # a head's share of the places
     if splits is None:  # enough programs to fill the GPU: the loop over a split's places is latency-bound
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         splits = max(1, min(blocks, triton.cdiv(2 * sms, bsz * heads)))
-    chunk = triton.cdiv(blocks, splits) * block_e
-    splits = triton.cdiv(places, chunk)
     part_o = torch.empty(bsz, hq, splits, d, device=q.device, dtype=torch.float32)
     part_m = torch.empty(bsz, hq, splits, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
-    part_n = torch.empty(bsz, heads, splits, device=q.device, dtype=torch.int32)
     diff = rank == "key-diff"
-    part_u = torch.empty(bsz, heads, splits, d, device=q.device, dtype=torch.float32) if diff else part_n
+    part_u = torch.empty(bsz, heads, splits, d, device=q.device, dtype=torch.float32) if diff else part_m
     tiles = dict(G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, BLOCK_E=block_e, BITS=bits, GS=gs, IEEE=ieee)
     strides = (q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), ss[0], ss[1], table.stride(0),
                *owner.stride())
-    parts = (part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
-             part_n.stride(0))
+    parts = (part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1))
     _split_kernel[(bsz, heads, splits)](
-        q, k_pool, v_pool, *scales, table, rows, owner, part_o, part_m, part_l, part_n, part_u, places, heads, chunk,
+        q, k_pool, v_pool, *scales, table, place_lists, counts, part_o, part_m, part_l, part_u, places, heads,
         *strides, *parts, d ** -0.5, DIFF=diff, **tiles)
     _fold_kernel[(bsz, heads, splits)](
-        q, k_pool, *scales[:2], table, rows, owner, score, spare, part_o, part_m, part_l, part_n, part_u, out, places,
-        heads, chunk, splits, *strides, *spare.stride(), *parts, out.stride(0), out.stride(1), d ** -0.5,
+        q, k_pool, *scales[:2], table, rows, place_lists, counts, score, spare, part_o, part_m, part_l, part_u, out,
+        places, heads, splits, *strides, *spare.stride(), *parts, out.stride(0), out.stride(1), d ** -0.5,
         float(ema_decay), S_PAD=max(2, triton.next_power_of_2(splits)), MODE=MODE_IDS[score_mode],
         RANK=RANK_IDS[rank], **tiles)
     if lens is None:
