@@ -67,8 +67,8 @@ def _store_kernel(KN, VN, KP, VP, KS, KB, VS, VB, Table, Rows, Spare, Owner, Pos
 @triton.jit
 def _keys(K, KS, KB, Table, Places, b, g, i, count, places, heads, q, stride_ks, stride_kh, stride_ss,
           stride_sh, stride_tb, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, IEEE: tl.constexpr):
-    """Entries i [N] of the list of places head `g` of sequence b owns (`count` of them): the places, their slots
-    and columns, and q . k over them."""
+    """Entries i [N] of the list of places head `g` of sequence b owns (`count` of them): which are valid, the
+    places' slots, columns and rows, and q . k over them."""
     valid = i < count
     e = tl.load(Places + (b * heads + g) * places + i, mask=valid, other=0)
     j = e // heads
@@ -82,7 +82,7 @@ def _keys(K, KS, KB, Table, Places, b, g, i, count, places, heads, q, stride_ks,
         k = _dequant(K, KS, KB, slot, c[:, None], valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, IEEE,
                      False)
     qk = tl.where(valid[None, :], _dot(q, tl.trans(k), IEEE), float("-inf"))
-    return valid, slot, c, j, qk, e
+    return valid, slot, c, j, qk
 
 
 @triton.jit
@@ -122,9 +122,9 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, Table, Places, Count, PartO, PartM, P
     acc = tl.zeros([G_PAD, D], tl.float32)
     unit_sum = tl.zeros([D], tl.float32)
     for i0 in range(lo, hi, BLOCK_E):
-        valid, slot, c, j, qk, e = _keys(K, KS, KB, Table, Places, b, g, i0 + tl.arange(0, BLOCK_E), count, places,
-                                         heads, q, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb, D, BITS, GS,
-                                         IEEE)
+        valid, slot, c, j, qk = _keys(K, KS, KB, Table, Places, b, g, i0 + tl.arange(0, BLOCK_E), count, places,
+                                      heads, q, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb, D, BITS, GS,
+                                      IEEE)
         m_new = tl.maximum(m, tl.max(qk, 1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(qk - m_new[:, None])
@@ -205,9 +205,9 @@ def _fold_kernel(Q, K, KS, KB, Table, Rows, Places, Count, Score, Spare, PartO, 
             anchor = anchor / tl.maximum(tl.sqrt(tl.sum(anchor * anchor, 0)), 1e-12)
         own_row = row * stride_or
         for i0 in range(lo, hi, BLOCK_E):
-            valid, slot, c, j, qk, e = _keys(K, KS, KB, Table, Places, b, g, i0 + tl.arange(0, BLOCK_E), count,
-                                             places, heads, q, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb,
-                                             D, BITS, GS, IEEE)
+            valid, slot, c, j, qk = _keys(K, KS, KB, Table, Places, b, g, i0 + tl.arange(0, BLOCK_E), count,
+                                          places, heads, q, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb,
+                                          D, BITS, GS, IEEE)
             ptr = Score + own_row + j * stride_oj + c * stride_oc
             if RANK == 3:
                 k = _read_keys(K, KS, KB, Q, slot, c[:, None], valid, stride_ks, stride_kh, stride_ss, stride_sh, D,
