@@ -141,16 +141,16 @@ class KVCache:
         """Which batched step of the engine a step of t tokens of this cache can join: "prefill" (a prefill
         piece of an unbounded cache), "append" (an unbounded decode), "evict" (a steady bounded decode on
         stacked rows), "chunk" (a prefill piece past a bounded cache's room, which keeps `budget` of its tokens and
-        the piece's, on stacked rows), "fill" (a prefill piece of a bounded cache with room for it, on stacked rows),
-        or None (this cache's own `attend`)."""
+        the piece's, on stacked rows), "fill" (a prefill piece of a bounded cache with room for it, or a decode with
+        room of one that evicts every e steps, on stacked rows), or None (this cache's own `attend`)."""
         if not self.bounded:
             if t == 1:
                 return "append"
             return "prefill"
         if self.stacked is None:
             return None
-        if t == 1:
-            return "evict" if self.has_spare[0] else None
+        if t == 1 and self.has_spare[0]:
+            return "evict"
         if self.has_spare[0]:
             return None
         if self.n[0] + t < self.policy.capacity:
@@ -194,7 +194,7 @@ class KVCache:
         budget or below) takes the empty slot after its tokens as every head's spare, the slot its own `attend`
         would write into, so that its decodes join the batched "evict" group. Below the budget they evict nothing
         (`steps.evict_decode`) until the cache is full."""
-        if self.stacked is not None and not self.has_spare[0]:
+        if self.stacked is not None and not self.has_spare[0] and self.policy.evict_every == 1:
             self.spare.fill_(self.n[0])
             self.has_spare = [True] * len(self.has_spare)
 

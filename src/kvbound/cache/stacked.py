@@ -9,10 +9,11 @@ import torch
 
 
 def stackable(policy) -> bool:
-    """Bounded policies whose steady-state decode runs batched on stacked rows: one eviction per step (heads may
-    share a layer's budget, AdaKV's rows also holding an owner per place; layers may keep different budgets,
-    PyramidKV's, reading rows of other layers through `layer_places`)."""
-    return policy.bounded and policy.evict_every == 1
+    """Bounded policies whose steps run batched on stacked rows: one eviction per step (heads may share a layer's
+    budget, AdaKV's rows also holding an owner per place; layers may keep different budgets, PyramidKV's, reading
+    rows of other layers through `layer_places`), or, evicting every e steps, their decodes with room as "fill"
+    pieces of one token (heads and layers of one budget: `AdaptiveKVCache` evicts every step)."""
+    return policy.bounded and (policy.evict_every == 1 or not policy.adapts)
 
 
 def layer_places(rows: list[int], device) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -197,7 +197,8 @@ class LLMEngine:
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.pool, max_num_seqs, graph_max_len, cfg.max_position_embeddings)
-            if stackable(self.default_policy):  # its evict graphs (AdaKV's "shared" ones), pre-warmed
+            # its evict graphs (AdaKV's "shared" ones), pre-warmed
+            if stackable(self.default_policy) and self.default_policy.evict_every == 1:
                 self.graphs.capture_evict(self.caches.stacked_meta(self.default_policy, grow=False),
                                           kind="shared" if self.default_policy.adapts else "evict")
 
