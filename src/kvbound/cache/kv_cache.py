@@ -142,7 +142,8 @@ class KVCache:
         piece of an unbounded cache), "append" (an unbounded decode), "evict" (a steady bounded decode on
         stacked rows), "chunk" (a prefill piece past a bounded cache's room, which keeps `budget` of its tokens and
         the piece's, on stacked rows), "fill" (a prefill piece of a bounded cache with room for it, or a decode with
-        room of one that evicts every e steps, on stacked rows), or None (this cache's own `attend`)."""
+        room of one that evicts every e steps, on stacked rows), or None (this cache's own `attend`). A cache that
+        evicts every e steps joins the batched groups at every step."""
         if not self.bounded:
             if t == 1:
                 return "append"
@@ -155,8 +156,9 @@ class KVCache:
             return None
         if self.n[0] + t < self.policy.capacity:
             return "fill"
-        # a piece that exactly fills the room is written, then evicts one (`attend`)
-        return "chunk" if self.n[0] + t > self.policy.capacity else None
+        # a piece that exactly fills the room is written, then evicts one (`attend`); a cache that evicts every e
+        # steps then keeps its budget of all of them, as a longer piece does
+        return "chunk" if self.n[0] + t > self.policy.capacity or self.policy.evict_every > 1 else None
 
     @property
     def table_row(self) -> int:

@@ -295,7 +295,9 @@ def make_group(pool, key: GroupKey, pieces):
     if key.kind == "fill":
         return FillGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.n + key.t).long(), key.n, key.t)
     if key.kind == "chunk":
-        return ChunkGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.policy.budget).long(), key.n)
+        # the caches' n tokens (past the budget in one that evicts every e steps), or the budget they keep
+        width = max(key.meta.policy.budget, key.n)
+        return ChunkGroup(pool, key.meta, rows, bounded_tables(pool, seqs, width).long(), key.n)
     if key.kind == "places":
         return PlacesGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.meta.width), seqs[0].cache, key.t)
     group = SharedGroup if key.kind == "shared" else EvictGroup
