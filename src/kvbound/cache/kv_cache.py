@@ -150,10 +150,8 @@ class KVCache:
             return "prefill"
         if self.stacked is None:
             return None
-        if t == 1 and self.has_spare[0]:
-            return "evict"
         if self.has_spare[0]:
-            return None
+            return "evict" if t == 1 else None
         if self.n[0] + t < self.policy.capacity:
             return "fill"
         # a piece that exactly fills the room is written, then evicts one (`attend`); a cache that evicts every e

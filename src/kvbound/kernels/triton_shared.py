@@ -104,9 +104,9 @@ def _group_q(Q, b, g, stride_qb, stride_qh, scale, G: tl.constexpr, G_PAD: tl.co
 @triton.jit
 def _split_kernel(Q, K, V, KS, KB, VS, VB, Table, Places, Count, PartO, PartM, PartL, PartU, places, heads,
                   stride_qb, stride_qh, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb,
-                  stride_or, stride_oj, stride_oc, stride_pb, stride_ph, stride_ps, stride_mb, stride_mh,
-                  scale, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BITS: tl.constexpr, GS: tl.constexpr, IEEE: tl.constexpr, DIFF: tl.constexpr):
+                  stride_pb, stride_ph, stride_ps, stride_mb, stride_mh, scale, G: tl.constexpr, G_PAD: tl.constexpr,
+                  D: tl.constexpr, BLOCK_E: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, IEEE: tl.constexpr,
+                  DIFF: tl.constexpr):
     """Program (b, g, s): the query heads of KV head g over split s of the places g owns (its list, `_store_kernel`),
     as a partial softmax (running max, sum, weighted values); with DIFF also the sum of those places' unit keys
     (PartU [B, H, splits, D]), KeyDiff's anchor in part."""
@@ -321,15 +321,14 @@ def shared_decode(q, k, v, k_pool, v_pool, table, rows, positions, owner, pos, s
     diff = rank == "key-diff"
     part_u = torch.empty(bsz, heads, splits, d, device=q.device, dtype=torch.float32) if diff else part_m
     tiles = dict(G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, BLOCK_E=block_e, BITS=bits, GS=gs, IEEE=ieee)
-    strides = (q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), ss[0], ss[1], table.stride(0),
-               *owner.stride())
+    strides = (q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), ss[0], ss[1], table.stride(0))
     parts = (part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1))
     _split_kernel[(bsz, heads, splits)](
         q, k_pool, v_pool, *scales, table, place_lists, counts, part_o, part_m, part_l, part_u, places, heads,
         *strides, *parts, d ** -0.5, DIFF=diff, **tiles)
     _fold_kernel[(bsz, heads, splits)](
         q, k_pool, *scales[:2], table, rows, place_lists, counts, score, spare, part_o, part_m, part_l, part_u, out,
-        places, heads, splits, *strides, *spare.stride(), *parts, out.stride(0), out.stride(1), d ** -0.5,
+        places, heads, splits, *strides, *owner.stride(), *spare.stride(), *parts, out.stride(0), out.stride(1), d ** -0.5,
         float(ema_decay), S_PAD=max(2, triton.next_power_of_2(splits)), MODE=MODE_IDS[score_mode],
         RANK=RANK_IDS[rank], **tiles)
     if lens is None:
