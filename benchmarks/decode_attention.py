@@ -415,10 +415,10 @@ def tune_grid(configs, bits_list, variants=None, ordered=False):
                          for blk, w, st in tiles[d] for split in splits(blk)]
             else:
                 runs += [(f"{blk:>4}{w:>3}{st:>3}{f'pps{pps}':>6} {paired or '-'} {'p' if permute else '-'}"
-                           f"{' s' if staged else ''}",
+                           f"{' s' if staged else ''}{' b' if pairs else ''}",
                           dict(block_n=blk, num_warps=w, num_stages=st, programs_per_sm=pps, paired=paired,
-                               permute=permute and bits != 16, staged=staged and bits != 16))
-                         for blk, w, st, pps, paired, permute, staged in variants]
+                               permute=permute and bits != 16, staged=staged and bits != 16, pairs=pairs))
+                         for blk, w, st, pps, paired, permute, staged, pairs in variants]
             for tile, run in runs:
                 kw = {**base, "quant": quant, **run}
                 label = f"{name:<8}{bsz:>4}{ctx:>6}{width:>6}{bits!s:>5}{tile}"
@@ -463,18 +463,18 @@ def tune_configs(spec: str, fields: int) -> list:
 
 
 def tile_variants(spec: str) -> list:
-    """keys:warps:stages:programs_per_sm:paired[:permute[:staged]],... -> [(keys, warps, stages, programs per SM,
-    paired, permute, staged)], paired k, v, kv or - (`Tile.paired`), permute p (on, the default) or -
-    (`Tile.permute`), staged s or - (off, the default; `Tile.staged`)."""
+    """keys:warps:stages:programs_per_sm:paired[:permute[:staged[:pairs]]],... -> [(keys, warps, stages, programs per
+    SM, paired, permute, staged, pairs)], paired k, v, kv or - (`Tile.paired`), permute p (on, the default) or -
+    (`Tile.permute`), staged s or - (off, the default; `Tile.staged`), pairs b or - (off, the default; `Tile.pairs`)."""
     variants = []
     for entry in spec.split(","):
         parts = entry.split(":")
-        parts += ["p", "-"][len(parts) - 5:] if 5 <= len(parts) < 7 else []
-        if (len(parts) != 7 or not all(p.isdigit() for p in parts[:4]) or parts[4] not in ("-", "k", "v", "kv")
-                or parts[5] not in ("p", "-") or parts[6] not in ("s", "-")):
-            raise ValueError(f"{entry!r} is not keys:warps:stages:programs_per_sm:paired[:permute[:staged]] with "
-                             "paired k, v, kv or -, permute p or -, staged s or -")
-        variants.append((*map(int, parts[:4]), parts[4].strip("-"), parts[5] == "p", parts[6] == "s"))
+        parts += ["p", "-", "-"][len(parts) - 5:] if 5 <= len(parts) < 8 else []
+        if (len(parts) != 8 or not all(p.isdigit() for p in parts[:4]) or parts[4] not in ("-", "k", "v", "kv")
+                or parts[5] not in ("p", "-") or parts[6] not in ("s", "-") or parts[7] not in ("b", "-")):
+            raise ValueError(f"{entry!r} is not keys:warps:stages:programs_per_sm:paired[:permute[:staged[:pairs]]] "
+                             "with paired k, v, kv or -, permute p or -, staged s or -, pairs b or -")
+        variants.append((*map(int, parts[:4]), parts[4].strip("-"), parts[5] == "p", parts[6] == "s", parts[7] == "b"))
     return variants
 
 
@@ -495,8 +495,8 @@ def main():
                     "shape:batch:context:width:export,... (export 0/1), e.g. smollm2:64:257:272:1 (h2o 256 at 64 "
                     "running, as the engine's graph calls it)")
     ap.add_argument("--tile-variants", help="with --tune-grid: time these tiles beside the default call instead of "
-                    "the grid, keys:warps:stages:programs_per_sm:paired[:permute],... (paired k, v, kv or -; permute p, "
-                    "the default, or -), e.g. 64:4:2:4:-,64:4:2:8:-:-; packed formats also time their default "
+                    "the grid, keys:warps:stages:programs_per_sm:paired[:permute[:staged[:pairs]]],... (paired k, v, kv or -; "
+                    "permute p, the default, or -; staged s or -; pairs b or -), e.g. 64:4:2:4:-,64:4:2:8:-:-; packed formats also time their default "
                     "tile without permute")
     ap.add_argument("--ordered-blocks", action="store_true", help="with --tune-grid: each sequence's blocks in "
                     "order in the pool instead of shuffled (a pool filled in order, as the engine's often is)")

@@ -42,33 +42,36 @@ SHAPES = {
 
 
 TILE_TABLES = {"long": triton_decode.TILES_LONG, "mid": triton_decode.TILES, "short": triton_decode.TILES_SHORT,
-               "narrow": triton_decode.TILES_NARROW, "many": triton_decode.TILES_LONG_MANY}
+               "narrow": triton_decode.TILES_NARROW, "many": triton_decode.TILES_LONG_MANY,
+               "few": triton_decode.TILES_LONG_FEW}
 KERNEL_TILES = {name: dict(table) for name, table in TILE_TABLES.items()}  # the kernel's own, to go back to
-TILE_FORM = ("[long:|many:|mid:|short:|narrow:]format:head_dim:keys:warps:stages[:split_blocks[:programs_per_sm"
-             "[:paired[:permute[:staged]]]]]")
+TILE_FORM = ("[long:|many:|few:|mid:|short:|narrow:]format:head_dim:keys:warps:stages[:split_blocks[:programs_per_sm"
+             "[:paired[:permute[:staged[:pairs]]]]]]")
 
 
 def tile_entries(spec: str) -> list:
     """(table, (format, head_dim), Tile) of each entry of a --packed-tiles list; format 16 (bf16), 8, 4 or fp8,
     split_blocks 0 for none (programs per SM decide), paired k, v, kv or - (`Tile.paired`; - for none), permute p
-    (the default) or - (`Tile.permute`), staged s or - (the default; `Tile.staged`)."""
+    (the default) or - (`Tile.permute`), staged s or - (the default; `Tile.staged`), pairs b or - (the default;
+    `Tile.pairs`)."""
     entries = []
     for tile in spec.split(",") if spec else []:
         fields = tile.split(":")
         table = fields.pop(0) if fields[0] in TILE_TABLES else "long"
+        pairs = fields.pop() if len(fields) == 11 else "-"
         staged = fields.pop() if len(fields) == 10 else "-"
         permute = fields.pop() if len(fields) == 9 else "p"
         paired = fields.pop() if len(fields) == 8 else "-"
         if not 5 <= len(fields) <= 7 or not all(f.isdigit() for f in fields[1:]) \
                 or fields[0] not in ("16", "8", "4", "fp8") or paired not in ("-", "k", "v", "kv") \
-                or permute not in ("p", "-") or staged not in ("s", "-"):
+                or permute not in ("p", "-") or staged not in ("s", "-") or pairs not in ("b", "-"):
             raise ValueError(f"{tile!r} is not {TILE_FORM} with format 16, 8, 4 or fp8, paired k, v, kv or -, "
-                             "permute p or - and staged s or -")
+                             "permute p or -, staged s or - and pairs b or -")
         fmt, d, keys, warps, stages, *rest = fields
         split_blocks, pps = [int(f) for f in rest] + [0, 4][len(rest):]
         entries.append((table, (fmt if fmt == "fp8" else int(fmt), int(d)),
                         triton_decode.Tile(int(keys), int(warps), int(stages), split_blocks or None, pps,
-                                           paired.strip("-"), permute == "p", staged == "s")))
+                                           paired.strip("-"), permute == "p", staged == "s", pairs == "b")))
     return entries
 
 

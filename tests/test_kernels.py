@@ -70,10 +70,13 @@ def test_decode_attention_dense_matches_reference(shape, mode):
     (8, 128, 64, False, ""), (4, 128, 128, None, ""), (8, 64, 64, None, ""), (8, 64, 64, True, ""),
     (8, 128, 128, True, ""), (4, 128, 64, None, ""), (4, 128, 64, False, ""), (4, 64, 64, True, ""),
     (4, 128, 128, True, ""), (8, 128, 64, None, "k"), (8, 128, 64, None, "v"), (4, 128, 64, None, "kv"),
-    (4, 128, 64, False, "kv"), (8, 64, 32, True, "kv"), (4, 128, 128, True, "kv")])
+    (4, 128, 64, False, "kv"), (8, 64, 32, True, "kv"), (4, 128, 128, True, "kv"), (8, 128, 64, True, "pairs"),
+    (8, 128, 128, True, "pairs"), (8, 64, 32, True, "v pairs")])
 def test_decode_attention_quantized_matches_dequantize_then_attend(bits, d, group, value_dot, paired):
     """Both routes of packed values (codes-dot and dequantize), one and two groups per head, each group's scales
-    read alone or a key's two groups' in one load (`paired`)."""
+    read alone or a key's two groups' in one load (`paired`), 8-bit values' codes read as byte pairs or not."""
+    pairs = "pairs" in paired
+    paired = paired.replace("pairs", "").strip()
     q, k, v, table, n = _case(7 + d + group, 2, 6, 2, d, [45, 129])
     kc, kscale, kbias = quantize(k, bits, group)
     vc, vscale, vbias = quantize(v, bits, group)
@@ -81,7 +84,7 @@ def test_decode_attention_quantized_matches_dequantize_then_attend(bits, d, grou
     score = torch.zeros(2, 129, 2, device=DEV)
     dev = [t.to(DEV) for t in (q, kc, vc, table, n, kscale, kbias, vscale, vbias)]
     out = decode_attention(*dev[:5], score=score, score_mode="cumulative", split=64, block_n=32, value_dot=value_dot,
-                           paired=paired, quant=dict(bits=bits, group=group, k_scale=dev[5], k_bias=dev[6],
+                           paired=paired, pairs=pairs, quant=dict(bits=bits, group=group, k_scale=dev[5], k_bias=dev[6],
                                                      v_scale=dev[7], v_bias=dev[8])).cpu()
     score = score.cpu()
     want, want_score = _reference(q, kd, vd, table, n, "cumulative", torch.zeros(2, 129, 2), 0)
@@ -91,11 +94,11 @@ def test_decode_attention_quantized_matches_dequantize_then_attend(bits, d, grou
 
 @pytest.mark.parametrize("fmt, d, scores, many", [(8, 64, False, False), (4, 64, False, False), (4, 64, False, True),
                                                    ("fp8", 64, False, False), (8, 128, False, False),
-                                                   (8, 128, True, False)])
+                                                   (8, 128, False, True), (8, 128, True, False)])
 def test_packed_decode_on_the_gpus_long_table_tiles_matches_dequantize_then_attend(fmt, d, scores, many):
     """The tile a 4k-wide table takes on the GPU (at d=64 256 keys, 4-bit's with 8 warps, or, for `many` sequences,
-    128 keys with byte permutes; 8-bit's 8 warps and 3 stages at d=128, 4 warps when it exports scores), with the
-    kernel's own splits."""
+    128 keys with byte permutes; 8-bit's at d=128 values as byte pairs, 64-key blocks for `many` sequences, else 8
+    warps and 3 stages, 4 warps when it exports scores), with the kernel's own splits."""
     from kvbound.cache.quant import Fp8KV
     from kvbound.kernels.triton_decode import LONG_KEYS, MANY_SEQS, kernel_tile
     q, k, v, table, n = _case(5, 2, 6, 2, d, [LONG_KEYS, 1500], slots=LONG_KEYS + 1600)
@@ -111,7 +114,7 @@ def test_packed_decode_on_the_gpus_long_table_tiles_matches_dequantize_then_atte
     score = torch.zeros(2, LONG_KEYS, 2, device=DEV) if scores else None
     out = decode_attention(*(t.to(DEV) for t in (q, kc, vc, table, n)), block_n=tile.keys, num_warps=tile.warps,
                            num_stages=tile.stages, programs_per_sm=tile.programs_per_sm, paired=tile.paired,
-                           permute=tile.permute and DEV == "cuda",
+                           permute=tile.permute and DEV == "cuda", pairs=tile.pairs,
                            score=score, score_mode="cumulative" if scores else None,
                            quant={key: t if isinstance(t, (str, int)) else t.to(DEV) for key, t in quant.items()}).cpu()
     mode = "cumulative" if scores else None
@@ -236,15 +239,17 @@ def test_kernel_tile_follows_the_table_width_on_the_gpu():
     tables at d=128 read paired scales, 8-bit's middle ones take its long ones' tile (short calls 64-key blocks at 8
     programs an SM; exporting scores 16 on middle tables, 4 warps on long ones); 8-bit's middle and narrow tables at
     d=64 convert codes without permutes; on the CPU every call takes bf16's."""
-    from kvbound.kernels.triton_decode import MANY_SEQS, Tile, kernel_tile
+    from kvbound.kernels.triton_decode import FEW_SEQS, MANY_SEQS, Tile, kernel_tile
     bf16 = kernel_tile(16, 64, 43, 8192)
     assert kernel_tile(8, 64, 43, 8192) == kernel_tile("fp8", 64, 43, 8192) == Tile(256, 4, 2)
     assert kernel_tile(4, 64, 43, 8192) == Tile(256, 8, 2, permute=False)
     assert kernel_tile(4, 64, MANY_SEQS, 8192) == Tile(128, 4, 2) and kernel_tile(8, 64, MANY_SEQS, 8192) == Tile(256, 4, 2)
-    assert kernel_tile(8, 128, 7, 8192) == Tile(128, 8, 3, programs_per_sm=2)
+    # 8-bit at d=128 reads its values as byte pairs: long tables in 64-key blocks, 128-key ones for few sequences
+    assert kernel_tile(8, 128, 7, 8192) == Tile(64, 4, 2, programs_per_sm=4, pairs=True)
+    assert kernel_tile(8, 128, FEW_SEQS - 1, 32768) == Tile(128, 8, 3, programs_per_sm=2, pairs=True)
     assert kernel_tile(16, 128, 1, 32768) == kernel_tile("fp8", 128, 7, 8192) == Tile(128, 4, 2, programs_per_sm=2)
     assert kernel_tile(4, 128, 7, 8192) == kernel_tile(4, 128, 64, 2048) == Tile(128, 2, 2, paired="kv")
-    assert kernel_tile(8, 128, 64, 2048) == Tile(128, 8, 3, programs_per_sm=2)  # middle: the long tables' tile
+    assert kernel_tile(8, 128, 64, 2048) == Tile(128, 8, 3, programs_per_sm=2, pairs=True)  # middle: the long tables' tile
     assert kernel_tile(8, 128, 4, 2048) == Tile(64, 4, 2, programs_per_sm=8)  # short calls: 64-key blocks
     # fp8 at d=128: values staged on middle and narrow tables (decode_attention drops it where it exports scores),
     # bf16's tile for short calls
@@ -252,7 +257,7 @@ def test_kernel_tile_follows_the_table_width_on_the_gpu():
     assert kernel_tile("fp8", 128, 8, 2048) == Tile(64, 4, None)
     # exporting scores (h2o's step), 8-bit at d=128: 16 programs an SM on middle tables, 4 warps on long ones
     assert kernel_tile(8, 128, 29, 2048, scores=True) == Tile(64, 4, 2, programs_per_sm=16)
-    assert kernel_tile(8, 128, 7, 8192, scores=True) == Tile(128, 4, 2, programs_per_sm=2)
+    assert kernel_tile(8, 128, 7, 8192, scores=True) == Tile(128, 4, 2, programs_per_sm=2, pairs=True)
     assert kernel_tile(8, 128, 64, 272, scores=True) == kernel_tile(8, 128, 64, 272)  # narrow tables: the same
     assert kernel_tile(4, 128, 7, 8192, scores=True) == kernel_tile(4, 128, 7, 8192)  # other formats: the same
     for fmt in (16, 8, 4, "fp8"):  # h2o 256's 272-wide tables, at any batch

@@ -55,7 +55,8 @@ class Tile(NamedTuple):
     4 blocks. paired: whose per-group scales and biases ("k", "v", both or none) a key's two groups (d=128)
     read in one load each instead of one load a group; it changes the compiled code either way. permute: packed codes
     become fp16 by byte permutes in inline PTX (`_codes`) where the kernel is compiled. staged: packed or fp8 values
-    become fp16 before their layout change into the dot's operand (`_staged`)."""
+    become fp16 before their layout change into the dot's operand (`_staged`). pairs: 8-bit values' codes are read
+    two bytes a load, each byte pair giving an even and an odd column (`_low_bytes`), as 4-bit's nibbles do."""
     keys: int
     warps: int
     stages: int | None = None
@@ -64,6 +65,7 @@ class Tile(NamedTuple):
     paired: str = ""
     permute: bool = True
     staged: bool = False
+    pairs: bool = False
 
 
 # (bits or "fp8" or 16 for bf16, head_dim) -> the kernel's Tile on the GPU; packed formats' middle tables:
@@ -86,7 +88,9 @@ class Tile(NamedTuple):
 # fp8's at d=128 take 64-key blocks, 3 stages, with values staged (`Tile.staged`; not where the call exports scores,
 # which ran 1.10x -> 1.17x bf16 staged): 1.10-1.23x bf16 -> 0.80-0.90x (16-64 sequences, 1-2k keys in 2k tables;
 # results/staged_values_h100.log)
-TILES = {(8, 128): Tile(128, 8, 3, programs_per_sm=2), (4, 128): Tile(128, 2, 2, paired="kv"),
+# 8-bit's values at d=128 are read as byte pairs (`Tile.pairs`): the same tile went 1.16x -> 1.09x bf16 at 7 x 4k in 8k
+# tables, 1.03x -> 1.00x at 16 x 8k, 1.06x -> 1.04x at 1 x 32k, 1.03x -> 1.02x at 16 x 2k (results/byte_pairs_h100.log)
+TILES = {(8, 128): Tile(128, 8, 3, programs_per_sm=2, pairs=True), (4, 128): Tile(128, 2, 2, paired="kv"),
          (8, 64): Tile(128, 4, 2, permute=False), (4, 64): Tile(256, 4, 2),
          ("fp8", 128): Tile(64, 4, 3, staged=True)}
 # ... where a call has fewer than SHORT_KEYS keys in all (batch x context), which few large tiles serve badly
@@ -114,9 +118,14 @@ TILES_NARROW, NARROW_KEYS = {**{(f, 64): Tile(64, 4, 2, split_blocks=2, permute=
 # 8-bit's at d=128 take TILES' entry, three stages since its codes take permutes: 1.03-1.16x bf16 against
 # 1.07-1.19x in the kernel, an 8B engine step at 7 x 4k 8.57 -> 8.51 ms (bf16 8.13) and at 7 x 8k 10.02 -> 9.94
 # (results/eight_bit_stages_h100.log)
+# 8-bit's at d=128 with values as byte pairs: 64-key blocks, 4 warps, 4 programs an SM, 1.16x -> 1.02x bf16 at 7 x 4k
+# in 8k tables, 1.12x -> 0.96x at 14 x 4k, 1.03x -> 0.88x at 16 x 8k (results/byte_pairs_h100.log); calls of under
+# FEW_SEQS sequences keep 128-key blocks (TILES_LONG_FEW: 1 x 32k ran 1.09x in 64-key ones, 1.04x in 128-key ones)
 TILES_LONG = {(8, 64): Tile(256, 4, 2), ("fp8", 64): Tile(256, 4, 2), (4, 64): Tile(256, 8, 2, permute=False),
-              **{(f, 128): Tile(128, 4, 2, programs_per_sm=2) for f in (16, "fp8")}}
+              **{(f, 128): Tile(128, 4, 2, programs_per_sm=2) for f in (16, "fp8")},
+              (8, 128): Tile(64, 4, 2, programs_per_sm=4, pairs=True)}
 LONG_KEYS = 4096
+TILES_LONG_FEW, FEW_SEQS = {(8, 128): Tile(128, 8, 3, programs_per_sm=2, pairs=True)}, 4
 # ... and where MANY_SEQS or more sequences read long tables: 4-bit at d=64 in 128-key blocks with permutes took the
 # SmolLM2-shape engine step at its full fit of 155 x 4k from 8.27 to 6.51 ms; at 43 running it took 3.06 -> 3.56, so
 # fewer keep TILES_LONG's entry (results/permute_engine_h100.log)
@@ -127,7 +136,8 @@ TILES_LONG_MANY, MANY_SEQS = {(4, 64): Tile(128, 4, 2)}, 96
 # h2o 4096, 7 running) 9.54 -> 9.03 ms a step, bf16 8.36; h2o 2048 at 29 running 10.60 -> 10.52
 # (results/scores_tiles_engine_h100.log)
 TILES_SCORES = {(8, 128): Tile(64, 4, 2, programs_per_sm=16)}
-TILES_LONG_SCORES = {(8, 128): Tile(128, 4, 2, programs_per_sm=2)}
+# (8-bit's long ones read values as byte pairs: 1.30x -> 1.25x bf16 at 7 x 4k, results/byte_pairs_h100.log)
+TILES_LONG_SCORES = {(8, 128): Tile(128, 4, 2, programs_per_sm=2, pairs=True)}
 
 
 @triton.jit
@@ -141,7 +151,8 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                   BITS: tl.constexpr, GS: tl.constexpr, EXPORT: tl.constexpr, IEEE: tl.constexpr,
                   VDOT: tl.constexpr, FP8: tl.constexpr, CONTIG: tl.constexpr,
                   RESID: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, PAIR_K: tl.constexpr,
-                  PAIR_V: tl.constexpr, PERMUTE: tl.constexpr, STAGED: tl.constexpr = False):
+                  PAIR_V: tl.constexpr, PERMUTE: tl.constexpr, STAGED: tl.constexpr = False,
+                  PAIRS: tl.constexpr = False):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -159,14 +170,18 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
     W: tl.constexpr = GS if BITS == 8 else GS // 2  # code bytes per group of a token's values
+    # each loaded unit of a group's values holds two columns, an even and an odd one (4-bit's nibbles, or 8-bit's
+    # byte pairs): two accumulators of WA columns each
+    TWO: tl.constexpr = BITS == 4 or PAIRS
+    WA: tl.constexpr = GS // 2 if TWO else GS
     if VDOT:  # packed values, one or two groups per head, go to the tensor cores as raw codes, like the keys
-        acc = tl.zeros([G_PAD, W], tl.float32)  # group 0 (4-bit: its even columns, from the low nibbles)
+        acc = tl.zeros([G_PAD, WA], tl.float32)  # group 0 (4-bit: its even columns, from the low nibbles)
         if D // GS == 2:
-            acc_hi = tl.zeros([G_PAD, W], tl.float32)  # group 1
-        if BITS == 4:  # the odd columns (high nibbles); only declared where used, or the loop carries them
-            acc_odd = tl.zeros([G_PAD, W], tl.float32)
+            acc_hi = tl.zeros([G_PAD, WA], tl.float32)  # group 1
+        if TWO:  # the odd columns (high nibbles or bytes); only declared where used, or the loop carries them
+            acc_odd = tl.zeros([G_PAD, WA], tl.float32)
             if D // GS == 2:
-                acc_hi_odd = tl.zeros([G_PAD, W], tl.float32)
+                acc_hi_odd = tl.zeros([G_PAD, WA], tl.float32)
     else:
         acc = tl.zeros([G_PAD, D], tl.float32)
     if RESID:  # mixed widths: the window's and sinks' residuals, by position (`cache.quant.RecentResiduals`)
@@ -206,27 +221,31 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
         l = l * alpha + tl.sum(p, 1)
         if VDOT:
             sp = slot * stride_ss + h * stride_sh
-            vp = V + slot[:, None] * stride_ks + h * stride_kh + tl.arange(0, W)[None, :]
+            if PAIRS:  # byte pairs: the same bytes as 16-bit units (strides are even: a head's codes are whole units)
+                vp = (V.to(tl.pointer_type(tl.uint16)) + (slot[:, None] * stride_ks + h * stride_kh) // 2
+                      + tl.arange(0, WA)[None, :])
+            else:
+                vp = V + slot[:, None] * stride_ks + h * stride_kh + tl.arange(0, W)[None, :]
             if PAIR_V and D // GS == 2:
                 vs, vb, vs_hi, vb_hi = _paired_scales(VS, VB, sp, valid)
             else:
                 vs, vb = _scale_bias(VS, VB, sp, valid)
             ps, pb, codes = _value_group(p, vp, vs, vb, valid)
-            if BITS == 8:
-                acc = _codes_dot(acc, alpha, ps, pb, _codes(codes, PERMUTE), valid, STAGED, IEEE)
+            if TWO:
+                acc = _codes_dot(acc, alpha, ps, pb, _even_codes(codes, BITS, PERMUTE), valid, STAGED, IEEE)
+                acc_odd = _codes_dot(acc_odd, alpha, ps, pb, _odd_codes(codes, BITS, PERMUTE), valid, STAGED, IEEE)
             else:
-                acc = _codes_dot(acc, alpha, ps, pb, _low_codes(codes, PERMUTE), valid, STAGED, IEEE)
-                acc_odd = _codes_dot(acc_odd, alpha, ps, pb, _high_codes(codes, PERMUTE), valid, STAGED, IEEE)
+                acc = _codes_dot(acc, alpha, ps, pb, _codes(codes, PERMUTE), valid, STAGED, IEEE)
             if D // GS == 2:
                 if not PAIR_V:
                     vs_hi, vb_hi = _scale_bias(VS, VB, sp + 1, valid)
-                ps, pb, codes = _value_group(p, vp + W, vs_hi, vb_hi, valid)
-                if BITS == 8:
-                    acc_hi = _codes_dot(acc_hi, alpha, ps, pb, _codes(codes, PERMUTE), valid, STAGED, IEEE)
-                else:
-                    acc_hi = _codes_dot(acc_hi, alpha, ps, pb, _low_codes(codes, PERMUTE), valid, STAGED, IEEE)
-                    acc_hi_odd = _codes_dot(acc_hi_odd, alpha, ps, pb, _high_codes(codes, PERMUTE), valid, STAGED,
+                ps, pb, codes = _value_group(p, vp + WA, vs_hi, vb_hi, valid)
+                if TWO:
+                    acc_hi = _codes_dot(acc_hi, alpha, ps, pb, _even_codes(codes, BITS, PERMUTE), valid, STAGED, IEEE)
+                    acc_hi_odd = _codes_dot(acc_hi_odd, alpha, ps, pb, _odd_codes(codes, BITS, PERMUTE), valid, STAGED,
                                             IEEE)
+                else:
+                    acc_hi = _codes_dot(acc_hi, alpha, ps, pb, _codes(codes, PERMUTE), valid, STAGED, IEEE)
         elif FP8:  # p @ (codes * scale) = top * ((p * scale / top) @ codes), top the row's largest p * scale: fp16
             v = _staged(tl.load(V + kv_ptr, mask=valid[:, None], other=0.0).to(tl.float16), valid, STAGED)
             ps = p * tl.load(VS + sp, mask=valid, other=0.0).to(tl.float32)[None, :]
@@ -245,13 +264,13 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
         m = m_new
     o_ptr = PartO + b * stride_ob + heads[:, None] * stride_oh + s * stride_os
     if VDOT:
-        offs_c = tl.arange(0, W)[None, :] * (8 // BITS)
+        offs_c = tl.arange(0, WA)[None, :] * (2 if TWO else 1)
         tl.store(o_ptr + offs_c, acc / PV_SCALE, mask=gmask[:, None])
-        if BITS == 4:
+        if TWO:
             tl.store(o_ptr + offs_c + 1, acc_odd / PV_SCALE, mask=gmask[:, None])
         if D // GS == 2:
             tl.store(o_ptr + GS + offs_c, acc_hi / PV_SCALE, mask=gmask[:, None])
-            if BITS == 4:
+            if TWO:
                 tl.store(o_ptr + GS + offs_c + 1, acc_hi_odd / PV_SCALE, mask=gmask[:, None])
     else:
         tl.store(o_ptr + offs_d[None, :], acc, mask=gmask[:, None])
@@ -336,6 +355,39 @@ def _high_codes(c, PERMUTE: tl.constexpr):
         return tl.inline_asm_elementwise(_HIGH_NIBBLES, "=r,=r,r", [c], dtype=tl.float16, is_pure=True,
                                          pack=4)
     return _codes(c >> 4, False)
+
+
+@triton.jit
+def _even_codes(c, BITS: tl.constexpr, PERMUTE: tl.constexpr):
+    """The even columns of a unit holding two: 4-bit's low nibbles, or the low bytes of 8-bit's 16-bit byte pairs."""
+    if BITS == 4:
+        return _low_codes(c, PERMUTE)
+    if PERMUTE:
+        return tl.inline_asm_elementwise(_LOW_BYTES, "=r,r", [c], dtype=tl.float16, is_pure=True, pack=2)
+    return _codes(c & 0xFF, False)
+
+
+@triton.jit
+def _odd_codes(c, BITS: tl.constexpr, PERMUTE: tl.constexpr):
+    """The odd columns: 4-bit's high nibbles, or the high bytes of 8-bit's byte pairs."""
+    if BITS == 4:
+        return _high_codes(c, PERMUTE)
+    if PERMUTE:
+        return tl.inline_asm_elementwise(_HIGH_BYTES, "=r,r", [c], dtype=tl.float16, is_pure=True, pack=2)
+    return _codes(c >> 8, False)
+
+
+# Two 16-bit byte pairs of $1 -> their low (or high) bytes as two fp16 in $0: one lop3 ((a & b) | c) puts the exponent
+# bits of 1024 above each byte, then the paired subtract takes the 1024 off
+_BYTE_PAIRS_TO_HALVES = """{{
+.reg .b32 k, t;
+mov.b32 k, 0x64006400;
+shr.b32 t, $1, {shift};
+lop3.b32 $0, t, 0x00ff00ff, 0x64006400, 0xea;
+sub.f16x2 $0, $0, k;
+}}"""
+_LOW_BYTES: tl.constexpr = tl.constexpr(_BYTE_PAIRS_TO_HALVES.format(shift=0))
+_HIGH_BYTES: tl.constexpr = tl.constexpr(_BYTE_PAIRS_TO_HALVES.format(shift=8))
 
 
 # Four bytes of $2 -> four fp16 in $0, $1: prmt puts 0x64 above each byte (the bits of 1024 + code), and a paired
@@ -710,14 +762,15 @@ def kernel_tile(fmt, d: int, bsz: int, max_len: int, contiguous: bool = False, c
         return TILES_SHORT.get((fmt, d), tile)
     if max_len >= LONG_KEYS:
         many = TILES_LONG_MANY.get((fmt, d)) if bsz >= MANY_SEQS else None
-        return long.get((fmt, d), many or TILES_LONG.get((fmt, d), tile))
+        few = TILES_LONG_FEW.get((fmt, d)) if bsz < FEW_SEQS else None
+        return long.get((fmt, d), many or few or TILES_LONG.get((fmt, d), tile))
     return middle.get((fmt, d), tile)
 
 
 def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=None, score_mode=None,
                      ema_decay=0.95, quant=None, split=None, block_n=None, out=None, programs_per_sm=None,
                      num_warps=None, rows=None, victim=None, num_stages=None, value_dot=None, contiguous=False,
-                     resid=None, layer=False, paired=None, permute=None, staged=None):
+                     resid=None, layer=False, paired=None, permute=None, staged=None, pairs=None):
     """q: [B, Hq, D]; k_pool/v_pool: [slots, Hkv, D] (or packed codes [slots, Hkv, D*bits/8] with
     quant=dict(bits=, group=, k_scale=, k_bias=, v_scale=, v_bias=) of [slots, Hkv, D/group]; or float8 e4m3
     codes [slots, Hkv, D] with quant=dict(bits="fp8", k_scale=, v_scale=) of [slots, Hkv, 1]);
@@ -739,6 +792,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     paired: `Tile.paired` (None: the table's tile's).
     permute: `Tile.permute` (None: the table's tile's; only where the kernel is compiled).
     staged: `Tile.staged` (None: the table's tile's, off where the call exports scores).
+    pairs: `Tile.pairs` (None: the table's tile's; 8-bit values read as codes only).
     Returns out [B, Hq, D] in q's dtype."""
     bsz, hq, d = q.shape
     if d & (d - 1):
@@ -763,6 +817,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     num_stages = num_stages or tile.stages
     programs_per_sm = programs_per_sm or tile.programs_per_sm
     paired = tile.paired if paired is None else paired
+    pairs = tile.pairs if pairs is None else pairs
     staged = tile.staged and not export if staged is None else staged  # staged lost where it also exported
     if split is None and tile.split_blocks and not explicit:
         split = tile.split_blocks * block_n
@@ -804,6 +859,9 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     ss = (0, 0) if quant is None else (scales[0].stride(0), scales[0].stride(1))
     if value_dot and resid is not None:
         raise ValueError("residuals read values dequantized (value_dot=False)")
+    pairs = pairs and value_dot and bits == 8
+    if pairs and (v_pool.stride(0) % 2 or v_pool.stride(1) % 2):
+        raise ValueError(f"pairs: 8-bit values are read two bytes a load, which needs even strides, got {v_pool.stride()}")
     ieee = q.dtype == torch.float32 or not q.is_cuda
     compiled = q.is_cuda and not INTERPRETING
     if permute is None:
@@ -818,7 +876,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), scale, min_split, *rt["reads"], *rt["ring"],
         G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee, VDOT=value_dot,
         FP8=fp8, CONTIG=bool(contiguous), RESID=resid is not None, SINK=rt["sink"], RECENT=rt["recent"],
-        PAIR_K="k" in paired, PAIR_V="v" in paired, PERMUTE=permute, STAGED=staged, num_warps=num_warps,
+        PAIR_K="k" in paired, PAIR_V="v" in paired, PERMUTE=permute, STAGED=staged, PAIRS=pairs, num_warps=num_warps,
         **({} if num_stages is None else dict(num_stages=num_stages)))
     _merge_kernel[(bsz, hkv)](
         part_o, part_m, part_l, out, ctx_lens,
