@@ -20,7 +20,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and no
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
-def _case(seed, bsz, hq, hkv, d, lens, slots=300):
+def _case(seed, bsz, hq, hkv, d, lens, slots=None):
+    slots = slots or max(300, sum(lens))
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(bsz, hq, d, generator=gen)
     k = torch.randn(slots, hkv, d, generator=gen)
@@ -48,9 +49,11 @@ def _reference(q, k, v, table, lens, mode, score0, decay):
     return torch.stack(outs), scores
 
 
-@pytest.mark.parametrize("shape", [(3, 9, 3, 64, [37, 1, 130]), (2, 8, 2, 32, [65, 200]), (1, 4, 4, 16, [77])])
+@pytest.mark.parametrize("shape", [(3, 9, 3, 64, [37, 1, 130]), (2, 8, 2, 32, [65, 200]), (1, 4, 4, 16, [77]),
+                                   (2, 8, 2, 32, [700, 45])])
 @pytest.mark.parametrize("mode", [None, "cumulative", "normalized", "ema"])
 def test_decode_attention_dense_matches_reference(shape, mode):
+    """Every score mode; the last shape takes 11 splits of 64 keys."""
     bsz, hq, hkv, d, lens = shape
     q, k, v, table, n = _case(shape[0] * 10 + len(str(mode)), bsz, hq, hkv, d, lens)
     score0 = torch.rand(bsz, max(lens), hkv)
@@ -424,6 +427,32 @@ def test_store_kv_reads_slot_tables_of_any_strides():
     codes, sc, bi = quantize(x, 8, 32)
     assert torch.equal(pool[2:7].cpu(), codes) and torch.equal(scale[2:7].cpu(), sc) and torch.equal(bias[2:7].cpu(), bi)
     assert (pool[:2] == 0).all() and (pool[7:] == 0).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4, "fp8"])
+def test_store_kv_writes_v_beside_k_from_views_of_one_projection(bits):
+    """K and V as views of one fused projection (strided tokens, no copy), written by one launch (`also`): each pool
+    gets what a call of its own writes."""
+    qkv = torch.randn(5, 5 * 64, generator=torch.Generator().manual_seed(11)).to(DEV)
+    k, v = qkv[:, 64:64 * 3].view(5, 2, 64), qkv[:, 64 * 3:].view(5, 2, 64)
+    assert not k.is_contiguous()
+    slots = torch.tensor([[3, 0], [1, 2], [-1, 5], [6, 7], [8, -1]], dtype=torch.int32, device=DEV)
+    width, group = (64, 64) if bits == "fp8" else (64 * bits // 8, 32)
+
+    def pools():
+        codes = torch.zeros(9, 2, width, dtype=torch.uint8, device=DEV)
+        codes = codes.view(torch.float8_e4m3fn) if bits == "fp8" else codes
+        scale = torch.zeros(9, 2, 1 if bits == "fp8" else 2, dtype=torch.float16, device=DEV)
+        return codes, scale, None if bits == "fp8" else torch.zeros_like(scale)
+    (kc, ks, kb), (vc, vs, vb) = pools(), pools()
+    store_kv(k, slots, kc, ks, kb, bits=bits, group=group, also=(v, vc, vs, vb))
+    def raw(t):
+        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    for x, written in ((k, (kc, ks, kb)), (v, (vc, vs, vb))):
+        alone = pools()
+        store_kv(x.contiguous(), slots, *alone, bits=bits, group=group)
+        assert all(torch.equal(raw(got), raw(want)) for got, want in zip(written, alone) if got is not None)
+        assert (raw(written[0]) != 0).any()
 
 
 @pytest.mark.parametrize("dtype, d", [(torch.float32, 64), (torch.bfloat16, 128), (torch.float32, 48)])

@@ -120,9 +120,9 @@ class PackedKV:
     def store(self, layer, slots, k, v):
         """k, v [T, H, D] quantized into slots [T, H] by the Triton store kernel (CUDA), bit for bit as `pack`."""
         from ..kernels.triton_decode import store_kv
-        for side, x in ((self.k, k), (self.v, v)):
-            store_kv(x.contiguous(), slots, side.codes[layer], side.scale[layer], side.bias[layer], self.bits,
-                     self.group)
+        kp, vp = self.k, self.v
+        store_kv(k, slots, kp.codes[layer], kp.scale[layer], kp.bias[layer], self.bits, self.group,
+                 also=(v, vp.codes[layer], vp.scale[layer], vp.bias[layer]))
 
     def kernel_args(self, layer):
         k, v = self.k, self.v
@@ -172,8 +172,9 @@ class Fp8KV:
     def store(self, layer, slots, k, v):
         """k, v [T, H, D] into slots [T, H] by the Triton store kernel (CUDA), as `pack` does."""
         from ..kernels.triton_decode import store_kv
-        for (codes, scale), x in ((self.tensors[:2], k), (self.tensors[2:], v)):
-            store_kv(x.contiguous(), slots, codes[layer].view(torch.float8_e4m3fn), scale[layer], bits="fp8")
+        kc, ks, vc, vs = self.tensors
+        store_kv(k, slots, kc[layer].view(torch.float8_e4m3fn), ks[layer], bits="fp8",
+                 also=(v, vc[layer].view(torch.float8_e4m3fn), vs[layer], None))
 
     def kernel_args(self, layer):
         kc, ks, vc, vs = self.tensors

@@ -981,15 +981,21 @@ def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spa
 
 
 @triton.jit
-def _store_kernel(X, Slots, P, PS, PB, stride_xt, stride_xh, stride_st, stride_sth, stride_ps, stride_ph, stride_ss,
-                  stride_sh, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr):
+def _store_kernel(X, Y, Slots, P, PS, PB, YP, YPS, YPB, stride_xt, stride_xh, stride_yt, stride_yh, stride_st,
+                  stride_sth, stride_ps, stride_ph, stride_ss, stride_sh, D: tl.constexpr, BITS: tl.constexpr,
+                  GS: tl.constexpr, FP8: tl.constexpr):
+    """Program (t, h, side): token t's head h of X into P / PS / PB (side 0), or of Y into YP / YPS / YPB (side 1)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(Slots + t * stride_st + h * stride_sth).to(tl.int64)
     if slot < 0:
         return
-    x = tl.load(X + t * stride_xt + h * stride_xh + tl.arange(0, D))
-    _put(x, P, PS, PB, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D, BITS, GS, FP8)
+    if tl.program_id(2) == 0:
+        x = tl.load(X + t * stride_xt + h * stride_xh + tl.arange(0, D))
+        _put(x, P, PS, PB, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D, BITS, GS, FP8)
+    else:
+        y = tl.load(Y + t * stride_yt + h * stride_yh + tl.arange(0, D))
+        _put(y, YP, YPS, YPB, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D, BITS, GS, FP8)
 
 
 @triton.jit
@@ -1098,17 +1104,25 @@ def store_residuals(x, entries, codes, scale, bias, group):
                                    codes.stride(1), scale.stride(0), scale.stride(1), D=d, GS=group)
 
 
-def store_kv(x, slots, pool, scale=None, bias=None, bits=16, group=64):
-    """Write x [T, Hkv, D] into pool at slots [T, Hkv] (one slot per token and KV head; -1 skips),
-    quantizing on the way in: to `bits` 8/4 with scale/bias pools, or to "fp8" codes (pool of float8_e4m3fn)
-    with a scale pool [slots, Hkv, 1]."""
+def store_kv(x, slots, pool, scale=None, bias=None, bits=16, group=64, also=None):
+    """Write x [T, Hkv, D] (any strides but the last) into pool at slots [T, Hkv] (one slot per token and KV head;
+    -1 skips), quantizing on the way in: to `bits` 8/4 with scale/bias pools, or to "fp8" codes (pool of
+    float8_e4m3fn) with a scale pool [slots, Hkv, 1].
+    also: (x, pool, scale, bias) of a second tensor (V beside K) written at the same slots in the same launch, into
+    pools of the same strides: a decode step's write is then one launch a layer, and no copy of strided K/V."""
     t, h, d = x.shape
     fp8 = bits == "fp8"
-    ps = (0, 0) if scale is None else (scale.stride(0), scale.stride(1))
-    _store_kernel[(t, h)](x, slots, pool, scale if scale is not None else pool, bias if bias is not None else pool,
-                          x.stride(0), x.stride(1), slots.stride(0), slots.stride(1), pool.stride(0), pool.stride(1),
-                          ps[0], ps[1],
-                          D=d, BITS=16 if fp8 else bits, GS=group, FP8=fp8)
+    sides = [(x, pool, scale, bias)] + ([also] if also is not None else [])
+    sides = [(y if y.stride(-1) == 1 else y.contiguous(), p, s if s is not None else p, b if b is not None else p)
+             for y, p, s, b in sides]
+    (x, pool, scale, bias), (y, y_pool, y_scale, y_bias) = sides[0], sides[-1]
+    ps = (0, 0) if scale is pool else (scale.stride(0), scale.stride(1))
+    if y_pool.stride() != pool.stride() or (y_scale is not y_pool and y_scale.stride() != scale.stride()):
+        raise ValueError(f"store_kv: both pools need one layout, got strides {pool.stride()} and {y_pool.stride()}")
+    _store_kernel[(t, h, len(sides))](
+        x, y, slots, pool, scale, bias, y_pool, y_scale, y_bias, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
+        slots.stride(0), slots.stride(1), pool.stride(0), pool.stride(1), ps[0], ps[1],
+        D=d, BITS=16 if fp8 else bits, GS=group, FP8=fp8)
 
 
 @triton.jit
