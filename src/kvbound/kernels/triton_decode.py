@@ -8,7 +8,8 @@ Packed keys are never dequantized: with k = code * scale + bias per group, q.k =
 scale * (q . codes) + bias * sum(q), so the tensor cores multiply the raw codes and the scales apply once
 per key and group. Packed values at d=128 take the same route: p @ (code * scale + bias) per group is
 (p * scale) @ code + p @ bias (`_value_group`), so their codes go from shared memory to the tensor
-cores with only the fp16 conversion on the way; at d=64 they are dequantized in fp16 registers
+cores with only the fp16 conversion on the way (8-bit's read as byte pairs, `Tile.pairs`, whose 16-bit tiles
+the transposed shared-memory read takes whole); at d=64 they are dequantized in fp16 registers
 (code * scale + bias) and pass through shared memory as fp16 before p @ V (faster there).
 Codes become fp16 by a bit trick (`_codes`; compiled, four at a time by byte permutes in inline PTX,
 `Tile.permute`), not int->float conversions, which bound the kernel; the tensor-core inputs of the packed path
@@ -56,7 +57,7 @@ class Tile(NamedTuple):
     read in one load each instead of one load a group; it changes the compiled code either way. permute: packed codes
     become fp16 by byte permutes in inline PTX (`_codes`) where the kernel is compiled. staged: packed or fp8 values
     become fp16 before their layout change into the dot's operand (`_staged`). pairs: 8-bit values' codes are read
-    two bytes a load, each byte pair giving an even and an odd column (`_low_bytes`), as 4-bit's nibbles do."""
+    two bytes a load, each byte pair giving an even and an odd column (`_even_codes`), as 4-bit's nibbles do."""
     keys: int
     warps: int
     stages: int | None = None
