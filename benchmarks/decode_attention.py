@@ -495,9 +495,9 @@ def main():
                     "shape:batch:context:width:export,... (export 0/1), e.g. smollm2:64:257:272:1 (h2o 256 at 64 "
                     "running, as the engine's graph calls it)")
     ap.add_argument("--tile-variants", help="with --tune-grid: time these tiles beside the default call instead of "
-                    "the grid, keys:warps:stages:programs_per_sm:paired[:permute[:staged[:pairs]]],... (paired k, v, kv or -; "
-                    "permute p, the default, or -; staged s or -; pairs b or -), e.g. 64:4:2:4:-,64:4:2:8:-:-; packed formats also time their default "
-                    "tile without permute")
+                    "the grid, keys:warps:stages:programs_per_sm:paired[:permute[:staged[:pairs]]],... (paired k, "
+                    "v, kv or -; permute p, the default, or -; staged s or -; pairs b or -), e.g. "
+                    "64:4:2:4:-,64:4:2:8:-:-; packed formats also time their default tile without permute")
     ap.add_argument("--ordered-blocks", action="store_true", help="with --tune-grid: each sequence's blocks in "
                     "order in the pool instead of shuffled (a pool filled in order, as the engine's often is)")
     ap.add_argument("--value-dot-grid", help="only time packed values read with value_dot on, off and the kernel's "

@@ -252,7 +252,8 @@ def test_kernel_tile_follows_the_table_width_on_the_gpu():
     assert kernel_tile(8, 128, FEW_SEQS - 1, 32768) == Tile(128, 8, 3, programs_per_sm=2, pairs=True)
     assert kernel_tile(16, 128, 1, 32768) == kernel_tile("fp8", 128, 7, 8192) == Tile(128, 4, 2, programs_per_sm=2)
     assert kernel_tile(4, 128, 7, 8192) == kernel_tile(4, 128, 64, 2048) == Tile(128, 2, 2, paired="kv")
-    assert kernel_tile(8, 128, 64, 2048) == Tile(128, 8, 3, programs_per_sm=2, pairs=True)  # middle: the long tables' tile
+    # middle tables: 128-key blocks, as long tables of fewer than FEW_SEQS sequences
+    assert kernel_tile(8, 128, 64, 2048) == Tile(128, 8, 3, programs_per_sm=2, pairs=True)
     assert kernel_tile(8, 128, 4, 2048) == Tile(64, 4, 2, programs_per_sm=8)  # short calls: 64-key blocks
     # fp8 at d=128: values staged on middle and narrow tables (decode_attention drops it where it exports scores),
     # bf16's tile for short calls

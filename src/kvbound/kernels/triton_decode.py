@@ -862,7 +862,8 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         raise ValueError("residuals read values dequantized (value_dot=False)")
     pairs = pairs and value_dot and bits == 8
     if pairs and (v_pool.stride(0) % 2 or v_pool.stride(1) % 2):
-        raise ValueError(f"pairs: 8-bit values are read two bytes a load, which needs even strides, got {v_pool.stride()}")
+        raise ValueError(f"pairs: 8-bit values are read two bytes a load, which needs even strides, got "
+                         f"{v_pool.stride()}")
     ieee = q.dtype == torch.float32 or not q.is_cuda
     compiled = q.is_cuda and not INTERPRETING
     if permute is None:

@@ -328,8 +328,8 @@ def shared_decode(q, k, v, k_pool, v_pool, table, rows, positions, owner, pos, s
         *strides, *parts, d ** -0.5, DIFF=diff, **tiles)
     _fold_kernel[(bsz, heads, splits)](
         q, k_pool, *scales[:2], table, rows, place_lists, counts, score, spare, part_o, part_m, part_l, part_u, out,
-        places, heads, splits, *strides, *owner.stride(), *spare.stride(), *parts, out.stride(0), out.stride(1), d ** -0.5,
-        float(ema_decay), S_PAD=max(2, triton.next_power_of_2(splits)), MODE=MODE_IDS[score_mode],
+        places, heads, splits, *strides, *owner.stride(), *spare.stride(), *parts, out.stride(0), out.stride(1),
+        d ** -0.5, float(ema_decay), S_PAD=max(2, triton.next_power_of_2(splits)), MODE=MODE_IDS[score_mode],
         RANK=RANK_IDS[rank], **tiles)
     if lens is None:
         lens = torch.full((bsz,), table.shape[1], dtype=torch.int32, device=q.device)
