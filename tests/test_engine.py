@@ -1024,6 +1024,27 @@ def test_fp8_pool_batches_equal_alone_and_survive_prefix_hits_and_preemption(mod
     assert engine.pool.bytes_per_token() == 2 * 2 * (32 + 2)  # K and V, 2 heads, a byte a value + an fp16 scale
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the store kernel writes CUDA pools")
+@pytest.mark.parametrize("dtype, d", [(torch.bfloat16, 64), (torch.float32, 48)])
+def test_unquantized_cuda_pool_writes_equal_indexed_copies(dtype, d):
+    """On CUDA an unquantized pool's write is one store kernel for K and V (from the projection's strided views):
+    it puts what indexed copies put, for every head of a token's slot, for one slot per token and head, and for
+    slot tables of any shape (an evict step's [1, 1, n] against K [1, n, H, D])."""
+    from kvbound.cache.store import EACH_HEAD
+    gen = torch.Generator().manual_seed(3)
+    kv = torch.randn(6, 2 * 3 * d, generator=gen).cuda()
+    k, v = kv[:, :3 * d].view(6, 3, d), kv[:, 3 * d:].view(6, 3, d)
+    per_head = torch.randperm(40, generator=gen)[:18].view(6, 3).cuda()  # no (slot, head) twice
+    slots = torch.tensor([5, 0, 17, 9, 30, 2]).cuda()
+    for slots, heads, k, v in ((slots, None, k, v), (per_head, EACH_HEAD, k, v),
+                               (slots.view(1, 1, 6), None, k.view(1, 6, 3, d), v.view(1, 6, 3, d))):
+        pool, copies = (BlockPool(2, 3, d, num_blocks=5, block_size=8, device="cuda", dtype=dtype) for _ in range(2))
+        pool.write(1, slots, k, v, heads)
+        copies.write_raw(1, slots, copies.pack(k, v), heads)
+        assert all(torch.equal(a, b) for a, b in zip(pool.raw, copies.raw))
+        assert pool.k[1].abs().sum() > 0 and pool.k[0].abs().sum() == 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the packed decode and store kernels and CUDA graphs")
 @pytest.mark.parametrize("bits", [8, 4, "fp8"])
 def test_packed_pools_on_cuda_batched_equal_alone(model32, bits, monkeypatch):

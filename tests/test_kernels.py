@@ -50,10 +50,11 @@ def _reference(q, k, v, table, lens, mode, score0, decay):
 
 
 @pytest.mark.parametrize("shape", [(3, 9, 3, 64, [37, 1, 130]), (2, 8, 2, 32, [65, 200]), (1, 4, 4, 16, [77]),
-                                   (2, 8, 2, 32, [700, 45])])
+                                   (2, 8, 2, 32, [1100, 45])])
 @pytest.mark.parametrize("mode", [None, "cumulative", "normalized", "ema"])
 def test_decode_attention_dense_matches_reference(shape, mode):
-    """Every score mode; the last shape takes 11 splits of 64 keys."""
+    """Every score mode; the last shape takes 18 splits of 64 keys, which the merge reads in two chunks
+    (`MERGE_CHUNK`)."""
     bsz, hq, hkv, d, lens = shape
     q, k, v, table, n = _case(shape[0] * 10 + len(str(mode)), bsz, hq, hkv, d, lens)
     score0 = torch.rand(bsz, max(lens), hkv)
@@ -430,17 +431,19 @@ def test_store_kv_reads_slot_tables_of_any_strides():
     assert (pool[:2] == 0).all() and (pool[7:] == 0).all()
 
 
-@pytest.mark.parametrize("bits", [8, 4, "fp8"])
-def test_store_kv_writes_v_beside_k_from_views_of_one_projection(bits):
+@pytest.mark.parametrize("bits, d", [(8, 64), (4, 64), ("fp8", 64), (16, 64), (16, 48)])
+def test_store_kv_writes_v_beside_k_from_views_of_one_projection(bits, d):
     """K and V as views of one fused projection (strided tokens, no copy), written by one launch (`also`): each pool
-    gets what a call of its own writes."""
-    qkv = torch.randn(5, 5 * 64, generator=torch.Generator().manual_seed(11)).to(DEV)
-    k, v = qkv[:, 64:64 * 3].view(5, 2, 64), qkv[:, 64 * 3:].view(5, 2, 64)
+    gets what a call of its own writes; unquantized (bf16 pools' decode write), of any head size."""
+    qkv = torch.randn(5, 5 * d, generator=torch.Generator().manual_seed(11)).to(DEV)
+    k, v = qkv[:, d:d * 3].view(5, 2, d), qkv[:, d * 3:].view(5, 2, d)
     assert not k.is_contiguous()
     slots = torch.tensor([[3, 0], [1, 2], [-1, 5], [6, 7], [8, -1]], dtype=torch.int32, device=DEV)
-    width, group = (64, 64) if bits == "fp8" else (64 * bits // 8, 32)
+    width, group = (d, 64) if bits in ("fp8", 16) else (d * bits // 8, 32)
 
     def pools():
+        if bits == 16:
+            return torch.zeros(9, 2, d, device=DEV), None, None
         codes = torch.zeros(9, 2, width, dtype=torch.uint8, device=DEV)
         codes = codes.view(torch.float8_e4m3fn) if bits == "fp8" else codes
         scale = torch.zeros(9, 2, 1 if bits == "fp8" else 2, dtype=torch.float16, device=DEV)
@@ -454,6 +457,12 @@ def test_store_kv_writes_v_beside_k_from_views_of_one_projection(bits):
         store_kv(x.contiguous(), slots, *alone, bits=bits, group=group)
         assert all(torch.equal(raw(got), raw(want)) for got, want in zip(written, alone) if got is not None)
         assert (raw(written[0]) != 0).any()
+    if bits == 16:  # exactly the rows named, as an indexed copy puts them
+        for x, pool in ((k, kc), (v, vc)):
+            want = torch.zeros_like(pool)
+            keep = slots >= 0
+            want[slots[keep].long(), torch.arange(2, device=DEV).expand(5, 2)[keep]] = x[keep]
+            assert torch.equal(pool, want)
 
 
 @pytest.mark.parametrize("dtype, d", [(torch.float32, 64), (torch.bfloat16, 128), (torch.float32, 48)])

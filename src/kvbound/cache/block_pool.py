@@ -47,6 +47,19 @@ def block_hash(prev: int | None, tokens) -> int:
     return hash((prev, tuple(tokens)))
 
 
+def _slots_per_head(slots, k, heads):
+    """The store kernel's slot table [tokens, H] of a write of k [..., H, D] at `slots` (`store.at`): every head of
+    slots' tokens, or one slot per token and head; None where the write broadcasts k or names its own heads."""
+    h = k.shape[-2]
+    if heads is EACH_HEAD:
+        per_head = slots.reshape(-1, h)
+    elif heads is None:
+        per_head = slots.reshape(-1, 1).expand(-1, h)
+    else:
+        return None
+    return per_head if per_head.shape[0] * h * k.shape[-1] == k.numel() else None
+
+
 class BlockPool:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, num_blocks: int, block_size: int = 16,
                  device="cpu", dtype=torch.float32, kv_bits: int | None = None, group_size: int = 64,
@@ -201,11 +214,15 @@ class BlockPool:
         return [t[layer, slots] for t in self.raw]
 
     def write(self, layer, slots, k, v, heads=None):
-        if self.packed is not None and k.is_cuda and (heads is None or heads is EACH_HEAD):
-            # one store kernel quantizes and writes (a dozen PyTorch ops otherwise)
-            self.packed.store(layer, slots if heads is EACH_HEAD else slots[:, None].expand(-1, k.shape[1]), k, v)
-            return
-        self.write_raw(layer, slots, self.pack(k, v), heads)
+        per_head = _slots_per_head(slots, k, heads) if k.is_cuda else None
+        if per_head is None:
+            self.write_raw(layer, slots, self.pack(k, v), heads)
+        elif self.packed is None:  # one store kernel writes K and V: two index_put launches otherwise
+            from ..kernels.triton_decode import store_kv
+            k, v = (x.reshape(-1, *x.shape[-2:]) for x in (k, v))
+            store_kv(k, per_head, self.k[layer], also=(v, self.v[layer], None, None))
+        else:  # one store kernel quantizes and writes (a dozen PyTorch ops otherwise)
+            self.packed.store(layer, per_head, *(x.reshape(-1, *x.shape[-2:]) for x in (k, v)))
 
     def gather(self, layer, slots):
         return self.unpack(self.gather_raw(layer, slots))

@@ -285,6 +285,7 @@ def _ring_entry(p, SINK: tl.constexpr, RECENT: tl.constexpr):
     return tl.where(p < SINK, p, SINK + p % (RECENT + 1))
 
 
+MERGE_CHUNK = 16  # splits `_merge_kernel` loads at once
 PV_SCALE: tl.constexpr = tl.constexpr(64.0)  # keeps p * v_scale clear of fp16 subnormals; exact (a power of 2)
 
 
@@ -500,38 +501,36 @@ def _seq_split(n, min_split, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _merge_kernel(PartO, PartM, PartL, Out, CtxLen, stride_ob, stride_oh, stride_os, stride_mb, stride_mh,
-                  stride_outb, stride_outh, split, num_splits, BLOCK_N: tl.constexpr, G: tl.constexpr,
-                  G_PAD: tl.constexpr, D: tl.constexpr,
-                  MODE: tl.constexpr):
+                  stride_outb, stride_outh, split, num_splits, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                  MODE: tl.constexpr, CHUNK: tl.constexpr):
+    """Program (b, query head): its splits' partial outputs combined, CHUNK splits a load (one load where the
+    sequence has at most CHUNK splits: a loop over them one by one took about 0.35 us a split)."""
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    qh = tl.program_id(1)
     n = tl.load(CtxLen + b)
     used = tl.cdiv(n, _seq_split(n, split, num_splits, BLOCK_N))
-    offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D)
-    gmask = offs_g < G
-    heads = h * G + offs_g
-    big_m = tl.full([G_PAD], float("-inf"), tl.float32)
-    for s in range(0, used):
-        big_m = tl.maximum(big_m, tl.load(PartM + b * stride_mb + heads * stride_mh + s, mask=gmask,
-                                          other=float("-inf")))
-    big_l = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D], tl.float32)
-    for s in range(0, used):
-        ms = tl.load(PartM + b * stride_mb + heads * stride_mh + s, mask=gmask, other=float("-inf"))
-        ls = tl.load(PartL + b * stride_mb + heads * stride_mh + s, mask=gmask, other=0.0)
-        w = tl.where(gmask, tl.exp(ms - big_m), 0.0)
-        big_l += ls * w
-        o = tl.load(PartO + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + offs_d[None, :],
-                    mask=gmask[:, None], other=0.0)
-        acc += o * w[:, None]
-    big_l = tl.where(gmask, big_l, 1.0)
-    out = acc / big_l[:, None]
-    tl.store(Out + b * stride_outb + heads[:, None] * stride_outh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=gmask[:, None])
+    m_row = PartM + b * stride_mb + qh * stride_mh
+    l_row = PartL + b * stride_mb + qh * stride_mh
+    big_m = tl.max(tl.full([CHUNK], float("-inf"), tl.float32), 0)
+    big_l = tl.sum(tl.zeros([CHUNK], tl.float32), 0)
+    acc = tl.zeros([D], tl.float32)
+    for s0 in range(0, used, CHUNK):
+        s = s0 + tl.arange(0, CHUNK)
+        live = s < used
+        ms = tl.load(m_row + s, mask=live, other=float("-inf"))
+        o = tl.load(PartO + b * stride_ob + qh * stride_oh + s[:, None] * stride_os + offs_d[None, :],
+                    mask=live[:, None], other=0.0)
+        m_new = tl.maximum(big_m, tl.max(ms, 0))
+        alpha = tl.exp(big_m - m_new)
+        w = tl.exp(ms - m_new)
+        big_l = big_l * alpha + tl.sum(tl.load(l_row + s, mask=live, other=0.0) * w, 0)
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        big_m = m_new
+    tl.store(Out + b * stride_outb + qh * stride_outh + offs_d, (acc / big_l).to(Out.dtype.element_ty))
     if MODE != 0:  # the normaliser of each query head, for the score fold
-        tl.store(PartM + b * stride_mb + heads * stride_mh, big_m, mask=gmask)
-        tl.store(PartL + b * stride_mb + heads * stride_mh, big_l, mask=gmask)
+        tl.store(m_row, big_m)
+        tl.store(l_row, big_l)
 
 
 @triton.jit
@@ -880,10 +879,11 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         FP8=fp8, CONTIG=bool(contiguous), RESID=resid is not None, SINK=rt["sink"], RECENT=rt["recent"],
         PAIR_K="k" in paired, PAIR_V="v" in paired, PERMUTE=permute, STAGED=staged, PAIRS=pairs, num_warps=num_warps,
         **({} if num_stages is None else dict(num_stages=num_stages)))
-    _merge_kernel[(bsz, hkv)](
+    _merge_kernel[(bsz, hq)](
         part_o, part_m, part_l, out, ctx_lens,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
-        out.stride(0), out.stride(1), min_split, num_splits, BLOCK_N=block_n, G=g, G_PAD=g_pad, D=d, MODE=mode)
+        out.stride(0), out.stride(1), min_split, num_splits, BLOCK_N=block_n, D=d, MODE=mode,
+        CHUNK=max(2, min(MERGE_CHUNK, triton.next_power_of_2(num_splits))))
     if export or victim is not None:
         # one block of keys per program (a chain of dependent loads is slow); with a victim, each block
         # proposes a candidate per head and `_victim_kernel` chooses among them
@@ -985,14 +985,20 @@ def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spa
 @triton.jit
 def _store_kernel(X, Y, Slots, P, PS, PB, YP, YPS, YPB, stride_xt, stride_xh, stride_yt, stride_yh, stride_st,
                   stride_sth, stride_ps, stride_ph, stride_ss, stride_sh, D: tl.constexpr, BITS: tl.constexpr,
-                  GS: tl.constexpr, FP8: tl.constexpr):
-    """Program (t, h, side): token t's head h of X into P / PS / PB (side 0), or of Y into YP / YPS / YPB (side 1)."""
+                  GS: tl.constexpr, FP8: tl.constexpr, DP: tl.constexpr):
+    """Program (t, h, side): token t's head h of X into P / PS / PB (side 0), or of Y into YP / YPS / YPB (side 1).
+    Unquantized heads may be of any size (DP: the next power of 2, masked)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(Slots + t * stride_st + h * stride_sth).to(tl.int64)
     if slot < 0:
         return
-    if tl.program_id(2) == 0:
+    if BITS == 16 and not FP8:
+        if tl.program_id(2) == 0:
+            _copy_row(X, P, t * stride_xt + h * stride_xh, slot * stride_ps + h * stride_ph, D, DP)
+        else:
+            _copy_row(Y, YP, t * stride_yt + h * stride_yh, slot * stride_ps + h * stride_ph, D, DP)
+    elif tl.program_id(2) == 0:
         x = tl.load(X + t * stride_xt + h * stride_xh + tl.arange(0, D))
         _put(x, P, PS, PB, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D, BITS, GS, FP8)
     else:
@@ -1007,12 +1013,8 @@ def _store_token(KN, VN, KP, VP, KS, KB, VS, VB, b, h, slot, col, stride_nt, str
     """New token b's K and V of head h into pool slot `slot`, column `col`: as they are (any head size, a masked
     row), or quantized by `_put`."""
     if BITS == 16 and not FP8:
-        offs = tl.arange(0, DP)
-        dm = offs < D
-        k = tl.load(KN + b * stride_nt + h * stride_nh + offs, mask=dm)
-        v = tl.load(VN + b * stride_nt + h * stride_nh + offs, mask=dm)
-        tl.store(KP + slot * stride_ps + col * stride_ph + offs, k.to(KP.dtype.element_ty), mask=dm)
-        tl.store(VP + slot * stride_ps + col * stride_ph + offs, v.to(VP.dtype.element_ty), mask=dm)
+        _copy_row(KN, KP, b * stride_nt + h * stride_nh, slot * stride_ps + col * stride_ph, D, DP)
+        _copy_row(VN, VP, b * stride_nt + h * stride_nh, slot * stride_ps + col * stride_ph, D, DP)
     else:
         offs = tl.arange(0, D)
         k = tl.load(KN + b * stride_nt + h * stride_nh + offs)
@@ -1022,10 +1024,18 @@ def _store_token(KN, VN, KP, VP, KS, KB, VS, VB, b, h, slot, col, stride_nt, str
 
 
 @triton.jit
+def _copy_row(X, P, x_off, p_off, D: tl.constexpr, DP: tl.constexpr):
+    """One unquantized head of any size (DP: the next power of 2, masked) from X + x_off into P + p_off."""
+    offs = tl.arange(0, DP)
+    dm = offs < D
+    tl.store(P + p_off + offs, tl.load(X + x_off + offs, mask=dm).to(P.dtype.element_ty), mask=dm)
+
+
+@triton.jit
 def _put(x, P, PS, PB, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D: tl.constexpr, BITS: tl.constexpr,
          GS: tl.constexpr, FP8: tl.constexpr):
-    """One token's K or V of head h ([D]) into `slot`: as is (BITS 16), as fp8 codes and a scale, or as packed
-    8/4-bit codes with a scale and bias per group, bit for bit as the PyTorch packers."""
+    """One token's K or V of head h ([D]) into `slot`: as fp8 codes and a scale, or as packed 8/4-bit codes with a
+    scale and bias per group, bit for bit as the PyTorch packers (unquantized heads: `_copy_row`)."""
     offs_d = tl.arange(0, D)
     if FP8:  # e4m3 codes and an fp16 scale per token and head (its largest magnitude maps to 448), as `Fp8KV`
         xf = x.to(tl.float32)
@@ -1033,8 +1043,6 @@ def _put(x, P, PS, PB, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D: t
         codes = tl.minimum(tl.maximum(xf / sc.to(tl.float32), -448.0), 448.0)
         tl.store(P + slot * stride_ps + h * stride_ph + offs_d, codes.to(P.dtype.element_ty))
         tl.store(PS + slot * stride_ss + h * stride_sh, sc)
-    elif BITS == 16:
-        tl.store(P + slot * stride_ps + h * stride_ph + offs_d, x.to(P.dtype.element_ty))
     else:
         NG: tl.constexpr = D // GS
         codes, sc, bi = _group_codes(x, D, BITS, GS)
@@ -1124,7 +1132,7 @@ def store_kv(x, slots, pool, scale=None, bias=None, bits=16, group=64, also=None
     _store_kernel[(t, h, len(sides))](
         x, y, slots, pool, scale, bias, y_pool, y_scale, y_bias, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
         slots.stride(0), slots.stride(1), pool.stride(0), pool.stride(1), ps[0], ps[1],
-        D=d, BITS=16 if fp8 else bits, GS=group, FP8=fp8)
+        D=d, BITS=16 if fp8 else bits, GS=group, FP8=fp8, DP=triton.next_power_of_2(d))
 
 
 @triton.jit
