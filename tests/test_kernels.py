@@ -75,7 +75,7 @@ def test_decode_attention_dense_matches_reference(shape, mode):
     (8, 128, 128, True, ""), (4, 128, 64, None, ""), (4, 128, 64, False, ""), (4, 64, 64, True, ""),
     (4, 128, 128, True, ""), (8, 128, 64, None, "k"), (8, 128, 64, None, "v"), (4, 128, 64, None, "kv"),
     (4, 128, 64, False, "kv"), (8, 64, 32, True, "kv"), (4, 128, 128, True, "kv"), (8, 128, 64, True, "pairs"),
-    (8, 128, 128, True, "pairs"), (8, 64, 32, True, "v pairs")])
+    (8, 128, 128, True, "pairs"), (8, 64, 32, True, "v pairs"), (8, 64, 64, True, "pairs")])
 def test_decode_attention_quantized_matches_dequantize_then_attend(bits, d, group, value_dot, paired):
     """Both routes of packed values (codes-dot and dequantize), one and two groups per head, each group's scales
     read alone or a key's two groups' in one load (`paired`), 8-bit values' codes read as byte pairs or not."""
@@ -126,6 +126,28 @@ def test_packed_decode_on_the_gpus_long_table_tiles_matches_dequantize_then_atte
     torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
     if scores:
         torch.testing.assert_close(score.cpu().double(), want_score, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", [8, 4])
+def test_packed_decode_on_the_gpus_narrow_table_tiles_matches_dequantize_then_attend(fmt):
+    """The tile a bounded cache's narrow table takes on the GPU at d=64 (h2o 256: 272 wide), exporting scores: values
+    through the dot as codes (`Tile.value_dot`), 8-bit's read as byte pairs."""
+    from kvbound.kernels.triton_decode import kernel_tile
+    q, k, v, table, n = _case(9, 3, 6, 2, 64, [257, 200, 31])
+    (kc, kscale, kbias), (vc, vscale, vbias) = quantize(k, fmt, 64), quantize(v, fmt, 64)
+    kd, vd = dequantize(kc, kscale, kbias, fmt, 64), dequantize(vc, vscale, vbias, fmt, 64)
+    quant = dict(bits=fmt, group=64, k_scale=kscale, k_bias=kbias, v_scale=vscale, v_bias=vbias)
+    tile = kernel_tile(fmt, 64, 3, 272, cuda=True, scores=True)
+    assert tile.value_dot and tile.split_blocks == 2
+    score = torch.zeros(3, 257, 2, device=DEV)
+    out = decode_attention(*(t.to(DEV) for t in (q, kc, vc, table, n)), block_n=tile.keys, num_warps=tile.warps,
+                           num_stages=tile.stages, split=tile.split_blocks * tile.keys, value_dot=tile.value_dot,
+                           permute=tile.permute and DEV == "cuda", pairs=tile.pairs, score=score,
+                           score_mode="cumulative", quant={key: t if isinstance(t, int) else t.to(DEV)
+                                                           for key, t in quant.items()}).cpu()
+    want, want_score = _reference(q, kd, vd, table, n, "cumulative", torch.zeros(3, 257, 2), 0)
+    torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(score.cpu().double(), want_score, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("d, group", [(64, 32), (128, 64)])
@@ -241,8 +263,9 @@ def test_kernel_tile_follows_the_table_width_on_the_gpu():
     caches' narrow tables two-block splits in every format (fp8 at d=128: its middle tile); fp8 elsewhere takes bf16's
     tile, except its middle tables at d=128 (64-key blocks, 3 stages, values staged); 4-bit's middle and long
     tables at d=128 read paired scales, 8-bit's middle ones take its long ones' tile (short calls 64-key blocks at 8
-    programs an SM; exporting scores 16 on middle tables, 4 warps on long ones); 8-bit's middle and narrow tables at
-    d=64 convert codes without permutes; on the CPU every call takes bf16's."""
+    programs an SM; exporting scores 16 on middle tables, 4 warps on long ones); 8-bit's middle tables at d=64 convert
+    codes without permutes, and its and 4-bit's narrow ones take values through the dot (8-bit's as byte pairs); on the
+    CPU every call takes bf16's."""
     from kvbound.kernels.triton_decode import FEW_SEQS, MANY_SEQS, Tile, kernel_tile
     bf16 = kernel_tile(16, 64, 43, 8192)
     assert kernel_tile(8, 64, 43, 8192) == kernel_tile("fp8", 64, 43, 8192) == Tile(256, 4, 2)
@@ -265,9 +288,11 @@ def test_kernel_tile_follows_the_table_width_on_the_gpu():
     assert kernel_tile(8, 128, 7, 8192, scores=True) == Tile(128, 4, 2, programs_per_sm=2, pairs=True)
     assert kernel_tile(8, 128, 64, 272, scores=True) == kernel_tile(8, 128, 64, 272)  # narrow tables: the same
     assert kernel_tile(4, 128, 7, 8192, scores=True) == kernel_tile(4, 128, 7, 8192)  # other formats: the same
-    for fmt in (16, 8, 4, "fp8"):  # h2o 256's 272-wide tables, at any batch
-        assert kernel_tile(fmt, 64, 256, 272) == kernel_tile(fmt, 64, 64, 272) == Tile(64, 4, 2, split_blocks=2,
-                                                                                          permute=fmt != 8)
+    narrow = {16: Tile(64, 4, 2, split_blocks=2), "fp8": Tile(64, 4, 2, split_blocks=2),
+              8: Tile(64, 4, 2, split_blocks=2, pairs=True, value_dot=True),
+              4: Tile(64, 4, 2, split_blocks=2, value_dot=True)}
+    for fmt, tile in narrow.items():  # h2o 256's 272-wide tables, at any batch
+        assert kernel_tile(fmt, 64, 256, 272) == kernel_tile(fmt, 64, 64, 272) == tile
     assert kernel_tile(8, 128, 64, 272) == Tile(64, 4, 2, split_blocks=2)
     assert kernel_tile(4, 128, 64, 272) == Tile(128, 2, 2, split_blocks=2) and kernel_tile(16, 128, 64, 272) == bf16
     assert kernel_tile(8, 64, 64, 2048) == Tile(128, 4, 2, permute=False) and kernel_tile("fp8", 64, 64, 2048) == bf16

@@ -57,7 +57,9 @@ class Tile(NamedTuple):
     read in one load each instead of one load a group; it changes the compiled code either way. permute: packed codes
     become fp16 by byte permutes in inline PTX (`_codes`) where the kernel is compiled. staged: packed or fp8 values
     become fp16 before their layout change into the dot's operand (`_staged`). pairs: 8-bit values' codes are read
-    two bytes a load, each byte pair giving an even and an odd column (`_even_codes`), as 4-bit's nibbles do."""
+    two bytes a load, each byte pair giving an even and an odd column (`_even_codes`), as 4-bit's nibbles do.
+    value_dot: packed values go to the dot as codes, scaled through p (`decode_attention`'s value_dot; None: its rule,
+    on at d=128 only), where the group fits and no residuals are read."""
     keys: int
     warps: int
     stages: int | None = None
@@ -67,6 +69,7 @@ class Tile(NamedTuple):
     permute: bool = True
     staged: bool = False
     pairs: bool = False
+    value_dot: bool | None = None
 
 
 # (bits or "fp8" or 16 for bf16, head_dim) -> the kernel's Tile on the GPU; packed formats' middle tables:
@@ -107,7 +110,12 @@ TILES_SHORT, SHORT_KEYS = {(4, 128): Tile(32, 4, 3), (4, 64): Tile(64, 4, 2),
 # 16.3, and from 37.7 / 53.7 / 58.9 / 42.7 to 33.1 / 43.4 / 45.6 / 41.2; 8B's d=128 at 64 from 57.9 / 52.2 (8 / 4) to
 # 48.1 / 46.9 (results/tune_grid_short_h100.log)
 # fp8's at d=128 take its middle tile: 1.19x -> 0.92x bf16 at 64 x 257 keys (results/staged_values_h100.log)
-TILES_NARROW, NARROW_KEYS = {**{(f, 64): Tile(64, 4, 2, split_blocks=2, permute=f != 8) for f in (16, 8, 4, "fp8")},
+# 8-bit's and 4-bit's at d=64 take values through the dot as codes, 8-bit's read as byte pairs: with scores, 64 x 257
+# keys 1.088x -> 1.049x bf16 (8-bit), 1.096x -> 1.074x (4-bit); 256 x 257 1.297x -> 1.213x, 1.309x -> 1.251x
+# (results/narrow_value_dot_h100.log)
+TILES_NARROW, NARROW_KEYS = {**{(f, 64): Tile(64, 4, 2, split_blocks=2) for f in (16, "fp8")},
+                             (8, 64): Tile(64, 4, 2, split_blocks=2, pairs=True, value_dot=True),
+                             (4, 64): Tile(64, 4, 2, split_blocks=2, value_dot=True),
                              (8, 128): Tile(64, 4, 2, split_blocks=2), (4, 128): Tile(128, 2, 2, split_blocks=2),
                              ("fp8", 128): Tile(64, 4, 3, staged=True)}, 1024
 # ... and where its table is at least LONG_KEYS wide: at d=64, 256-key blocks took a full-cache engine step of 43
@@ -783,7 +791,8 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     rank (`Policy.rank_source`): "attention" (default), "age", or "key-norm" / "key-diff", which score the keys
     themselves into `score`.
     value_dot: packed values as (p * scale) @ codes per group (one or two groups per head) instead of
-    dequantized; None picks what measured faster on the H100: on at d=128 with two groups, off at d=64.
+    dequantized; None picks what measured faster on the H100: the tile's (`Tile.value_dot`), else on at d=128 with
+    two groups, off at d=64.
     contiguous: each sequence's keys lie in slots slot_table[b, 0] + j (a per-sequence buffer, as virtual
     storage gives): only column 0 is read, so the table may be a [B, 1] column expanded to [B, max_len].
     resid: mixed widths over a 4-bit pool, `cache.quant.RecentResiduals.kernel_args`: each key that is a sink or
@@ -851,8 +860,9 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         out = torch.empty_like(q)
     if resid is not None and bits != 4:
         raise ValueError(f"residuals add to a 4-bit pool, got {bits} bits")
-    if value_dot is None:  # results/tune_quant_q8_d128_h100.log, tune_quant_q4_d128_h100.log
-        value_dot = bits in (8, 4) and d == 128 and d // gs == 2 and resid is None
+    if value_dot is None:  # the tile's, else on at d=128 (results/tune_quant_q8_d128_h100.log, _q4_d128_h100.log)
+        fits = bits in (8, 4) and d // gs <= 2 and gs * bits // 8 >= 16 and resid is None
+        value_dot = fits and (d == 128 and d // gs == 2 if tile.value_dot is None else tile.value_dot)
     if value_dot and not (bits in (8, 4) and d // gs <= 2 and gs * bits // 8 >= 16):
         raise ValueError(f"value_dot needs packed values of one or two groups per head of at least 16 code "
                          f"bytes, got {bits} bits, head_dim {d}, group {gs}")
