@@ -57,7 +57,7 @@ class Tile(NamedTuple):
     read in one load each instead of one load a group; it changes the compiled code either way. permute: packed codes
     become fp16 by byte permutes in inline PTX (`_codes`) where the kernel is compiled. staged: packed or fp8 values
     become fp16 before their layout change into the dot's operand (`_staged`). pairs: 8-bit values' codes are read
-    two bytes a load, each byte pair giving an even and an odd column (`_even_codes`), as 4-bit's nibbles do.
+    two bytes a load, each byte pair giving an even and an odd column (`_pair_codes`), as 4-bit's nibbles do.
     value_dot: packed values go to the dot as codes, scaled through p (`decode_attention`'s value_dot; None: its rule,
     on at d=128 only), where the group fits and no residuals are read."""
     keys: int
@@ -241,8 +241,9 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                 vs, vb = _scale_bias(VS, VB, sp, valid)
             ps, pb, codes = _value_group(p, vp, vs, vb, valid)
             if TWO:
-                acc = _codes_dot(acc, alpha, ps, pb, _even_codes(codes, BITS, PERMUTE), valid, STAGED, IEEE)
-                acc_odd = _codes_dot(acc_odd, alpha, ps, pb, _odd_codes(codes, BITS, PERMUTE), valid, STAGED, IEEE)
+                even, odd = _pair_codes(codes, False, BITS, PERMUTE), _pair_codes(codes, True, BITS, PERMUTE)
+                acc = _codes_dot(acc, alpha, ps, pb, even, valid, STAGED, IEEE)
+                acc_odd = _codes_dot(acc_odd, alpha, ps, pb, odd, valid, STAGED, IEEE)
             else:
                 acc = _codes_dot(acc, alpha, ps, pb, _codes(codes, PERMUTE), valid, STAGED, IEEE)
             if D // GS == 2:
@@ -250,9 +251,9 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                     vs_hi, vb_hi = _scale_bias(VS, VB, sp + 1, valid)
                 ps, pb, codes = _value_group(p, vp + WA, vs_hi, vb_hi, valid)
                 if TWO:
-                    acc_hi = _codes_dot(acc_hi, alpha, ps, pb, _even_codes(codes, BITS, PERMUTE), valid, STAGED, IEEE)
-                    acc_hi_odd = _codes_dot(acc_hi_odd, alpha, ps, pb, _odd_codes(codes, BITS, PERMUTE), valid, STAGED,
-                                            IEEE)
+                    even, odd = _pair_codes(codes, False, BITS, PERMUTE), _pair_codes(codes, True, BITS, PERMUTE)
+                    acc_hi = _codes_dot(acc_hi, alpha, ps, pb, even, valid, STAGED, IEEE)
+                    acc_hi_odd = _codes_dot(acc_hi_odd, alpha, ps, pb, odd, valid, STAGED, IEEE)
                 else:
                     acc_hi = _codes_dot(acc_hi, alpha, ps, pb, _codes(codes, PERMUTE), valid, STAGED, IEEE)
         elif FP8:  # p @ (codes * scale) = top * ((p * scale / top) @ codes), top the row's largest p * scale: fp16
@@ -350,41 +351,24 @@ def _codes(c, PERMUTE: tl.constexpr):
 
 
 @triton.jit
-def _low_codes(c, PERMUTE: tl.constexpr):
-    """The low nibbles of packed 4-bit codes as exact fp16 (`_codes`)."""
+def _nibble_codes(c, ODD: tl.constexpr, PERMUTE: tl.constexpr):
+    """The low (ODD: high) nibbles of packed 4-bit codes as exact fp16 (`_codes`)."""
     if PERMUTE:
-        return tl.inline_asm_elementwise(_LOW_NIBBLES, "=r,=r,r", [c], dtype=tl.float16, is_pure=True,
-                                         pack=4)
-    return _codes(c & 0xF, False)
+        return tl.inline_asm_elementwise(_HIGH_NIBBLES if ODD else _LOW_NIBBLES, "=r,=r,r", [c], dtype=tl.float16,
+                                         is_pure=True, pack=4)
+    return _codes((c >> 4) if ODD else (c & 0xF), False)
 
 
 @triton.jit
-def _high_codes(c, PERMUTE: tl.constexpr):
-    """The high nibbles of packed 4-bit codes as exact fp16 (`_codes`)."""
-    if PERMUTE:
-        return tl.inline_asm_elementwise(_HIGH_NIBBLES, "=r,=r,r", [c], dtype=tl.float16, is_pure=True,
-                                         pack=4)
-    return _codes(c >> 4, False)
-
-
-@triton.jit
-def _even_codes(c, BITS: tl.constexpr, PERMUTE: tl.constexpr):
-    """The even columns of a unit holding two: 4-bit's low nibbles, or the low bytes of 8-bit's 16-bit byte pairs."""
+def _pair_codes(c, ODD: tl.constexpr, BITS: tl.constexpr, PERMUTE: tl.constexpr):
+    """The even (ODD: odd) columns of a unit holding two: 4-bit's low (high) nibbles, or the low (high) bytes of
+    8-bit's 16-bit byte pairs."""
     if BITS == 4:
-        return _low_codes(c, PERMUTE)
+        return _nibble_codes(c, ODD, PERMUTE)
     if PERMUTE:
-        return tl.inline_asm_elementwise(_LOW_BYTES, "=r,r", [c], dtype=tl.float16, is_pure=True, pack=2)
-    return _codes(c & 0xFF, False)
-
-
-@triton.jit
-def _odd_codes(c, BITS: tl.constexpr, PERMUTE: tl.constexpr):
-    """The odd columns: 4-bit's high nibbles, or the high bytes of 8-bit's byte pairs."""
-    if BITS == 4:
-        return _high_codes(c, PERMUTE)
-    if PERMUTE:
-        return tl.inline_asm_elementwise(_HIGH_BYTES, "=r,r", [c], dtype=tl.float16, is_pure=True, pack=2)
-    return _codes(c >> 8, False)
+        return tl.inline_asm_elementwise(_HIGH_BYTES if ODD else _LOW_BYTES, "=r,r", [c], dtype=tl.float16,
+                                         is_pure=True, pack=2)
+    return _codes((c >> 8) if ODD else (c & 0xFF), False)
 
 
 # Two 16-bit byte pairs of $1 -> their low (or high) bytes as two fp16 in $0: one lop3 ((a & b) | c) puts the exponent
@@ -440,7 +424,8 @@ def _dequant(P, S, B, slot, h, valid, stride_ps, stride_ph, stride_ss, stride_sh
     if BITS == 8:
         codes = _codes(packed, PERMUTE)
     else:
-        codes = tl.reshape(tl.join(_low_codes(packed, PERMUTE), _high_codes(packed, PERMUTE)), [N, D])
+        low, high = _nibble_codes(packed, False, PERMUTE), _nibble_codes(packed, True, PERMUTE)
+        codes = tl.reshape(tl.join(low, high), [N, D])
     if IEEE:
         codes = codes.to(tl.float32)
     NG: tl.constexpr = D // GS
@@ -475,8 +460,8 @@ def _packed_qk(Q, K, KS, KB, slot, h, valid, q_row, stride_ks, stride_kh, stride
             qsum = tl.sum(qg, 1)
         else:
             qo = tl.load(qp + 1).to(tl.float32) * scale
-            raw = (_dot(qg, tl.trans(_low_codes(codes, PERMUTE)), IEEE)
-                   + _dot(qo, tl.trans(_high_codes(codes, PERMUTE)), IEEE))
+            raw = (_dot(qg, tl.trans(_nibble_codes(codes, False, PERMUTE)), IEEE)
+                   + _dot(qo, tl.trans(_nibble_codes(codes, True, PERMUTE)), IEEE))
             qsum = tl.sum(qg, 1) + tl.sum(qo, 1)
         if not (PAIRED and NG == 2):
             ks, kb = _scale_bias(KS, KB, slot * stride_ss + h * stride_sh + gi, valid)
@@ -986,10 +971,10 @@ def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spa
         spare.stride(0), pos.stride(0), pos.stride(1), sc.stride(0), sc.stride(1), *rt["ring"],
         D=d, DP=triton.next_power_of_2(d), HAS_SCORE=score is not None, BITS=bits, GS=gs, FP8=fp8,
         RESID=resid is not None, SINK=rt["sink"], RECENT=rt["recent"])
+    victim = dict(pos=pos, spare=spare, positions=positions, prefix=prefix, recent=recent,
+                  by_score=score is not None, rank=rank)
     return decode_attention(q, k_pool, v_pool, table, lens, score=score, score_mode=score_mode, ema_decay=ema_decay,
-                            quant=quant, rows=rows, victim=dict(pos=pos, spare=spare, positions=positions, prefix=prefix,
-                                                   recent=recent, by_score=score is not None, rank=rank),
-                            resid=resid, layer=layer)
+                            quant=quant, rows=rows, victim=victim, resid=resid, layer=layer)
 
 
 @triton.jit
