@@ -75,21 +75,24 @@ def test_decode_attention_dense_matches_reference(shape, mode):
     (8, 128, 128, True, ""), (4, 128, 64, None, ""), (4, 128, 64, False, ""), (4, 64, 64, True, ""),
     (4, 128, 128, True, ""), (8, 128, 64, None, "k"), (8, 128, 64, None, "v"), (4, 128, 64, None, "kv"),
     (4, 128, 64, False, "kv"), (8, 64, 32, True, "kv"), (4, 128, 128, True, "kv"), (8, 128, 64, True, "pairs"),
-    (8, 128, 128, True, "pairs"), (8, 64, 32, True, "v pairs"), (8, 64, 64, True, "pairs")])
+    (8, 128, 128, True, "pairs"), (8, 64, 32, True, "v pairs"), (8, 64, 64, True, "pairs"),
+    (8, 128, 64, True, "pairs early"), (8, 128, 64, None, "k early"), (4, 128, 64, True, "kv early"),
+    (4, 128, 64, False, "early"), (8, 64, 64, True, "early")])
 def test_decode_attention_quantized_matches_dequantize_then_attend(bits, d, group, value_dot, paired):
     """Both routes of packed values (codes-dot and dequantize), one and two groups per head, each group's scales
-    read alone or a key's two groups' in one load (`paired`), 8-bit values' codes read as byte pairs or not."""
-    pairs = "pairs" in paired
-    paired = paired.replace("pairs", "").strip()
+    read alone or a key's two groups' in one load (`paired`), 8-bit values' codes read as byte pairs or not, a
+    block's loads all before its dots (`early`) or not."""
+    pairs, early = "pairs" in paired, "early" in paired
+    paired = paired.replace("pairs", "").replace("early", "").strip()
     q, k, v, table, n = _case(7 + d + group, 2, 6, 2, d, [45, 129])
     kc, kscale, kbias = quantize(k, bits, group)
     vc, vscale, vbias = quantize(v, bits, group)
     kd, vd = dequantize(kc, kscale, kbias, bits, group), dequantize(vc, vscale, vbias, bits, group)
     score = torch.zeros(2, 129, 2, device=DEV)
     dev = [t.to(DEV) for t in (q, kc, vc, table, n, kscale, kbias, vscale, vbias)]
+    quant = dict(bits=bits, group=group, k_scale=dev[5], k_bias=dev[6], v_scale=dev[7], v_bias=dev[8])
     out = decode_attention(*dev[:5], score=score, score_mode="cumulative", split=64, block_n=32, value_dot=value_dot,
-                           paired=paired, pairs=pairs, quant=dict(bits=bits, group=group, k_scale=dev[5], k_bias=dev[6],
-                                                     v_scale=dev[7], v_bias=dev[8])).cpu()
+                           paired=paired, pairs=pairs, early=early, quant=quant).cpu()
     score = score.cpu()
     want, want_score = _reference(q, kd, vd, table, n, "cumulative", torch.zeros(2, 129, 2), 0)
     torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
@@ -118,7 +121,7 @@ def test_packed_decode_on_the_gpus_long_table_tiles_matches_dequantize_then_atte
     score = torch.zeros(2, LONG_KEYS, 2, device=DEV) if scores else None
     out = decode_attention(*(t.to(DEV) for t in (q, kc, vc, table, n)), block_n=tile.keys, num_warps=tile.warps,
                            num_stages=tile.stages, programs_per_sm=tile.programs_per_sm, paired=tile.paired,
-                           permute=tile.permute and DEV == "cuda", pairs=tile.pairs,
+                           permute=tile.permute and DEV == "cuda", pairs=tile.pairs, early=tile.early,
                            score=score, score_mode="cumulative" if scores else None,
                            quant={key: t if isinstance(t, (str, int)) else t.to(DEV) for key, t in quant.items()}).cpu()
     mode = "cumulative" if scores else None
@@ -272,7 +275,7 @@ def test_kernel_tile_follows_the_table_width_on_the_gpu():
     assert kernel_tile(4, 64, 43, 8192) == Tile(256, 8, 2, permute=False)
     assert kernel_tile(4, 64, MANY_SEQS, 8192) == Tile(128, 4, 2) and kernel_tile(8, 64, MANY_SEQS, 8192) == Tile(256, 4, 2)
     # 8-bit at d=128 reads its values as byte pairs: long tables in 64-key blocks, 128-key ones for few sequences
-    assert kernel_tile(8, 128, 7, 8192) == Tile(64, 4, 2, programs_per_sm=4, pairs=True)
+    assert kernel_tile(8, 128, 7, 8192) == Tile(64, 4, 2, programs_per_sm=4, pairs=True, early=True)
     assert kernel_tile(8, 128, FEW_SEQS - 1, 32768) == Tile(128, 8, 3, programs_per_sm=2, pairs=True)
     assert kernel_tile(16, 128, 1, 32768) == kernel_tile("fp8", 128, 7, 8192) == Tile(128, 4, 2, programs_per_sm=2)
     assert kernel_tile(4, 128, 7, 8192) == kernel_tile(4, 128, 64, 2048) == Tile(128, 2, 2, paired="kv")

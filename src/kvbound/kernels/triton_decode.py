@@ -59,7 +59,8 @@ class Tile(NamedTuple):
     become fp16 before their layout change into the dot's operand (`_staged`). pairs: 8-bit values' codes are read
     two bytes a load, each byte pair giving an even and an odd column (`_pair_codes`), as 4-bit's nibbles do.
     value_dot: packed values go to the dot as codes, scaled through p (`decode_attention`'s value_dot; None: its rule,
-    on at d=128 only), where the group fits and no residuals are read."""
+    on at d=128 only), where the group fits and no residuals are read. early: a block's packed codes and scales (a
+    key's two groups, and values read through the dot) all load before its first dot, so the reads overlap."""
     keys: int
     warps: int
     stages: int | None = None
@@ -70,6 +71,7 @@ class Tile(NamedTuple):
     staged: bool = False
     pairs: bool = False
     value_dot: bool | None = None
+    early: bool = False
 
 
 # (bits or "fp8" or 16 for bf16, head_dim) -> the kernel's Tile on the GPU; packed formats' middle tables:
@@ -129,10 +131,13 @@ TILES_NARROW, NARROW_KEYS = {**{(f, 64): Tile(64, 4, 2, split_blocks=2) for f in
 # (results/eight_bit_stages_h100.log)
 # 8-bit's at d=128 with values as byte pairs: 64-key blocks, 4 warps, 4 programs an SM, 1.16x -> 1.02x bf16 at 7 x 4k
 # in 8k tables, 1.12x -> 0.96x at 14 x 4k, 1.03x -> 0.88x at 16 x 8k (results/byte_pairs_h100.log); calls of under
-# FEW_SEQS sequences keep 128-key blocks (TILES_LONG_FEW: 1 x 32k ran 1.09x in 64-key ones, 1.04x in 128-key ones)
+# FEW_SEQS sequences keep 128-key blocks (TILES_LONG_FEW: 1 x 32k ran 1.09x in 64-key ones, 1.04x in 128-key ones);
+# a block's codes and scales all load before its first dot (`Tile.early`): 7 x 4k in 8k tables 1.00x -> 0.93x bf16,
+# 16 x 8k 0.89x -> 0.78x (4-bit's tile read it 0.92x -> 1.06x and 0.82x -> 0.95x, so it stays off there;
+# results/early_loads_h100.log)
 TILES_LONG = {(8, 64): Tile(256, 4, 2), ("fp8", 64): Tile(256, 4, 2), (4, 64): Tile(256, 8, 2, permute=False),
               **{(f, 128): Tile(128, 4, 2, programs_per_sm=2) for f in (16, "fp8")},
-              (8, 128): Tile(64, 4, 2, programs_per_sm=4, pairs=True)}
+              (8, 128): Tile(64, 4, 2, programs_per_sm=4, pairs=True, early=True)}
 LONG_KEYS = 4096
 TILES_LONG_FEW, FEW_SEQS = {(8, 128): Tile(128, 8, 3, programs_per_sm=2, pairs=True)}, 4
 # ... and where MANY_SEQS or more sequences read long tables: 4-bit at d=64 in 128-key blocks with permutes took the
@@ -161,7 +166,7 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                   VDOT: tl.constexpr, FP8: tl.constexpr, CONTIG: tl.constexpr,
                   RESID: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, PAIR_K: tl.constexpr,
                   PAIR_V: tl.constexpr, PERMUTE: tl.constexpr, STAGED: tl.constexpr = False,
-                  PAIRS: tl.constexpr = False):
+                  PAIRS: tl.constexpr = False, EARLY: tl.constexpr = False):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -204,6 +209,18 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
         else:
             slot = tl.load(SlotTable + b * stride_tb + offs_n, mask=valid, other=0).to(tl.int64)
         kv_ptr = slot[:, None] * stride_ks + h * stride_kh + offs_d[None, :]
+        if VDOT and EARLY:  # the values' codes and scales load beside the keys', so both reads are in flight at once
+            sp = slot * stride_ss + h * stride_sh
+            vp = _value_codes_ptr(V, slot, h, stride_ks, stride_kh, W, WA, PAIRS)
+            if PAIR_V and D // GS == 2:
+                vs, vb, vs_hi, vb_hi = _paired_scales(VS, VB, sp, valid)
+            else:
+                vs, vb = _scale_bias(VS, VB, sp, valid)
+                if D // GS == 2:
+                    vs_hi, vb_hi = _scale_bias(VS, VB, sp + 1, valid)
+            v_codes = tl.load(vp, mask=valid[:, None], other=0)
+            if D // GS == 2:
+                v_codes_hi = tl.load(vp + WA, mask=valid[:, None], other=0)
         if FP8:  # e4m3 codes (exact in fp16, one conversion) with a scale per token and head: (q . codes) * scale
             sp = slot * stride_ss + h * stride_sh
             k = tl.load(K + kv_ptr, mask=valid[:, None], other=0.0).to(tl.float16)
@@ -212,13 +229,13 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
             qk = _dot(q, tl.trans(tl.load(K + kv_ptr, mask=valid[:, None], other=0.0)), IEEE)
         else:
             qk = _packed_qk(Q, K, KS, KB, slot, h, valid, q_row, stride_ks, stride_kh, stride_ss, stride_sh, scale,
-                            G_PAD, BLOCK_N, D, BITS, GS, IEEE, PAIR_K, PERMUTE)
+                            G_PAD, BLOCK_N, D, BITS, GS, IEEE, PAIR_K, PERMUTE, EARLY)
         if RESID:
             p_key = tl.load(RPos + ring_row * stride_rpr + offs_n * stride_rpj + h, mask=valid, other=-1).to(tl.int64)
             held = valid & (p_key >= 0) & ((p_key < SINK) | (p_key >= first - RECENT))
             rslot = ring_row * ring_row_entries + tl.where(held, _ring_entry(p_key, SINK, RECENT), 0)
             qk += _packed_qk(Q, RK, RKS, RKB, rslot, h, held, q_row, stride_rks, stride_rkh, stride_rss, stride_rsh,
-                             scale, G_PAD, BLOCK_N, D, 4, GS, IEEE, PAIR_K, PERMUTE)
+                             scale, G_PAD, BLOCK_N, D, 4, GS, IEEE, PAIR_K, PERMUTE, False)
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
         alpha = tl.exp(m - m_new)
@@ -229,33 +246,34 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
             tl.store(MBlk + b * stride_xb + heads * stride_xh + j0 // BLOCK_N, m_new, mask=gmask)
         l = l * alpha + tl.sum(p, 1)
         if VDOT:
-            sp = slot * stride_ss + h * stride_sh
-            if PAIRS:  # byte pairs: the same bytes as 16-bit units (strides are even: a head's codes are whole units)
-                vp = (V.to(tl.pointer_type(tl.uint16)) + (slot[:, None] * stride_ks + h * stride_kh) // 2
-                      + tl.arange(0, WA)[None, :])
-            else:
-                vp = V + slot[:, None] * stride_ks + h * stride_kh + tl.arange(0, W)[None, :]
-            if PAIR_V and D // GS == 2:
-                vs, vb, vs_hi, vb_hi = _paired_scales(VS, VB, sp, valid)
-            else:
-                vs, vb = _scale_bias(VS, VB, sp, valid)
-            ps, pb, codes = _value_group(p, vp, vs, vb, valid)
+            if not EARLY:
+                sp = slot * stride_ss + h * stride_sh
+                vp = _value_codes_ptr(V, slot, h, stride_ks, stride_kh, W, WA, PAIRS)
+                if PAIR_V and D // GS == 2:
+                    vs, vb, vs_hi, vb_hi = _paired_scales(VS, VB, sp, valid)
+                else:
+                    vs, vb = _scale_bias(VS, VB, sp, valid)
+                v_codes = tl.load(vp, mask=valid[:, None], other=0)
+            ps, pb = _value_group(p, vs, vb)
             if TWO:
-                even, odd = _pair_codes(codes, False, BITS, PERMUTE), _pair_codes(codes, True, BITS, PERMUTE)
+                even, odd = _pair_codes(v_codes, False, BITS, PERMUTE), _pair_codes(v_codes, True, BITS, PERMUTE)
                 acc = _codes_dot(acc, alpha, ps, pb, even, valid, STAGED, IEEE)
                 acc_odd = _codes_dot(acc_odd, alpha, ps, pb, odd, valid, STAGED, IEEE)
             else:
-                acc = _codes_dot(acc, alpha, ps, pb, _codes(codes, PERMUTE), valid, STAGED, IEEE)
+                acc = _codes_dot(acc, alpha, ps, pb, _codes(v_codes, PERMUTE), valid, STAGED, IEEE)
             if D // GS == 2:
-                if not PAIR_V:
-                    vs_hi, vb_hi = _scale_bias(VS, VB, sp + 1, valid)
-                ps, pb, codes = _value_group(p, vp + WA, vs_hi, vb_hi, valid)
+                if not EARLY:
+                    if not PAIR_V:
+                        vs_hi, vb_hi = _scale_bias(VS, VB, sp + 1, valid)
+                    v_codes_hi = tl.load(vp + WA, mask=valid[:, None], other=0)
+                ps, pb = _value_group(p, vs_hi, vb_hi)
                 if TWO:
-                    even, odd = _pair_codes(codes, False, BITS, PERMUTE), _pair_codes(codes, True, BITS, PERMUTE)
+                    even, odd = (_pair_codes(v_codes_hi, False, BITS, PERMUTE),
+                                 _pair_codes(v_codes_hi, True, BITS, PERMUTE))
                     acc_hi = _codes_dot(acc_hi, alpha, ps, pb, even, valid, STAGED, IEEE)
                     acc_hi_odd = _codes_dot(acc_hi_odd, alpha, ps, pb, odd, valid, STAGED, IEEE)
                 else:
-                    acc_hi = _codes_dot(acc_hi, alpha, ps, pb, _codes(codes, PERMUTE), valid, STAGED, IEEE)
+                    acc_hi = _codes_dot(acc_hi, alpha, ps, pb, _codes(v_codes_hi, PERMUTE), valid, STAGED, IEEE)
         elif FP8:  # p @ (codes * scale) = top * ((p * scale / top) @ codes), top the row's largest p * scale: fp16
             v = _staged(tl.load(V + kv_ptr, mask=valid[:, None], other=0.0).to(tl.float16), valid, STAGED)
             ps = p * tl.load(VS + sp, mask=valid, other=0.0).to(tl.float32)[None, :]
@@ -315,12 +333,23 @@ def _paired_scales(S, B, sp, valid):
 
 
 @triton.jit
-def _value_group(p, code_ptr, vs, vb, valid):
+def _value_codes_ptr(V, slot, h, stride_ks, stride_kh, W: tl.constexpr, WA: tl.constexpr, PAIRS: tl.constexpr):
+    """Pointers to a block's first group of value codes: W bytes a key, or (PAIRS) WA 16-bit byte pairs, the same
+    bytes as 16-bit units (strides are even: a head's codes are whole units)."""
+    if PAIRS:
+        units = V.to(tl.pointer_type(tl.uint16))
+        ptr = units + (slot[:, None] * stride_ks + h * stride_kh) // 2 + tl.arange(0, WA)[None, :]
+    else:
+        ptr = V + slot[:, None] * stride_ks + h * stride_kh + tl.arange(0, W)[None, :]
+    return ptr
+
+
+@triton.jit
+def _value_group(p, vs, vb):
     """One group of packed value columns for p @ (code * scale + bias) = (p * scale) @ code + p @ bias:
-    p * scale, p @ bias (both times PV_SCALE) and the raw codes, which then reach the tensor cores as
-    they are (`_codes_dot`): no per-element dequantize and no fp16 copy of the values in shared memory."""
-    codes = tl.load(code_ptr, mask=valid[:, None], other=0)
-    return p * (vs * PV_SCALE)[None, :], tl.sum(p * (vb * PV_SCALE)[None, :], 1)[:, None], codes
+    p * scale and p @ bias (both times PV_SCALE); the raw codes then reach the tensor cores as they are
+    (`_codes_dot`): no per-element dequantize and no fp16 copy of the values in shared memory."""
+    return p * (vs * PV_SCALE)[None, :], tl.sum(p * (vb * PV_SCALE)[None, :], 1)[:, None]
 
 
 @triton.jit
@@ -440,37 +469,54 @@ def _dequant(P, S, B, slot, h, valid, stride_ps, stride_ph, stride_ss, stride_sh
 @triton.jit
 def _packed_qk(Q, K, KS, KB, slot, h, valid, q_row, stride_ks, stride_kh, stride_ss, stride_sh, scale,
                G_PAD: tl.constexpr, N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr,
-               IEEE: tl.constexpr, PAIRED: tl.constexpr, PERMUTE: tl.constexpr):
+               IEEE: tl.constexpr, PAIRED: tl.constexpr, PERMUTE: tl.constexpr, EARLY: tl.constexpr):
     """q.k of packed keys without dequantizing them: per group, scale * (q . codes) + bias * sum(q), with
-    2-D dots of q against the raw codes. PAIRED: two groups' scales in one load each (`_paired_scales`)."""
+    2-D dots of q against the raw codes. PAIRED: two groups' scales in one load each (`_paired_scales`).
+    EARLY (two groups): both groups' codes and scales load before either dot, so the reads overlap."""
     W: tl.constexpr = GS if BITS == 8 else GS // 2
-    STEP: tl.constexpr = 1 if BITS == 8 else 2
     NG: tl.constexpr = D // GS
-    offs_w = tl.arange(0, W)
-    qk = tl.zeros([G_PAD, N], tl.float32)
+    sp = slot * stride_ss + h * stride_sh
+    codes_ptr = K + slot[:, None] * stride_ks + h * stride_kh + tl.arange(0, W)[None, :]
     if PAIRED and NG == 2:
-        ks0, kb0, ks1, kb1 = _paired_scales(KS, KB, slot * stride_ss + h * stride_sh, valid)
+        ks0, kb0, ks1, kb1 = _paired_scales(KS, KB, sp, valid)
+    if EARLY and NG == 2:
+        if not PAIRED:
+            ks0, kb0 = _scale_bias(KS, KB, sp, valid)
+            ks1, kb1 = _scale_bias(KS, KB, sp + 1, valid)
+        codes0 = tl.load(codes_ptr, mask=valid[:, None], other=0)
+        codes1 = tl.load(codes_ptr + W, mask=valid[:, None], other=0)
+        raw0, qsum0 = _group_dot(Q, q_row, codes0, 0, scale, GS, BITS, IEEE, PERMUTE)
+        raw1, qsum1 = _group_dot(Q, q_row, codes1, 1, scale, GS, BITS, IEEE, PERMUTE)
+        return (raw0 * ks0[None, :] + qsum0[:, None] * kb0[None, :]
+                + raw1 * ks1[None, :] + qsum1[:, None] * kb1[None, :])
+    qk = tl.zeros([G_PAD, N], tl.float32)
     for gi in tl.static_range(NG):
-        qp = Q + q_row + gi * GS + offs_w[None, :] * STEP
-        qg = tl.load(qp).to(tl.float32) * scale
-        codes = tl.load(K + slot[:, None] * stride_ks + h * stride_kh + gi * W + offs_w[None, :], mask=valid[:, None],
-                        other=0)
-        if BITS == 8:
-            raw = _dot(qg, tl.trans(_codes(codes, PERMUTE)), IEEE)
-            qsum = tl.sum(qg, 1)
-        else:
-            qo = tl.load(qp + 1).to(tl.float32) * scale
-            raw = (_dot(qg, tl.trans(_nibble_codes(codes, False, PERMUTE)), IEEE)
-                   + _dot(qo, tl.trans(_nibble_codes(codes, True, PERMUTE)), IEEE))
-            qsum = tl.sum(qg, 1) + tl.sum(qo, 1)
+        codes = tl.load(codes_ptr + gi * W, mask=valid[:, None], other=0)
+        raw, qsum = _group_dot(Q, q_row, codes, gi, scale, GS, BITS, IEEE, PERMUTE)
         if not (PAIRED and NG == 2):
-            ks, kb = _scale_bias(KS, KB, slot * stride_ss + h * stride_sh + gi, valid)
+            ks, kb = _scale_bias(KS, KB, sp + gi, valid)
         elif gi == 0:
             ks, kb = ks0, kb0
         else:
             ks, kb = ks1, kb1
         qk += raw * ks[None, :] + qsum[:, None] * kb[None, :]
     return qk
+
+
+@triton.jit
+def _group_dot(Q, q_row, codes, gi, scale, GS: tl.constexpr, BITS: tl.constexpr, IEEE: tl.constexpr,
+               PERMUTE: tl.constexpr):
+    """Group gi's q . codes and sum(q), q's columns read at the codes' own (4-bit: even and odd)."""
+    W: tl.constexpr = GS if BITS == 8 else GS // 2
+    STEP: tl.constexpr = 1 if BITS == 8 else 2
+    qp = Q + q_row + gi * GS + tl.arange(0, W)[None, :] * STEP
+    qg = tl.load(qp).to(tl.float32) * scale
+    if BITS == 8:
+        return _dot(qg, tl.trans(_codes(codes, PERMUTE)), IEEE), tl.sum(qg, 1)
+    qo = tl.load(qp + 1).to(tl.float32) * scale
+    raw = (_dot(qg, tl.trans(_nibble_codes(codes, False, PERMUTE)), IEEE)
+           + _dot(qo, tl.trans(_nibble_codes(codes, True, PERMUTE)), IEEE))
+    return raw, tl.sum(qg, 1) + tl.sum(qo, 1)
 
 
 @triton.jit
@@ -763,7 +809,7 @@ def kernel_tile(fmt, d: int, bsz: int, max_len: int, contiguous: bool = False, c
 def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=None, score_mode=None,
                      ema_decay=0.95, quant=None, split=None, block_n=None, out=None, programs_per_sm=None,
                      num_warps=None, rows=None, victim=None, num_stages=None, value_dot=None, contiguous=False,
-                     resid=None, layer=False, paired=None, permute=None, staged=None, pairs=None):
+                     resid=None, layer=False, paired=None, permute=None, staged=None, pairs=None, early=None):
     """q: [B, Hq, D]; k_pool/v_pool: [slots, Hkv, D] (or packed codes [slots, Hkv, D*bits/8] with
     quant=dict(bits=, group=, k_scale=, k_bias=, v_scale=, v_bias=) of [slots, Hkv, D/group]; or float8 e4m3
     codes [slots, Hkv, D] with quant=dict(bits="fp8", k_scale=, v_scale=) of [slots, Hkv, 1]);
@@ -787,6 +833,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     permute: `Tile.permute` (None: the table's tile's; only where the kernel is compiled).
     staged: `Tile.staged` (None: the table's tile's, off where the call exports scores).
     pairs: `Tile.pairs` (None: the table's tile's; 8-bit values read as codes only).
+    early: `Tile.early` (None: the table's tile's).
     Returns out [B, Hq, D] in q's dtype."""
     bsz, hq, d = q.shape
     if d & (d - 1):
@@ -812,6 +859,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     programs_per_sm = programs_per_sm or tile.programs_per_sm
     paired = tile.paired if paired is None else paired
     pairs = tile.pairs if pairs is None else pairs
+    early = tile.early if early is None else early
     staged = tile.staged and not export if staged is None else staged  # staged lost where it also exported
     if split is None and tile.split_blocks and not explicit:
         split = tile.split_blocks * block_n
@@ -872,7 +920,8 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), scale, min_split, *rt["reads"], *rt["ring"],
         G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee, VDOT=value_dot,
         FP8=fp8, CONTIG=bool(contiguous), RESID=resid is not None, SINK=rt["sink"], RECENT=rt["recent"],
-        PAIR_K="k" in paired, PAIR_V="v" in paired, PERMUTE=permute, STAGED=staged, PAIRS=pairs, num_warps=num_warps,
+        PAIR_K="k" in paired, PAIR_V="v" in paired, PERMUTE=permute, STAGED=staged, PAIRS=pairs, EARLY=early,
+        num_warps=num_warps,
         **({} if num_stages is None else dict(num_stages=num_stages)))
     _merge_kernel[(bsz, hq)](
         part_o, part_m, part_l, out, ctx_lens,
