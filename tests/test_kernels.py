@@ -288,7 +288,7 @@ def test_kernel_tile_follows_the_table_width_on_the_gpu():
     assert kernel_tile("fp8", 128, 8, 2048) == Tile(64, 4, None)
     # exporting scores (h2o's step), 8-bit at d=128: 16 programs an SM on middle tables, 4 warps on long ones
     assert kernel_tile(8, 128, 29, 2048, scores=True) == Tile(64, 4, 2, programs_per_sm=16)
-    assert kernel_tile(8, 128, 7, 8192, scores=True) == Tile(128, 4, 2, programs_per_sm=2, pairs=True)
+    assert kernel_tile(8, 128, 7, 8192, scores=True) == Tile(128, 4, 2, programs_per_sm=2, pairs=True, early=True)
     assert kernel_tile(8, 128, 64, 272, scores=True) == kernel_tile(8, 128, 64, 272)  # narrow tables: the same
     assert kernel_tile(4, 128, 7, 8192, scores=True) == kernel_tile(4, 128, 7, 8192)  # other formats: the same
     narrow = {16: Tile(64, 4, 2, split_blocks=2), "fp8": Tile(64, 4, 2, split_blocks=2),

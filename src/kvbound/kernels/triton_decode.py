@@ -150,8 +150,11 @@ TILES_LONG_MANY, MANY_SEQS = {(4, 64): Tile(128, 4, 2)}, 96
 # h2o 4096, 7 running) 9.54 -> 9.03 ms a step, bf16 8.36; h2o 2048 at 29 running 10.60 -> 10.52
 # (results/scores_tiles_engine_h100.log)
 TILES_SCORES = {(8, 128): Tile(64, 4, 2, programs_per_sm=16)}
-# (8-bit's long ones read values as byte pairs: 1.30x -> 1.25x bf16 at 7 x 4k, results/byte_pairs_h100.log)
-TILES_LONG_SCORES = {(8, 128): Tile(128, 4, 2, programs_per_sm=2, pairs=True)}
+# (8-bit's long ones read values as byte pairs: 1.30x -> 1.25x bf16 at 7 x 4k, results/byte_pairs_h100.log; and all
+# of a block's codes and scales before its first dot, `Tile.early`: 1.26x -> 1.19x. Early loads ran slower in every
+# other 8-bit tile at d=128: 1.05x -> 1.48x at 1 x 32k (TILES_LONG_FEW), 1.01x -> 1.42x at 16 x 2k and 1.09x -> 1.53x
+# at 64 x 1k (TILES), 1.15x -> 1.30x at 29 x 2k with scores (TILES_SCORES); results/early_loads_h100.log)
+TILES_LONG_SCORES = {(8, 128): Tile(128, 4, 2, programs_per_sm=2, pairs=True, early=True)}
 
 
 @triton.jit
