@@ -213,17 +213,9 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
             slot = tl.load(SlotTable + b * stride_tb + offs_n, mask=valid, other=0).to(tl.int64)
         kv_ptr = slot[:, None] * stride_ks + h * stride_kh + offs_d[None, :]
         if VDOT and EARLY:  # the values' codes and scales load beside the keys', so both reads are in flight at once
-            sp = slot * stride_ss + h * stride_sh
-            vp = _value_codes_ptr(V, slot, h, stride_ks, stride_kh, W, WA, PAIRS)
-            if PAIR_V and D // GS == 2:
-                vs, vb, vs_hi, vb_hi = _paired_scales(VS, VB, sp, valid)
-            else:
-                vs, vb = _scale_bias(VS, VB, sp, valid)
-                if D // GS == 2:
-                    vs_hi, vb_hi = _scale_bias(VS, VB, sp + 1, valid)
-            v_codes = tl.load(vp, mask=valid[:, None], other=0)
-            if D // GS == 2:
-                v_codes_hi = tl.load(vp + WA, mask=valid[:, None], other=0)
+            v_codes, vs, vb, v_codes_hi, vs_hi, vb_hi = _value_loads(V, VS, VB, slot, h, valid, stride_ks, stride_kh,
+                                                                     stride_ss, stride_sh, W, WA, D // GS, PAIRS,
+                                                                     PAIR_V, True)
         if FP8:  # e4m3 codes (exact in fp16, one conversion) with a scale per token and head: (q . codes) * scale
             sp = slot * stride_ss + h * stride_sh
             k = tl.load(K + kv_ptr, mask=valid[:, None], other=0.0).to(tl.float16)
@@ -250,13 +242,9 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
         l = l * alpha + tl.sum(p, 1)
         if VDOT:
             if not EARLY:
-                sp = slot * stride_ss + h * stride_sh
-                vp = _value_codes_ptr(V, slot, h, stride_ks, stride_kh, W, WA, PAIRS)
-                if PAIR_V and D // GS == 2:
-                    vs, vb, vs_hi, vb_hi = _paired_scales(VS, VB, sp, valid)
-                else:
-                    vs, vb = _scale_bias(VS, VB, sp, valid)
-                v_codes = tl.load(vp, mask=valid[:, None], other=0)
+                v_codes, vs, vb, v_codes_hi, vs_hi, vb_hi = _value_loads(V, VS, VB, slot, h, valid, stride_ks,
+                                                                         stride_kh, stride_ss, stride_sh, W, WA,
+                                                                         D // GS, PAIRS, PAIR_V, False)
             ps, pb = _value_group(p, vs, vb)
             if TWO:
                 even, odd = _pair_codes(v_codes, False, BITS, PERMUTE), _pair_codes(v_codes, True, BITS, PERMUTE)
@@ -266,9 +254,8 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                 acc = _codes_dot(acc, alpha, ps, pb, _codes(v_codes, PERMUTE), valid, STAGED, IEEE)
             if D // GS == 2:
                 if not EARLY:
-                    if not PAIR_V:
-                        vs_hi, vb_hi = _scale_bias(VS, VB, sp + 1, valid)
-                    v_codes_hi = tl.load(vp + WA, mask=valid[:, None], other=0)
+                    v_codes_hi, vs_hi, vb_hi = _value_hi(V, VS, VB, slot, h, valid, stride_ks, stride_kh, stride_ss,
+                                                         stride_sh, vs_hi, vb_hi, W, WA, PAIRS, PAIR_V)
                 ps, pb = _value_group(p, vs_hi, vb_hi)
                 if TWO:
                     even, odd = (_pair_codes(v_codes_hi, False, BITS, PERMUTE),
@@ -345,6 +332,35 @@ def _value_codes_ptr(V, slot, h, stride_ks, stride_kh, W: tl.constexpr, WA: tl.c
     else:
         ptr = V + slot[:, None] * stride_ks + h * stride_kh + tl.arange(0, W)[None, :]
     return ptr
+
+
+@triton.jit
+def _value_loads(V, VS, VB, slot, h, valid, stride_ks, stride_kh, stride_ss, stride_sh, W: tl.constexpr,
+                 WA: tl.constexpr, NG: tl.constexpr, PAIRS: tl.constexpr, PAIR_V: tl.constexpr, BOTH: tl.constexpr):
+    """A block's value codes with their scales and biases, group 0's then group 1's (NG 2): both groups' (BOTH), or
+    group 0's with group 1's scales where PAIR_V reads them in the same load, group 1's rest left to `_value_hi`
+    (group 0's stand in until then)."""
+    if PAIR_V and NG == 2:
+        vs, vb, vs_hi, vb_hi = _paired_scales(VS, VB, slot * stride_ss + h * stride_sh, valid)
+    else:
+        vs, vb = _scale_bias(VS, VB, slot * stride_ss + h * stride_sh, valid)
+        vs_hi, vb_hi = vs, vb
+    codes = tl.load(_value_codes_ptr(V, slot, h, stride_ks, stride_kh, W, WA, PAIRS), mask=valid[:, None], other=0)
+    codes_hi = codes
+    if BOTH and NG == 2:
+        codes_hi, vs_hi, vb_hi = _value_hi(V, VS, VB, slot, h, valid, stride_ks, stride_kh, stride_ss, stride_sh,
+                                           vs_hi, vb_hi, W, WA, PAIRS, PAIR_V)
+    return codes, vs, vb, codes_hi, vs_hi, vb_hi
+
+
+@triton.jit
+def _value_hi(V, VS, VB, slot, h, valid, stride_ks, stride_kh, stride_ss, stride_sh, vs_hi, vb_hi, W: tl.constexpr,
+              WA: tl.constexpr, PAIRS: tl.constexpr, PAIR_V: tl.constexpr):
+    """Group 1's value codes, and its scale and bias unless PAIR_V read them with group 0's (`vs_hi`, `vb_hi`)."""
+    if not PAIR_V:
+        vs_hi, vb_hi = _scale_bias(VS, VB, slot * stride_ss + h * stride_sh + 1, valid)
+    ptr = _value_codes_ptr(V, slot, h, stride_ks, stride_kh, W, WA, PAIRS) + WA
+    return tl.load(ptr, mask=valid[:, None], other=0), vs_hi, vb_hi
 
 
 @triton.jit
