@@ -388,7 +388,7 @@ def tune_grid(configs, bits_list, variants=None, ordered=False):
     """Tiles and split sizes (keys per program) of every format on the engine's tables, which are wider than
     their contexts (a graph's width bucket): `configs` of (shape, batch, context, table width, export). With
     export the call also scores (cumulative), as h2o's step does. Each row against bf16's default call.
-    variants: instead of the grid, these tiles (keys, warps, stages, programs per SM, paired) beside the default.
+    variants: instead of the grid, these tiles (keys, warps, stages, programs per SM, `tile_flags`) beside the default.
     ordered: slot tables in order instead of shuffled blocks (`tune_inputs`)."""
     print(f"{'shape':<8}{'B':>4}{'ctx':>6}{'width':>6}{'bits':>5}{'blk':>4}{'w':>3}{'st':>3}{'split':>6}{'ms':>8}"
           f"{'vs bf16':>8}")
@@ -414,11 +414,12 @@ def tune_grid(configs, bits_list, variants=None, ordered=False):
                 runs += [(f"{blk:>4}{w:>3}{st:>3}{split:>6}", dict(block_n=blk, num_warps=w, num_stages=st, split=split))
                          for blk, w, st in tiles[d] for split in splits(blk)]
             else:
-                runs += [(f"{blk:>4}{w:>3}{st:>3}{f'pps{pps}':>6} {paired or '-'} {'p' if permute else '-'}"
-                           f"{' s' if staged else ''}{' b' if pairs else ''}",
-                          dict(block_n=blk, num_warps=w, num_stages=st, programs_per_sm=pps, paired=paired,
-                               permute=permute and bits != 16, staged=staged and bits != 16, pairs=pairs))
-                         for blk, w, st, pps, paired, permute, staged, pairs in variants]
+                runs += [(f"{blk:>4}{w:>3}{st:>3}{f'pps{pps}':>6} {flags_label(flags)}",
+                          dict(block_n=blk, num_warps=w, num_stages=st, programs_per_sm=pps,
+                               **{**flags, "permute": flags["permute"] and bits != 16,
+                                  "staged": flags["staged"] and bits != 16,
+                                  "value_dot": flags["value_dot"] if bits in (8, 4) else None}))
+                         for blk, w, st, pps, flags in variants]
             for tile, run in runs:
                 kw = {**base, "quant": quant, **run}
                 label = f"{name:<8}{bsz:>4}{ctx:>6}{width:>6}{bits!s:>5}{tile}"
@@ -462,19 +463,43 @@ def tune_configs(spec: str, fields: int) -> list:
     return configs
 
 
+TILE_FLAGS = "paired[:permute[:staged[:pairs[:early[:value_dot]]]]]"
+FLAG_CHOICES = {"paired": ("-", "k", "v", "kv"), "permute": ("p", "-"), "staged": ("s", "-"), "pairs": ("b", "-"),
+                "early": ("e", "-"), "value_dot": ("d", "n", "-")}
+
+
+def tile_flags(tokens: list) -> dict:
+    """A tile spec's trailing flags -> `Tile` fields: paired k, v, kv or - (`Tile.paired`), permute p (the default) or
+    -, staged s or - (the default), pairs b or - (the default), early e or - (the default), value_dot d (on), n (off)
+    or - (the kernel's rule, the default). Shared by this script's --tile-variants and the engine's --packed-tiles."""
+    defaults = ["-", "p", "-", "-", "-", "-"]
+    if len(tokens) > len(defaults):
+        raise ValueError(f"{':'.join(tokens)!r}: at most {len(defaults)} flags, {TILE_FLAGS}")
+    tokens = list(tokens) + defaults[len(tokens):]
+    for (name, choices), token in zip(FLAG_CHOICES.items(), tokens):
+        if token not in choices:
+            raise ValueError(f"{name} {token!r}: choose from {', '.join(choices)}")
+    paired, permute, staged, pairs, early, value_dot = tokens
+    return dict(paired=paired.strip("-"), permute=permute == "p", staged=staged == "s", pairs=pairs == "b",
+                early=early == "e", value_dot={"d": True, "n": False, "-": None}[value_dot])
+
+
+def flags_label(flags: dict) -> str:
+    """The flags as `tile_flags` reads them, for a table's row."""
+    return ":".join((flags["paired"] or "-", "p" if flags["permute"] else "-", "s" if flags["staged"] else "-",
+                     "b" if flags["pairs"] else "-", "e" if flags["early"] else "-",
+                     {True: "d", False: "n", None: "-"}[flags["value_dot"]]))
+
+
 def tile_variants(spec: str) -> list:
-    """keys:warps:stages:programs_per_sm:paired[:permute[:staged[:pairs]]],... -> [(keys, warps, stages, programs per
-    SM, paired, permute, staged, pairs)], paired k, v, kv or - (`Tile.paired`), permute p (on, the default) or -
-    (`Tile.permute`), staged s or - (off, the default; `Tile.staged`), pairs b or - (off, the default; `Tile.pairs`)."""
+    """keys:warps:stages:programs_per_sm[:TILE_FLAGS],... -> [(keys, warps, stages, programs per SM, flags)], the
+    flags as `tile_flags` reads them."""
     variants = []
     for entry in spec.split(","):
         parts = entry.split(":")
-        parts += ["p", "-", "-"][len(parts) - 5:] if 5 <= len(parts) < 8 else []
-        if (len(parts) != 8 or not all(p.isdigit() for p in parts[:4]) or parts[4] not in ("-", "k", "v", "kv")
-                or parts[5] not in ("p", "-") or parts[6] not in ("s", "-") or parts[7] not in ("b", "-")):
-            raise ValueError(f"{entry!r} is not keys:warps:stages:programs_per_sm:paired[:permute[:staged[:pairs]]] "
-                             "with paired k, v, kv or -, permute p or -, staged s or -, pairs b or -")
-        variants.append((*map(int, parts[:4]), parts[4].strip("-"), parts[5] == "p", parts[6] == "s", parts[7] == "b"))
+        if len(parts) < 4 or not all(p.isdigit() for p in parts[:4]):
+            raise ValueError(f"{entry!r} is not keys:warps:stages:programs_per_sm[:{TILE_FLAGS}]")
+        variants.append((*map(int, parts[:4]), tile_flags(parts[4:])))
     return variants
 
 
@@ -495,9 +520,10 @@ def main():
                     "shape:batch:context:width:export,... (export 0/1), e.g. smollm2:64:257:272:1 (h2o 256 at 64 "
                     "running, as the engine's graph calls it)")
     ap.add_argument("--tile-variants", help="with --tune-grid: time these tiles beside the default call instead of "
-                    "the grid, keys:warps:stages:programs_per_sm:paired[:permute[:staged[:pairs]]],... (paired k, "
-                    "v, kv or -; permute p, the default, or -; staged s or -; pairs b or -), e.g. "
-                    "64:4:2:4:-,64:4:2:8:-:-; packed formats also time their default tile without permute")
+                    f"the grid, keys:warps:stages:programs_per_sm[:{TILE_FLAGS}],... (paired k, v, kv or -; "
+                    "permute p, the default, or -; staged s or -; pairs b or -; early e or -; value_dot d, n or -), "
+                    "e.g. 64:4:2:4,64:4:2:8:-:-,64:4:2:4:-:p:-:b:e; packed formats also time their default tile "
+                    "without permute")
     ap.add_argument("--ordered-blocks", action="store_true", help="with --tune-grid: each sequence's blocks in "
                     "order in the pool instead of shuffled (a pool filled in order, as the engine's often is)")
     ap.add_argument("--value-dot-grid", help="only time packed values read with value_dot on, off and the kernel's "

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from decode_attention import copy_bandwidth  # benchmarks/ is on the path as the script's folder
+from decode_attention import TILE_FLAGS, copy_bandwidth, tile_flags  # benchmarks/ is on the path as the script's folder
 from kvbound.models import ModelConfig
 from kvbound.engine import LLMEngine
 from kvbound.engine import SamplingParams
@@ -46,32 +46,25 @@ TILE_TABLES = {"long": triton_decode.TILES_LONG, "mid": triton_decode.TILES, "sh
                "few": triton_decode.TILES_LONG_FEW}
 KERNEL_TILES = {name: dict(table) for name, table in TILE_TABLES.items()}  # the kernel's own, to go back to
 TILE_FORM = ("[long:|many:|few:|mid:|short:|narrow:]format:head_dim:keys:warps:stages[:split_blocks[:programs_per_sm"
-             "[:paired[:permute[:staged[:pairs]]]]]]")
+             f"[:{TILE_FLAGS}]]]")
 
 
 def tile_entries(spec: str) -> list:
     """(table, (format, head_dim), Tile) of each entry of a --packed-tiles list; format 16 (bf16), 8, 4 or fp8,
-    split_blocks 0 for none (programs per SM decide), paired k, v, kv or - (`Tile.paired`; - for none), permute p
-    (the default) or - (`Tile.permute`), staged s or - (the default; `Tile.staged`), pairs b or - (the default;
-    `Tile.pairs`)."""
+    split_blocks 0 for none (programs per SM decide), the flags as `decode_attention.tile_flags` reads them."""
     entries = []
     for tile in spec.split(",") if spec else []:
         fields = tile.split(":")
         table = fields.pop(0) if fields[0] in TILE_TABLES else "long"
-        pairs = fields.pop() if len(fields) == 11 else "-"
-        staged = fields.pop() if len(fields) == 10 else "-"
-        permute = fields.pop() if len(fields) == 9 else "p"
-        paired = fields.pop() if len(fields) == 8 else "-"
-        if not 5 <= len(fields) <= 7 or not all(f.isdigit() for f in fields[1:]) \
-                or fields[0] not in ("16", "8", "4", "fp8") or paired not in ("-", "k", "v", "kv") \
-                or permute not in ("p", "-") or staged not in ("s", "-") or pairs not in ("b", "-"):
-            raise ValueError(f"{tile!r} is not {TILE_FORM} with format 16, 8, 4 or fp8, paired k, v, kv or -, "
-                             "permute p or -, staged s or - and pairs b or -")
+        numbers = next((i for i, f in enumerate(fields[1:], 1) if not f.isdigit()), len(fields))
+        fields, flags = fields[:numbers], fields[numbers:]
+        if not 5 <= len(fields) <= 7 or fields[0] not in ("16", "8", "4", "fp8"):
+            raise ValueError(f"{tile!r} is not {TILE_FORM} with format 16, 8, 4 or fp8")
         fmt, d, keys, warps, stages, *rest = fields
         split_blocks, pps = [int(f) for f in rest] + [0, 4][len(rest):]
         entries.append((table, (fmt if fmt == "fp8" else int(fmt), int(d)),
                         triton_decode.Tile(int(keys), int(warps), int(stages), split_blocks or None, pps,
-                                           paired.strip("-"), permute == "p", staged == "s", pairs == "b")))
+                                           **tile_flags(flags))))
     return entries
 
 

@@ -324,6 +324,30 @@ def test_narrow_tables_two_block_splits_match_the_reference():
         torch.testing.assert_close(score.cpu().double(), want_score, atol=1e-5, rtol=1e-4)
 
 
+def test_benchmark_tile_specs_read_every_tile_flag(monkeypatch):
+    """The kernel benchmark's --tile-variants and the engine benchmark's --packed-tiles read one flag form
+    (`decode_attention.tile_flags`), every `Tile` flag among them, with a line naming a bad one."""
+    import importlib
+    import pathlib
+    from kvbound.kernels.triton_decode import Tile
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    bench, engine_bench = importlib.import_module("decode_attention"), importlib.import_module("engine_throughput")
+    default = dict(paired="", permute=True, staged=False, pairs=False, early=False, value_dot=None)
+    assert bench.tile_variants("64:4:2:4") == [(64, 4, 2, 4, default)]
+    flags = bench.tile_variants("64:4:2:4:kv:-:s:b:e:n")[0][4]
+    assert flags == dict(paired="kv", permute=False, staged=True, pairs=True, early=True, value_dot=False)
+    assert bench.flags_label(flags) == "kv:-:s:b:e:n"
+    (table, key, tile), = engine_bench.tile_entries("long:8:128:64:4:2:0:4:-:p:-:b:e")
+    assert (table, key, tile) == ("long", (8, 128), Tile(64, 4, 2, None, 4, pairs=True, early=True))
+    assert engine_bench.tile_entries("narrow:fp8:64:64:4:2:2")[0][2] == Tile(64, 4, 2, split_blocks=2)
+    assert engine_bench.tile_entries("mid:4:128:128:2:2:0:4:kv:-:-:-:-:d")[0][2] == \
+        Tile(128, 2, 2, None, 4, paired="kv", permute=False, value_dot=True)
+    with pytest.raises(ValueError, match="early 'x'"):
+        bench.tile_variants("64:4:2:4:-:p:-:b:x")
+    with pytest.raises(ValueError, match="is not"):
+        engine_bench.tile_entries("long:8:128:64")
+
+
 def test_a_tables_tile_sets_the_split_and_the_paired_scales_of_a_default_call(monkeypatch):
     """A call that names no tile takes its table's: `split_blocks` blocks a program and `paired` scale loads (on the
     CPU every table's tile is bf16's, so the GPU's is put in its place here); out and scores as the reference's."""
