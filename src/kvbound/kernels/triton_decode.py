@@ -132,7 +132,7 @@ TILES_NARROW, NARROW_KEYS = {**{(f, 64): Tile(64, 4, 2, split_blocks=2) for f in
 # 8-bit's at d=128 with values as byte pairs: 64-key blocks, 4 warps, 4 programs an SM, 1.16x -> 1.02x bf16 at 7 x 4k
 # in 8k tables, 1.12x -> 0.96x at 14 x 4k, 1.03x -> 0.88x at 16 x 8k (results/byte_pairs_h100.log); calls of under
 # FEW_SEQS sequences keep 128-key blocks (TILES_LONG_FEW: 1 x 32k ran 1.09x in 64-key ones, 1.04x in 128-key ones);
-# a block's codes and scales all load before its first dot (`Tile.early`): 7 x 4k in 8k tables 1.00x -> 0.93x bf16,
+# a block's codes and scales all load before its first dot (`Tile.early`): 7 x 4k in 8k tables 1.00x -> 0.91x bf16,
 # 16 x 8k 0.89x -> 0.78x (4-bit's tile read it 0.92x -> 1.06x and 0.82x -> 0.95x, so it stays off there;
 # results/early_loads_h100.log)
 TILES_LONG = {(8, 64): Tile(256, 4, 2), ("fp8", 64): Tile(256, 4, 2), (4, 64): Tile(256, 8, 2, permute=False),
