@@ -99,25 +99,29 @@ def test_decode_attention_quantized_matches_dequantize_then_attend(bits, d, grou
     torch.testing.assert_close(score.double(), want_score, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fmt, d, scores, many", [(8, 64, False, False), (4, 64, False, False), (4, 64, False, True),
-                                                   ("fp8", 64, False, False), (8, 128, False, False),
-                                                   (8, 128, False, True), (8, 128, True, False)])
-def test_packed_decode_on_the_gpus_long_table_tiles_matches_dequantize_then_attend(fmt, d, scores, many):
-    """The tile a 4k-wide table takes on the GPU (at d=64 256 keys, 4-bit's with 8 warps, or, for `many` sequences,
-    128 keys with byte permutes; 8-bit's at d=128 values as byte pairs, 64-key blocks for `many` sequences, else 8
-    warps and 3 stages, 4 warps when it exports scores), with the kernel's own splits."""
+@pytest.mark.parametrize("fmt, d, scores, many, group", [
+    (8, 64, False, False, 32), (4, 64, False, False, 32), (4, 64, False, True, 32), ("fp8", 64, False, False, 32),
+    (8, 128, False, False, 32), (8, 128, True, False, 32), (8, 128, False, False, 64), (8, 128, True, False, 64)])
+def test_packed_decode_on_the_gpus_long_table_tiles_matches_dequantize_then_attend(fmt, d, scores, many, group):
+    """The tile a call over 4k-wide tables takes on the GPU when it reads enough keys to leave the short tiles (at
+    d=64 256 keys, 4-bit's with 8 warps, or, for `many` sequences, 128 keys with byte permutes; 8-bit's at d=128
+    values as byte pairs in 64-key blocks with early loads, 128-key ones when it exports scores), with the kernel's
+    own splits. Group 64 at d=128 gives two groups a head, as the engine's pools do: values through the dot, and the
+    early loads of both key groups."""
     from kvbound.cache.quant import Fp8KV
-    from kvbound.kernels.triton_decode import LONG_KEYS, MANY_SEQS, kernel_tile
+    from kvbound.kernels.triton_decode import FEW_SEQS, LONG_KEYS, MANY_SEQS, SHORT_KEYS, kernel_tile
     q, k, v, table, n = _case(5, 2, 6, 2, d, [LONG_KEYS, 1500], slots=LONG_KEYS + 1600)
     if fmt == "fp8":
         (kc, ks), (vc, vs) = Fp8KV._pack(k), Fp8KV._pack(v)
         kd, vd = Fp8KV._unpack(kc, ks, torch.float32), Fp8KV._unpack(vc, vs, torch.float32)
         kc, vc, quant = kc.view(torch.float8_e4m3fn), vc.view(torch.float8_e4m3fn), dict(bits="fp8", k_scale=ks, v_scale=vs)
     else:
-        (kc, kscale, kbias), (vc, vscale, vbias) = quantize(k, fmt, 32), quantize(v, fmt, 32)
-        kd, vd = dequantize(kc, kscale, kbias, fmt, 32), dequantize(vc, vscale, vbias, fmt, 32)
-        quant = dict(bits=fmt, group=32, k_scale=kscale, k_bias=kbias, v_scale=vscale, v_bias=vbias)
-    tile = kernel_tile(fmt, d, MANY_SEQS if many else 2, LONG_KEYS, cuda=True, scores=scores)
+        (kc, kscale, kbias), (vc, vscale, vbias) = quantize(k, fmt, group), quantize(v, fmt, group)
+        kd, vd = dequantize(kc, kscale, kbias, fmt, group), dequantize(vc, vscale, vbias, fmt, group)
+        quant = dict(bits=fmt, group=group, k_scale=kscale, k_bias=kbias, v_scale=vscale, v_bias=vbias)
+    seqs = MANY_SEQS if many else SHORT_KEYS // LONG_KEYS  # the fewest sequences whose keys leave the short tiles
+    assert FEW_SEQS <= seqs <= MANY_SEQS
+    tile = kernel_tile(fmt, d, seqs, LONG_KEYS, cuda=True, scores=scores)
     score = torch.zeros(2, LONG_KEYS, 2, device=DEV) if scores else None
     out = decode_attention(*(t.to(DEV) for t in (q, kc, vc, table, n)), block_n=tile.keys, num_warps=tile.warps,
                            num_stages=tile.stages, programs_per_sm=tile.programs_per_sm, paired=tile.paired,
