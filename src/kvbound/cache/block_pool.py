@@ -217,12 +217,13 @@ class BlockPool:
         per_head = _slots_per_head(slots, k, heads) if k.is_cuda else None
         if per_head is None:
             self.write_raw(layer, slots, self.pack(k, v), heads)
-        elif self.packed is None:  # one store kernel writes K and V: two index_put launches otherwise
+            return
+        k, v = (x.reshape(-1, *x.shape[-2:]) for x in (k, v))  # [tokens, H, D], as per_head's rows
+        if self.packed is None:  # one store kernel writes K and V: two index_put launches otherwise
             from ..kernels.triton_decode import store_kv
-            k, v = (x.reshape(-1, *x.shape[-2:]) for x in (k, v))
             store_kv(k, per_head, self.k[layer], also=(v, self.v[layer], None, None))
         else:  # one store kernel quantizes and writes (a dozen PyTorch ops otherwise)
-            self.packed.store(layer, per_head, *(x.reshape(-1, *x.shape[-2:]) for x in (k, v)))
+            self.packed.store(layer, per_head, k, v)
 
     def gather(self, layer, slots):
         return self.unpack(self.gather_raw(layer, slots))

@@ -912,10 +912,11 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         out = torch.empty_like(q)
     if resid is not None and bits != 4:
         raise ValueError(f"residuals add to a 4-bit pool, got {bits} bits")
+    codes_fit = bits in (8, 4) and d // gs <= 2 and gs * bits // 8 >= 16  # groups the codes-dot can read
     if value_dot is None:  # the tile's, else on at d=128 (results/tune_quant_q8_d128_h100.log, _q4_d128_h100.log)
-        fits = bits in (8, 4) and d // gs <= 2 and gs * bits // 8 >= 16 and resid is None
-        value_dot = fits and (d == 128 and d // gs == 2 if tile.value_dot is None else tile.value_dot)
-    if value_dot and not (bits in (8, 4) and d // gs <= 2 and gs * bits // 8 >= 16):
+        wanted = d == 128 and d // gs == 2 if tile.value_dot is None else tile.value_dot
+        value_dot = codes_fit and resid is None and wanted
+    if value_dot and not codes_fit:
         raise ValueError(f"value_dot needs packed values of one or two groups per head of at least 16 code "
                          f"bytes, got {bits} bits, head_dim {d}, group {gs}")
     ss = (0, 0) if quant is None else (scales[0].stride(0), scales[0].stride(1))
