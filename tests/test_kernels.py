@@ -99,6 +99,21 @@ def test_decode_attention_quantized_matches_dequantize_then_attend(bits, d, grou
     torch.testing.assert_close(score.double(), want_score, atol=1e-5, rtol=1e-4)
 
 
+def test_value_dot_on_groups_it_cannot_read_is_one_clear_error():
+    """Asking for values through the dot where a head holds more than two groups, or a group under 16 code bytes,
+    names the shape; left to its rule the kernel reads such values dequantized."""
+    q, k, v, table, n = _case(3, 2, 4, 2, 64, [40, 33])
+    for bits, group in ((8, 16), (4, 16)):
+        (kc, ks, kb), (vc, vs, vb) = quantize(k, bits, group), quantize(v, bits, group)
+        quant = dict(bits=bits, group=group, k_scale=ks, k_bias=kb, v_scale=vs, v_bias=vb)
+        with pytest.raises(ValueError, match=f"value_dot needs .* got {bits} bits, head_dim 64, group {group}"):
+            decode_attention(q, kc, vc, table, n, quant=quant, value_dot=True)
+        kd, vd = dequantize(kc, ks, kb, bits, group), dequantize(vc, vs, vb, bits, group)
+        want, _ = _reference(q, kd, vd, table, n, None, torch.zeros(2, 40, 2), 0)
+        torch.testing.assert_close(decode_attention(q, kc, vc, table, n, quant=quant).double(), want, atol=1e-4,
+                                   rtol=1e-4)
+
+
 @pytest.mark.parametrize("fmt, d, scores, many, group", [
     (8, 64, False, False, 32), (4, 64, False, False, 32), (4, 64, False, True, 32), ("fp8", 64, False, False, 32),
     (8, 128, False, False, 32), (8, 128, True, False, 32), (8, 128, False, False, 64), (8, 128, True, False, 64)])
