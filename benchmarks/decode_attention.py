@@ -414,8 +414,8 @@ def tune_grid(configs, bits_list, variants=None, ordered=False):
                 runs += [(f"{blk:>4}{w:>3}{st:>3}{split:>6}", dict(block_n=blk, num_warps=w, num_stages=st, split=split))
                          for blk, w, st in tiles[d] for split in splits(blk)]
             else:
-                runs += [(f"{blk:>4}{w:>3}{st:>3}{f'pps{pps}':>6} {flags_label(flags)}",
-                          dict(block_n=blk, num_warps=w, num_stages=st, programs_per_sm=pps,
+                runs += [(f"{blk:>4}{w:>3}{st:>3}{pps if isinstance(pps, str) else f'pps{pps}':>6} {flags_label(flags)}",
+                          dict(block_n=blk, num_warps=w, num_stages=st, **split_or_programs(blk, pps),
                                **{**flags, "permute": flags["permute"] and bits != 16,
                                   "staged": flags["staged"] and bits != 16,
                                   "value_dot": flags["value_dot"] if bits in (8, 4) else None}))
@@ -429,6 +429,11 @@ def tune_grid(configs, bits_list, variants=None, ordered=False):
             del kc, vc
         del k, v
         torch.cuda.empty_cache()
+
+
+def split_or_programs(block_n: int, pps) -> dict:
+    """A variant's programs per SM, or (sN) its split of N blocks a program, as `decode_attention` keywords."""
+    return dict(split=block_n * int(pps[1:])) if isinstance(pps, str) else dict(programs_per_sm=pps)
 
 
 def value_dot_grid(configs, bits_list):
@@ -463,43 +468,48 @@ def tune_configs(spec: str, fields: int) -> list:
     return configs
 
 
-TILE_FLAGS = "paired[:permute[:staged[:pairs[:early[:value_dot]]]]]"
+TILE_FLAGS = "paired[:permute[:staged[:pairs[:early[:value_dot[:key_dequant]]]]]]"
 FLAG_CHOICES = {"paired": ("-", "k", "v", "kv"), "permute": ("p", "-"), "staged": ("s", "-"), "pairs": ("b", "-"),
-                "early": ("e", "-"), "value_dot": ("d", "n", "-")}
+                "early": ("e", "-"), "value_dot": ("d", "n", "-"), "key_dequant": ("q", "-")}
 
 
 def tile_flags(tokens: list) -> dict:
     """A tile spec's trailing flags -> `Tile` fields: paired k, v, kv or - (`Tile.paired`), permute p (the default) or
     -, staged s or - (the default), pairs b or - (the default), early e or - (the default), value_dot d (on), n (off)
-    or - (the kernel's rule, the default). Shared by this script's --tile-variants and the engine's --packed-tiles."""
-    defaults = ["-", "p", "-", "-", "-", "-"]
+    or - (the kernel's rule, the default), key_dequant q or - (the default). Shared by this script's --tile-variants
+    and the engine's --packed-tiles."""
+    defaults = ["-", "p", "-", "-", "-", "-", "-"]
     if len(tokens) > len(defaults):
         raise ValueError(f"{':'.join(tokens)!r}: at most {len(defaults)} flags, {TILE_FLAGS}")
     tokens = list(tokens) + defaults[len(tokens):]
     for (name, choices), token in zip(FLAG_CHOICES.items(), tokens):
         if token not in choices:
             raise ValueError(f"{name} {token!r}: choose from {', '.join(choices)}")
-    paired, permute, staged, pairs, early, value_dot = tokens
+    paired, permute, staged, pairs, early, value_dot, key_dequant = tokens
     return dict(paired=paired.strip("-"), permute=permute == "p", staged=staged == "s", pairs=pairs == "b",
-                early=early == "e", value_dot={"d": True, "n": False, "-": None}[value_dot])
+                early=early == "e", value_dot={"d": True, "n": False, "-": None}[value_dot],
+                key_dequant=key_dequant == "q")
 
 
 def flags_label(flags: dict) -> str:
     """The flags as `tile_flags` reads them, for a table's row."""
     return ":".join((flags["paired"] or "-", "p" if flags["permute"] else "-", "s" if flags["staged"] else "-",
                      "b" if flags["pairs"] else "-", "e" if flags["early"] else "-",
-                     {True: "d", False: "n", None: "-"}[flags["value_dot"]]))
+                     {True: "d", False: "n", None: "-"}[flags["value_dot"]], "q" if flags["key_dequant"] else "-"))
 
 
 def tile_variants(spec: str) -> list:
     """keys:warps:stages:programs_per_sm[:TILE_FLAGS],... -> [(keys, warps, stages, programs per SM, flags)], the
-    flags as `tile_flags` reads them."""
+    flags as `tile_flags` reads them; programs_per_sm sN instead gives each program N blocks (`Tile.split_blocks`),
+    as a string."""
     variants = []
     for entry in spec.split(","):
         parts = entry.split(":")
-        if len(parts) < 4 or not all(p.isdigit() for p in parts[:4]):
-            raise ValueError(f"{entry!r} is not keys:warps:stages:programs_per_sm[:{TILE_FLAGS}]")
-        variants.append((*map(int, parts[:4]), tile_flags(parts[4:])))
+        if len(parts) < 4 or not all(p.isdigit() for p in parts[:3] + [parts[3].removeprefix("s")]):
+            raise ValueError(f"{entry!r} is not keys:warps:stages:programs_per_sm[:{TILE_FLAGS}] (programs_per_sm "
+                             "sN: N blocks a program)")
+        pps = parts[3] if parts[3].startswith("s") else int(parts[3])
+        variants.append((*map(int, parts[:3]), pps, tile_flags(parts[4:])))
     return variants
 
 
@@ -521,7 +531,7 @@ def main():
                     "running, as the engine's graph calls it)")
     ap.add_argument("--tile-variants", help="with --tune-grid: time these tiles beside the default call instead of "
                     f"the grid, keys:warps:stages:programs_per_sm[:{TILE_FLAGS}],... (paired k, v, kv or -; "
-                    "permute p, the default, or -; staged s or -; pairs b or -; early e or -; value_dot d, n or -), "
+                    "permute p, the default, or -; staged s or -; pairs b or -; early e or -; value_dot d, n or -; key_dequant q or -), "
                     "e.g. 64:4:2:4,64:4:2:8:-:-,64:4:2:4:-:p:-:b:e; packed formats also time their default tile "
                     "without permute")
     ap.add_argument("--ordered-blocks", action="store_true", help="with --tune-grid: each sequence's blocks in "

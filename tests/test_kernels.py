@@ -77,13 +77,14 @@ def test_decode_attention_dense_matches_reference(shape, mode):
     (4, 128, 64, False, "kv"), (8, 64, 32, True, "kv"), (4, 128, 128, True, "kv"), (8, 128, 64, True, "pairs"),
     (8, 128, 128, True, "pairs"), (8, 64, 32, True, "v pairs"), (8, 64, 64, True, "pairs"),
     (8, 128, 64, True, "pairs early"), (8, 128, 64, None, "k early"), (4, 128, 64, True, "kv early"),
-    (4, 128, 64, False, "early"), (8, 64, 64, True, "early")])
+    (4, 128, 64, False, "early"), (8, 64, 64, True, "early"), (8, 128, 64, None, "dequant"),
+    (4, 64, 64, True, "dequant early"), (8, 64, 32, True, "pairs dequant"), (4, 128, 128, False, "dequant")])
 def test_decode_attention_quantized_matches_dequantize_then_attend(bits, d, group, value_dot, paired):
     """Both routes of packed values (codes-dot and dequantize), one and two groups per head, each group's scales
     read alone or a key's two groups' in one load (`paired`), 8-bit values' codes read as byte pairs or not, a
-    block's loads all before its dots (`early`) or not."""
-    pairs, early = "pairs" in paired, "early" in paired
-    paired = paired.replace("pairs", "").replace("early", "").strip()
+    block's loads all before its dots (`early`) or not, keys through a dot per group or dequantized (`dequant`)."""
+    pairs, early, key_dequant = "pairs" in paired, "early" in paired, "dequant" in paired
+    paired = paired.replace("pairs", "").replace("early", "").replace("dequant", "").strip()
     q, k, v, table, n = _case(7 + d + group, 2, 6, 2, d, [45, 129])
     kc, kscale, kbias = quantize(k, bits, group)
     vc, vscale, vbias = quantize(v, bits, group)
@@ -92,7 +93,7 @@ def test_decode_attention_quantized_matches_dequantize_then_attend(bits, d, grou
     dev = [t.to(DEV) for t in (q, kc, vc, table, n, kscale, kbias, vscale, vbias)]
     quant = dict(bits=bits, group=group, k_scale=dev[5], k_bias=dev[6], v_scale=dev[7], v_bias=dev[8])
     out = decode_attention(*dev[:5], score=score, score_mode="cumulative", split=64, block_n=32, value_dot=value_dot,
-                           paired=paired, pairs=pairs, early=early, quant=quant).cpu()
+                           paired=paired, pairs=pairs, early=early, key_dequant=key_dequant, quant=quant).cpu()
     score = score.cpu()
     want, want_score = _reference(q, kd, vd, table, n, "cumulative", torch.zeros(2, 129, 2), 0)
     torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
@@ -150,21 +151,23 @@ def test_packed_decode_on_the_gpus_long_table_tiles_matches_dequantize_then_atte
         torch.testing.assert_close(score.cpu().double(), want_score, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", [8, 4])
-def test_packed_decode_on_the_gpus_narrow_table_tiles_matches_dequantize_then_attend(fmt):
-    """The tile a bounded cache's narrow table takes on the GPU at d=64 (h2o 256: 272 wide), exporting scores: values
-    through the dot as codes (`Tile.value_dot`), 8-bit's read as byte pairs."""
+@pytest.mark.parametrize("fmt, d", [(8, 64), (4, 64), (8, 128), (4, 128)])
+def test_packed_decode_on_the_gpus_narrow_table_tiles_matches_dequantize_then_attend(fmt, d):
+    """The tile a bounded cache's narrow table takes on the GPU (h2o 256: 272 wide), exporting scores: at d=64 values
+    through the dot as codes (`Tile.value_dot`), 8-bit's read as byte pairs, loads early; 4-bit's keys dequantized
+    (`Tile.key_dequant`) at either head size."""
     from kvbound.kernels.triton_decode import kernel_tile
-    q, k, v, table, n = _case(9, 3, 6, 2, 64, [257, 200, 31])
+    q, k, v, table, n = _case(9, 3, 6, 2, d, [257, 200, 31])
     (kc, kscale, kbias), (vc, vscale, vbias) = quantize(k, fmt, 64), quantize(v, fmt, 64)
     kd, vd = dequantize(kc, kscale, kbias, fmt, 64), dequantize(vc, vscale, vbias, fmt, 64)
     quant = dict(bits=fmt, group=64, k_scale=kscale, k_bias=kbias, v_scale=vscale, v_bias=vbias)
-    tile = kernel_tile(fmt, 64, 3, 272, cuda=True, scores=True)
-    assert tile.value_dot and tile.split_blocks == 2
+    tile = kernel_tile(fmt, d, 3, 272, cuda=True, scores=True)
+    assert tile.split_blocks and tile.key_dequant == (fmt == 4) and (tile.early and tile.value_dot) == (d == 64)
     score = torch.zeros(3, 257, 2, device=DEV)
     out = decode_attention(*(t.to(DEV) for t in (q, kc, vc, table, n)), block_n=tile.keys, num_warps=tile.warps,
                            num_stages=tile.stages, split=tile.split_blocks * tile.keys, value_dot=tile.value_dot,
-                           permute=tile.permute and DEV == "cuda", pairs=tile.pairs, score=score,
+                           permute=tile.permute and DEV == "cuda", pairs=tile.pairs, early=tile.early,
+                           key_dequant=tile.key_dequant, score=score,
                            score_mode="cumulative", quant={key: t if isinstance(t, int) else t.to(DEV)
                                                            for key, t in quant.items()}).cpu()
     want, want_score = _reference(q, kd, vd, table, n, "cumulative", torch.zeros(3, 257, 2), 0)
@@ -282,12 +285,12 @@ def test_contiguous_buffers_read_from_their_first_slot_equal_the_table(bits):
 def test_kernel_tile_follows_the_table_width_on_the_gpu():
     """Tiles on the GPU: long tables (4k keys or more) take 256-key blocks at d=64 (4-bit with 8 warps and no byte
     permutes, or with MANY_SEQS sequences 128-key blocks) and 128-key ones at two programs an SM at d=128; bounded
-    caches' narrow tables two-block splits in every format (fp8 at d=128: its middle tile); fp8 elsewhere takes bf16's
-    tile, except its middle tables at d=128 (64-key blocks, 3 stages, values staged); 4-bit's middle and long
-    tables at d=128 read paired scales, 8-bit's middle ones take its long ones' tile (short calls 64-key blocks at 8
+    caches' narrow tables two-block splits (8-bit and 4-bit at d=128: four, in 3 stages; fp8 at d=128: its middle
+    tile); fp8 elsewhere takes bf16's tile, except its middle tables at d=128 (64-key blocks, 3 stages, values
+    staged); 4-bit's middle and long tables at d=128 read paired scales, 8-bit's middle ones take its long ones' tile (short calls 64-key blocks at 8
     programs an SM; exporting scores 16 on middle tables, 4 warps on long ones); 8-bit's middle tables at d=64 convert
-    codes without permutes, and its and 4-bit's narrow ones take values through the dot (8-bit's as byte pairs); on the
-    CPU every call takes bf16's."""
+    codes without permutes, and its and 4-bit's narrow ones take values through the dot (8-bit's as byte pairs) with
+    early loads; 4-bit's narrow ones dequantize keys; on the CPU every call takes bf16's."""
     from kvbound.kernels.triton_decode import FEW_SEQS, MANY_SEQS, Tile, kernel_tile
     bf16 = kernel_tile(16, 64, 43, 8192)
     assert kernel_tile(8, 64, 43, 8192) == kernel_tile("fp8", 64, 43, 8192) == Tile(256, 4, 2)
@@ -311,12 +314,13 @@ def test_kernel_tile_follows_the_table_width_on_the_gpu():
     assert kernel_tile(8, 128, 64, 272, scores=True) == kernel_tile(8, 128, 64, 272)  # narrow tables: the same
     assert kernel_tile(4, 128, 7, 8192, scores=True) == kernel_tile(4, 128, 7, 8192)  # other formats: the same
     narrow = {16: Tile(64, 4, 2, split_blocks=2), "fp8": Tile(64, 4, 2, split_blocks=2),
-              8: Tile(64, 4, 2, split_blocks=2, pairs=True, value_dot=True),
-              4: Tile(64, 4, 2, split_blocks=2, value_dot=True)}
+              8: Tile(64, 4, 2, split_blocks=2, pairs=True, value_dot=True, early=True),
+              4: Tile(64, 4, 2, split_blocks=2, value_dot=True, early=True, key_dequant=True)}
     for fmt, tile in narrow.items():  # h2o 256's 272-wide tables, at any batch
         assert kernel_tile(fmt, 64, 256, 272) == kernel_tile(fmt, 64, 64, 272) == tile
-    assert kernel_tile(8, 128, 64, 272) == Tile(64, 4, 2, split_blocks=2)
-    assert kernel_tile(4, 128, 64, 272) == Tile(128, 2, 2, split_blocks=2) and kernel_tile(16, 128, 64, 272) == bf16
+    assert kernel_tile(8, 128, 64, 272) == Tile(64, 4, 3, split_blocks=4)
+    assert kernel_tile(4, 128, 64, 272) == Tile(64, 4, 3, split_blocks=4, key_dequant=True)
+    assert kernel_tile(16, 128, 64, 272) == bf16
     assert kernel_tile(8, 64, 64, 2048) == Tile(128, 4, 2, permute=False) and kernel_tile("fp8", 64, 64, 2048) == bf16
     assert kernel_tile(4, 128, 4, 2048) == Tile(32, 4, 3)  # under SHORT_KEYS keys in all
     assert kernel_tile(8, 64, 43, 8192, cuda=False) == bf16 == Tile(64, 4, None)
@@ -351,11 +355,13 @@ def test_benchmark_tile_specs_read_every_tile_flag(monkeypatch):
     from kvbound.kernels.triton_decode import Tile
     monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks"))
     bench, engine_bench = importlib.import_module("decode_attention"), importlib.import_module("engine_throughput")
-    default = dict(paired="", permute=True, staged=False, pairs=False, early=False, value_dot=None)
+    default = dict(paired="", permute=True, staged=False, pairs=False, early=False, value_dot=None, key_dequant=False)
     assert bench.tile_variants("64:4:2:4") == [(64, 4, 2, 4, default)]
-    flags = bench.tile_variants("64:4:2:4:kv:-:s:b:e:n")[0][4]
-    assert flags == dict(paired="kv", permute=False, staged=True, pairs=True, early=True, value_dot=False)
-    assert bench.flags_label(flags) == "kv:-:s:b:e:n"
+    assert bench.tile_variants("64:4:2:s2")[0][3] == "s2" and bench.split_or_programs(64, "s2") == dict(split=128)
+    flags = bench.tile_variants("64:4:2:4:kv:-:s:b:e:n:q")[0][4]
+    assert flags == dict(paired="kv", permute=False, staged=True, pairs=True, early=True, value_dot=False,
+                         key_dequant=True)
+    assert bench.flags_label(flags) == "kv:-:s:b:e:n:q"
     (table, key, tile), = engine_bench.tile_entries("long:8:128:64:4:2:0:4:-:p:-:b:e")
     assert (table, key, tile) == ("long", (8, 128), Tile(64, 4, 2, None, 4, pairs=True, early=True))
     assert engine_bench.tile_entries("narrow:fp8:64:64:4:2:2")[0][2] == Tile(64, 4, 2, split_blocks=2)
@@ -365,6 +371,8 @@ def test_benchmark_tile_specs_read_every_tile_flag(monkeypatch):
         bench.tile_variants("64:4:2:4:-:p:-:b:x")
     with pytest.raises(ValueError, match="is not"):
         engine_bench.tile_entries("long:8:128:64")
+    with pytest.raises(ValueError, match="is not"):
+        bench.tile_variants("64:4:2:sx")
 
 
 def test_a_tables_tile_sets_the_split_and_the_paired_scales_of_a_default_call(monkeypatch):

@@ -60,7 +60,9 @@ class Tile(NamedTuple):
     two bytes a load, each byte pair giving an even and an odd column (`_pair_codes`), as 4-bit's nibbles do.
     value_dot: packed values go to the dot as codes, scaled through p (`decode_attention`'s value_dot; None: its rule,
     on at d=128 only), where the group fits and no residuals are read. early: a block's packed codes and scales (a
-    key's two groups, and values read through the dot) all load before its first dot, so the reads overlap."""
+    key's two groups, and values read through the dot) all load before its first dot, so the reads overlap.
+    key_dequant: packed keys become fp16 in registers (code * scale + bias) for one q.k dot over the head, instead of
+    a dot per group of raw codes scaled after it (`_packed_qk`): fewer dots where few keys leave latency to save."""
     keys: int
     warps: int
     stages: int | None = None
@@ -72,6 +74,7 @@ class Tile(NamedTuple):
     pairs: bool = False
     value_dot: bool | None = None
     early: bool = False
+    key_dequant: bool = False
 
 
 # (bits or "fp8" or 16 for bf16, head_dim) -> the kernel's Tile on the GPU; packed formats' middle tables:
@@ -115,10 +118,17 @@ TILES_SHORT, SHORT_KEYS = {(4, 128): Tile(32, 4, 3), (4, 64): Tile(64, 4, 2),
 # 8-bit's and 4-bit's at d=64 take values through the dot as codes, 8-bit's read as byte pairs: with scores, 64 x 257
 # keys 1.088x -> 1.049x bf16 (8-bit), 1.096x -> 1.074x (4-bit); 256 x 257 1.297x -> 1.213x, 1.309x -> 1.251x
 # (results/narrow_value_dot_h100.log)
+# With scores at 257 keys in 272-wide tables (h2o 256's), in the engine's step (graph ms, H100; bf16 1.518 / 7.437),
+# results/narrow_tiles_engine_h100.log: at d=64 8-bit's loads all before its first dot (`Tile.early`), 1.579 -> 1.552
+# (SmolLM2 shape, 64 running), and 4-bit's keys dequantized for one dot (`Tile.key_dequant`) with early loads,
+# 1.576 -> 1.544; at d=128 (8B shape, 32 running) four-block splits in 3 stages, as bf16's, 8-bit 7.675 -> 7.611 and
+# with keys dequantized 4-bit 7.598 -> 7.531. Kernel alone (results/narrow_tiles_h100.log) 4-bit at d=64 went
+# 1.08x -> 0.96x bf16 at 64 x 257 and 1.29x -> 1.13x at 256 x 257; 8-bit's keys dequantized gained nothing.
 TILES_NARROW, NARROW_KEYS = {**{(f, 64): Tile(64, 4, 2, split_blocks=2) for f in (16, "fp8")},
-                             (8, 64): Tile(64, 4, 2, split_blocks=2, pairs=True, value_dot=True),
-                             (4, 64): Tile(64, 4, 2, split_blocks=2, value_dot=True),
-                             (8, 128): Tile(64, 4, 2, split_blocks=2), (4, 128): Tile(128, 2, 2, split_blocks=2),
+                             (8, 64): Tile(64, 4, 2, split_blocks=2, pairs=True, value_dot=True, early=True),
+                             (4, 64): Tile(64, 4, 2, split_blocks=2, value_dot=True, early=True, key_dequant=True),
+                             (8, 128): Tile(64, 4, 3, split_blocks=4),
+                             (4, 128): Tile(64, 4, 3, split_blocks=4, key_dequant=True),
                              ("fp8", 128): Tile(64, 4, 3, staged=True)}, 1024
 # ... and where its table is at least LONG_KEYS wide: at d=64, 256-key blocks took a full-cache engine step of 43
 # sequences x 4k (8k-wide graph tables) from 3.57 to 3.21 ms (8-bit) and from 3.97 to 2.91 ms (fp8), against bf16's
@@ -169,7 +179,7 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                   VDOT: tl.constexpr, FP8: tl.constexpr, CONTIG: tl.constexpr,
                   RESID: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, PAIR_K: tl.constexpr,
                   PAIR_V: tl.constexpr, PERMUTE: tl.constexpr, STAGED: tl.constexpr = False,
-                  PAIRS: tl.constexpr = False, EARLY: tl.constexpr = False):
+                  PAIRS: tl.constexpr = False, EARLY: tl.constexpr = False, KDEQ: tl.constexpr = False):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -182,7 +192,7 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
     gmask = offs_g < G
     heads = h * G + offs_g
     q_row = b * stride_qb + tl.where(gmask, heads, 0)[:, None] * stride_qh  # padded heads read head 0, unused
-    if BITS == 16:
+    if BITS == 16 or KDEQ:
         q = tl.load(Q + q_row + offs_d[None, :]).to(tl.float32) * scale
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
@@ -222,6 +232,10 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
             qk = _dot(q, tl.trans(k), IEEE) * tl.load(KS + sp, mask=valid, other=0.0).to(tl.float32)[None, :]
         elif BITS == 16:
             qk = _dot(q, tl.trans(tl.load(K + kv_ptr, mask=valid[:, None], other=0.0)), IEEE)
+        elif KDEQ:
+            k = _dequant(K, KS, KB, slot, h, valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, IEEE,
+                         PERMUTE)
+            qk = _dot(q, tl.trans(k), IEEE)
         else:
             qk = _packed_qk(Q, K, KS, KB, slot, h, valid, q_row, stride_ks, stride_kh, stride_ss, stride_sh, scale,
                             G_PAD, BLOCK_N, D, BITS, GS, IEEE, PAIR_K, PERMUTE, EARLY)
@@ -828,7 +842,8 @@ def kernel_tile(fmt, d: int, bsz: int, max_len: int, contiguous: bool = False, c
 def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=None, score_mode=None,
                      ema_decay=0.95, quant=None, split=None, block_n=None, out=None, programs_per_sm=None,
                      num_warps=None, rows=None, victim=None, num_stages=None, value_dot=None, contiguous=False,
-                     resid=None, layer=False, paired=None, permute=None, staged=None, pairs=None, early=None):
+                     resid=None, layer=False, paired=None, permute=None, staged=None, pairs=None, early=None,
+                     key_dequant=None):
     """q: [B, Hq, D]; k_pool/v_pool: [slots, Hkv, D] (or packed codes [slots, Hkv, D*bits/8] with
     quant=dict(bits=, group=, k_scale=, k_bias=, v_scale=, v_bias=) of [slots, Hkv, D/group]; or float8 e4m3
     codes [slots, Hkv, D] with quant=dict(bits="fp8", k_scale=, v_scale=) of [slots, Hkv, 1]);
@@ -853,6 +868,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     staged: `Tile.staged` (None: the table's tile's, off where the call exports scores).
     pairs: `Tile.pairs` (None: the table's tile's; 8-bit values read as codes only).
     early: `Tile.early` (None: the table's tile's).
+    key_dequant: `Tile.key_dequant` (None: the table's tile's; packed 8 / 4-bit keys only).
     Returns out [B, Hq, D] in q's dtype."""
     bsz, hq, d = q.shape
     if d & (d - 1):
@@ -879,6 +895,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     paired = tile.paired if paired is None else paired
     pairs = tile.pairs if pairs is None else pairs
     early = tile.early if early is None else early
+    key_dequant = (tile.key_dequant if key_dequant is None else key_dequant) and bits in (8, 4)
     staged = tile.staged and not export if staged is None else staged  # staged lost where it also exported
     if split is None and tile.split_blocks and not explicit:
         split = tile.split_blocks * block_n
@@ -941,7 +958,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee, VDOT=value_dot,
         FP8=fp8, CONTIG=bool(contiguous), RESID=resid is not None, SINK=rt["sink"], RECENT=rt["recent"],
         PAIR_K="k" in paired, PAIR_V="v" in paired, PERMUTE=permute, STAGED=staged, PAIRS=pairs, EARLY=early,
-        num_warps=num_warps,
+        KDEQ=key_dequant, num_warps=num_warps,
         **({} if num_stages is None else dict(num_stages=num_stages)))
     _merge_kernel[(bsz, hq)](
         part_o, part_m, part_l, out, ctx_lens,
