@@ -110,7 +110,7 @@ TILES = {(8, 128): Tile(128, 8, 3, programs_per_sm=2, pairs=True), (4, 128): Til
 TILES_SHORT, SHORT_KEYS = {(4, 128): Tile(32, 4, 3), (4, 64): Tile(64, 4, 2),
                             (8, 128): Tile(64, 4, 2, programs_per_sm=8), ("fp8", 128): Tile(64, 4, None)}, 32768
 # ... where the table is narrower than NARROW_KEYS, as bounded caches' are (checked first): two 64-key blocks a
-# program (128-key ones for 4-bit at d=128), every format. At 257 keys, d=64, 64 and 256 sequences, they took the
+# program (8-bit and 4-bit at d=128: four, below), every format. At 257 keys, d=64, 64 and 256 sequences, they took the
 # call with scores (split, merge, fold) from 17.5 / 22.9 / 22.3 / 19.7 us (bf16 / 8 / 4 / fp8) to 16.0 / 17.1 / 17.9 /
 # 16.3, and from 37.7 / 53.7 / 58.9 / 42.7 to 33.1 / 43.4 / 45.6 / 41.2; 8B's d=128 at 64 from 57.9 / 52.2 (8 / 4) to
 # 48.1 / 46.9 (results/tune_grid_short_h100.log)
@@ -118,12 +118,13 @@ TILES_SHORT, SHORT_KEYS = {(4, 128): Tile(32, 4, 3), (4, 64): Tile(64, 4, 2),
 # 8-bit's and 4-bit's at d=64 take values through the dot as codes, 8-bit's read as byte pairs: with scores, 64 x 257
 # keys 1.088x -> 1.049x bf16 (8-bit), 1.096x -> 1.074x (4-bit); 256 x 257 1.297x -> 1.213x, 1.309x -> 1.251x
 # (results/narrow_value_dot_h100.log)
-# With scores at 257 keys in 272-wide tables (h2o 256's), in the engine's step (graph ms, H100; bf16 1.518 / 7.437),
-# results/narrow_tiles_engine_h100.log: at d=64 8-bit's loads all before its first dot (`Tile.early`), 1.579 -> 1.552
-# (SmolLM2 shape, 64 running), and 4-bit's keys dequantized for one dot (`Tile.key_dequant`) with early loads,
-# 1.576 -> 1.544; at d=128 (8B shape, 32 running) four-block splits in 3 stages, as bf16's, 8-bit 7.675 -> 7.611 and
-# with keys dequantized 4-bit 7.598 -> 7.531. Kernel alone (results/narrow_tiles_h100.log) 4-bit at d=64 went
-# 1.08x -> 0.96x bf16 at 64 x 257 and 1.29x -> 1.13x at 256 x 257; 8-bit's keys dequantized gained nothing.
+# With scores at 257 keys in 272-wide tables (h2o 256's), the engine's step, graph ms on an H100, before -> after
+# (results/narrow_tiles_engine_h100.log): at d=64 (SmolLM2 shape, 64 running, bf16 1.52) 8-bit's loads all before
+# its first dot (`Tile.early`), 1.585 -> 1.538, and 4-bit's keys dequantized for one dot (`Tile.key_dequant`) with
+# early loads, 1.585 -> 1.532; at d=128 (8B shape, 32 running, bf16 7.45) four-block splits in 3 stages, as bf16's,
+# 8-bit 7.677 -> 7.613 and, keys dequantized, 4-bit 7.601 -> 7.540. Kernel alone (results/narrow_tiles_h100.log,
+# section 4) they gained at 769 keys and without scores, except 8-bit at d=128 over 769 keys (1.19x -> 1.23x bf16)
+# and 4-bit at d=128 at 64 x 257 (1.08x -> 1.12x); 8-bit's keys dequantized gained nothing (section 3).
 TILES_NARROW, NARROW_KEYS = {**{(f, 64): Tile(64, 4, 2, split_blocks=2) for f in (16, "fp8")},
                              (8, 64): Tile(64, 4, 2, split_blocks=2, pairs=True, value_dot=True, early=True),
                              (4, 64): Tile(64, 4, 2, split_blocks=2, value_dot=True, early=True, key_dequant=True),
