@@ -499,3 +499,23 @@ def test_ruler_sample_offset_adds_the_next_instances(tiny):
     r = subprocess.run([sys.executable, "-m", "kvbound.cli", "eval", "ruler", "--model", str(tiny), "--sample-offset",
                         "-1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "--sample-offset: must be >= 0, got -1" in r.stderr
+
+
+def test_merge_prototype_rows_equal_eval_ppl_and_merging_changes_them(tiny, tmp_path, monkeypatch):
+    """benchmarks/ppl_merge.py's own eviction loop: its full, window and observed rows give `eval ppl`'s baseline,
+    window and observed perplexities (K/V in bf16); its merge rows run and move away from observed."""
+    from pathlib import Path
+    from kvbound.eval.data import token_samples
+    from kvbound.models import load
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import ppl_merge
+    model, tok = load(str(tiny))
+    samples, _ = token_samples(tok, [str(tiny / "text")], 2, 64)
+    got = ppl_merge.perplexities(model, samples, list(ppl_merge.MODES), budget=16, prefill=8)
+    out = tmp_path / "ppl.json"
+    run("ppl", "--model", str(tiny), "--text", str(tiny / "text"), "--samples", "2", "--seq-len", "64", "--prefill",
+        "8", "--budget", "16", "--kv-dtype", "bfloat16", "--strategies", "window,observed", "--json", str(out))
+    want = json.loads(out.read_text())["strategies"]
+    for mode, name in (("full", "baseline"), ("window", "window"), ("observed", "observed")):
+        assert got[mode] == pytest.approx(want[name]["ppl"], rel=1e-4), mode
+    assert len({round(got[m], 6) for m in ppl_merge.MODES[2:]}) == len(ppl_merge.MODES) - 2
