@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"--max-tokens": "4", "--samples": "1", "--seq-len": "48", "--budget": "32", "--values": "16,32",
          "--context": "300", "--depths": "0.5", "--budget-frac": "0.5", "--pin-prefix": "8", "--num-prompts": "4",
          "--input-len": "16", "--output-len": "4", "--rate": "4", "--duration": "1", "--device": "cpu",
-         "--tasks": "niah_single,cwe", "--model": None, "--text": None}  # None: dropped (the default model and the package's text)
+         "--tasks": "niah_single", "--model": None, "--text": None}  # None: dropped (the default model and the package's text)
 ENSURE = {"generate": ["--max-tokens"], "chat": ["--max-tokens"], "ppl": ["--samples", "--seq-len"],
           "sweep": ["--samples", "--seq-len"], "needle": ["--depths", "--budget-frac"],
           "ruler": ["--samples", "--budget-frac", "--max-tokens", "--tasks"]}  # small even where not shown
