@@ -414,7 +414,7 @@ def tune_grid(configs, bits_list, variants=None, ordered=False):
                 runs += [(f"{blk:>4}{w:>3}{st:>3}{split:>6}", dict(block_n=blk, num_warps=w, num_stages=st, split=split))
                          for blk, w, st in tiles[d] for split in splits(blk)]
             else:
-                runs += [(f"{blk:>4}{w:>3}{st:>3}{pps if isinstance(pps, str) else f'pps{pps}':>6} {flags_label(flags)}",
+                runs += [(f"{blk:>4}{w:>3}{st:>3}{split_label(pps):>6} {flags_label(flags)}",
                           dict(block_n=blk, num_warps=w, num_stages=st, **split_or_programs(blk, pps),
                                **{**flags, "permute": flags["permute"] and bits != 16,
                                   "staged": flags["staged"] and bits != 16,
@@ -429,6 +429,11 @@ def tune_grid(configs, bits_list, variants=None, ordered=False):
             del kc, vc
         del k, v
         torch.cuda.empty_cache()
+
+
+def split_label(pps) -> str:
+    """A variant's programs per SM (ppsN) or blocks a program (sN), for a table's row."""
+    return pps if isinstance(pps, str) else f"pps{pps}"
 
 
 def split_or_programs(block_n: int, pps) -> dict:
@@ -530,8 +535,10 @@ def main():
                     "shape:batch:context:width:export,... (export 0/1), e.g. smollm2:64:257:272:1 (h2o 256 at 64 "
                     "running, as the engine's graph calls it)")
     ap.add_argument("--tile-variants", help="with --tune-grid: time these tiles beside the default call instead of "
-                    f"the grid, keys:warps:stages:programs_per_sm[:{TILE_FLAGS}],... (paired k, v, kv or -; "
-                    "permute p, the default, or -; staged s or -; pairs b or -; early e or -; value_dot d, n or -; key_dequant q or -), "
+                    f"the grid, keys:warps:stages:programs_per_sm[:{TILE_FLAGS}],... (programs_per_sm sN: N blocks "
+                    "a program; paired k, v, kv or -; "
+                    "permute p, the default, or -; staged s or -; pairs b or -; early e or -; value_dot d, n or -; "
+                    "key_dequant q or -), "
                     "e.g. 64:4:2:4,64:4:2:8:-:-,64:4:2:4:-:p:-:b:e; packed formats also time their default tile "
                     "without permute")
     ap.add_argument("--ordered-blocks", action="store_true", help="with --tune-grid: each sequence's blocks in "

@@ -15,6 +15,8 @@ Modes:
 - merge-attention: the same, weighted by each token's summed attention.
 - merge-rank: the same, weighted by observed's rank (summed attention over age).
 - merge-attention-nobias: merge-attention without the log-count logit.
+- merge-rank-adjacent: merge-rank into the kept non-sink key nearest in position instead of the most similar one
+  (no pass over the head's keys).
 
     python3 benchmarks/ppl_merge.py --seq-len 2048 --samples 4 --sample-offset 4 --budget 256 --text ../shared/data
 """
@@ -31,7 +33,8 @@ from kvbound.cache.policies import named_policy
 from kvbound.eval.data import token_samples
 from kvbound.models import load
 
-MODES = ("full", "window", "observed", "merge-mass", "merge-attention", "merge-rank", "merge-attention-nobias")
+MODES = ("full", "window", "observed", "merge-mass", "merge-attention", "merge-rank", "merge-attention-nobias",
+         "merge-rank-adjacent")
 
 
 class MergeCache:
@@ -46,9 +49,10 @@ class MergeCache:
         flag = lambda names: torch.tensor([m in names for m in modes])[:, None]  # noqa: E731
         self.window = flag(("window",))
         self.merge = flag(MODES[3:])
-        self.by_attention = flag(("merge-attention", "merge-rank", "merge-attention-nobias"))
-        self.by_rank = flag(("merge-rank",))
-        self.bias = flag(("merge-mass", "merge-attention", "merge-rank"))[..., None, None, None]
+        self.by_attention = flag(("merge-attention", "merge-rank", "merge-attention-nobias", "merge-rank-adjacent"))
+        self.by_rank = flag(("merge-rank", "merge-rank-adjacent"))
+        self.adjacent = flag(("merge-rank-adjacent",))
+        self.bias = flag(("merge-mass", "merge-attention", "merge-rank", "merge-rank-adjacent"))[..., None, None, None]
 
     def positions(self, lengths: list[int]) -> torch.Tensor:
         self.t = lengths[0]
@@ -88,14 +92,18 @@ class MergeCache:
         victim = rank.masked_fill(protected, float("inf")).argmin(-1)[..., None]  # [R, H, 1]
         take = lambda x, i: x.gather(2, i[..., None].expand(rows, h, 1, d))  # noqa: E731
         similar = torch.nn.functional.cosine_similarity(kk, take(kk, victim), dim=-1)
-        target = similar.masked_fill(pos < self.sink, -2.0).scatter(2, victim, -2.0).argmax(-1)[..., None]
+        near = -(pos - pos.gather(2, victim)).abs().float()
+        similar = torch.where(self.adjacent[..., None], near, similar)
+        similar = similar.masked_fill(pos < self.sink, float("-inf")).scatter(2, victim, float("-inf"))
+        target = similar.argmax(-1)[..., None]
         weight = torch.where(self.by_rank[..., None], score / age, score) + 1e-6
         weight = torch.where(self.by_attention[..., None], weight, count)
         w_t, w_v = weight.gather(2, target), weight.gather(2, victim)
         merge = self.merge[..., None]
         for x in (kk, vv):
             mixed = (w_t[..., None] * take(x, target) + w_v[..., None] * take(x, victim)) / (w_t + w_v)[..., None]
-            x.scatter_(2, target[..., None].expand(rows, h, 1, d), torch.where(merge[..., None], mixed, take(x, target)))
+            kept = torch.where(merge[..., None], mixed, take(x, target))
+            x.scatter_(2, target[..., None].expand(rows, h, 1, d), kept)
         count.scatter_(2, target, torch.where(merge, count.gather(2, target) + count.gather(2, victim),
                                               count.gather(2, target)))
         keep = torch.ones(rows, h, n, dtype=torch.bool).scatter(2, victim, False)
