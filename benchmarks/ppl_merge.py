@@ -85,9 +85,9 @@ class MergeCache:
         merge modes first average into its most similar kept key past the sinks."""
         rows, h, n, d = kk.shape
         newest = self.seen + self.t - 1
-        age = (newest - pos + 1).clamp(min=1).float()
+        observed = score / (newest - pos + 1).clamp(min=1)  # summed attention over the queries that saw it
         protected = (pos < self.sink) | (pos > newest - self.recent)
-        rank = torch.where(self.window[..., None], pos.float(), score / age)
+        rank = torch.where(self.window[..., None], pos.float(), observed)
         protected = torch.where(self.window[..., None], pos < self.sink, protected)
         victim = rank.masked_fill(protected, float("inf")).argmin(-1)[..., None]  # [R, H, 1]
         take = lambda x, i: x.gather(2, i[..., None].expand(rows, h, 1, d))  # noqa: E731
@@ -96,7 +96,7 @@ class MergeCache:
         similar = torch.where(self.adjacent[..., None], near, similar)
         similar = similar.masked_fill(pos < self.sink, float("-inf")).scatter(2, victim, float("-inf"))
         target = similar.argmax(-1)[..., None]
-        weight = torch.where(self.by_rank[..., None], score / age, score) + 1e-6
+        weight = torch.where(self.by_rank[..., None], observed, score) + 1e-6
         weight = torch.where(self.by_attention[..., None], weight, count)
         w_t, w_v = weight.gather(2, target), weight.gather(2, victim)
         merge = self.merge[..., None]
@@ -104,8 +104,8 @@ class MergeCache:
             mixed = (w_t[..., None] * take(x, target) + w_v[..., None] * take(x, victim)) / (w_t + w_v)[..., None]
             kept = torch.where(merge[..., None], mixed, take(x, target))
             x.scatter_(2, target[..., None].expand(rows, h, 1, d), kept)
-        count.scatter_(2, target, torch.where(merge, count.gather(2, target) + count.gather(2, victim),
-                                              count.gather(2, target)))
+        c_t, c_v = count.gather(2, target), count.gather(2, victim)
+        count.scatter_(2, target, torch.where(merge, c_t + c_v, c_t))
         keep = torch.ones(rows, h, n, dtype=torch.bool).scatter(2, victim, False)
         return [x[keep].view(rows, h, n - 1, *x.shape[3:]) for x in (kk, vv, pos, count, score)]
 
