@@ -74,11 +74,12 @@ class MergeCache:
         logits = logits.masked_fill(pos[:, :, None, None, :] > new[:, :, None, :, None], float("-inf"))
         p = logits.softmax(-1)
         score = score + p.sum((2, 3))
+        out = torch.einsum("rhgts,rhsd->rhgtd", p, vv).permute(0, 3, 1, 2, 4).reshape(rows * t, hq, d)
         state = [kk, vv, pos, count, score]
-        while self.budget is not None and state[0].shape[2] > self.budget:
+        while self.budget is not None and state[0].shape[2] > self.budget:  # merges write into kk, vv in place
             state = self.evict(*state)
         self.layers[layer] = state
-        return torch.einsum("rhgts,rhsd->rhgtd", p, vv).permute(0, 3, 1, 2, 4).reshape(rows * t, hq, d)
+        return out
 
     def evict(self, kk, vv, pos, count, score):
         """One token out of each row's heads: the window's oldest past the sinks, else observed's victim, which the
@@ -102,6 +103,7 @@ class MergeCache:
         merge = self.merge[..., None]
         for x in (kk, vv):
             mixed = (w_t[..., None] * take(x, target) + w_v[..., None] * take(x, victim)) / (w_t + w_v)[..., None]
+            mixed = mixed.to(torch.bfloat16).float()  # stored in bf16, as the cache stores it
             kept = torch.where(merge[..., None], mixed, take(x, target))
             x.scatter_(2, target[..., None].expand(rows, h, 1, d), kept)
         c_t, c_v = count.gather(2, target), count.gather(2, victim)

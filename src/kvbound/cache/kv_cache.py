@@ -25,7 +25,8 @@ from .adaptive_cache import AdaptiveKVCache
 from .policies import FullPolicy
 from .quant import QuantizedStore, RecentResiduals, check_mixed_policy
 from .stacked import StackedMeta, release
-from .steps import (WindowRead, chunk_attend, evict_decode, evict_one, fresh_scores, keep_and_rewrite,
+from .merge import attention_bias
+from .steps import (WindowRead, chunk_attend, evict_decode, evict_merged, fresh_scores, keep_and_rewrite,
                     piece_attention, read_kv, rescored, table_attention)
 from .store import DenseStore
 
@@ -100,6 +101,11 @@ class KVCache:
             self.score = (torch.zeros((layers, cap, h), dtype=torch.float32, device=device) if self.policy.score
                           else None)
             self.spare = torch.zeros((layers, h), dtype=torch.long, device=device)
+        # a merging policy's: the tokens each (slot, head) stands for (`merge`)
+        self.count = torch.ones((layers, cap, h), device=device) if self.policy.merge else None
+        if self.count is not None and (kv_bits is not None or store is not None or rotate_keys is not None):
+            raise KvboundError(f"merge={self.policy.merge}: merging runs on a sequence's own cache with unquantized "
+                               "K/V (no --kv-bits, no --engine, no re-indexed positions)")
         self.n = [0] * layers  # live tokens per layer
         # per layer, once full: each head has a free slot, spare[layer, head] (the last victim's)
         self.has_spare = [False] * layers
@@ -267,6 +273,7 @@ class KVCache:
             child.score = None if self.score is None else self.score.clone()
             child.spare = self.spare.clone()
             child.ring = None if self.ring is None else self.ring.clone()
+        child.count = None if self.count is None else self.count.clone()
         return child
 
     # --- called by each attention layer -------------------------------------------------------
@@ -285,11 +292,13 @@ class KVCache:
             table = self.store.slot_table(self.capacity)[None]
             lens = torch.full((1,), n + 1, dtype=torch.int32, device=q.device)
             out = evict_decode(q, k, v, storage, layer, table, lens, self.one_row, positions, *meta, self.policy,
-                               ring=ring)
+                               ring=ring, count=self._count(layer))
             self.n[layer] = min(n + 1, self.budget)
         elif n + t <= self.capacity:  # room: the new tokens take slots [n, n + t) in every head
             self.store.write_range(layer, n, k, v)
             self.pos[layer, n:n + t] = positions[:, None].to(self.pos.dtype)
+            if self.count is not None:
+                self.count[layer, n:n + t] = 1.0
             if ring is not None and t == 1:  # a decode step's token reads its residual in place
                 ring.write(layer, self.one_row, positions[None], k[None], v[None])
             out = self._attend_new(layer, q, k, v, n + t)
@@ -298,7 +307,8 @@ class KVCache:
             self.n[layer] = n + t
             if self.bounded and n + t >= self.policy.capacity:  # over budget + evict_every - 1 tokens
                 if n + t == self.budget + 1:
-                    evict_one(meta[0], meta[1], meta[2], self.one_row, self.policy)
+                    evict_merged(storage, layer, self.store.slot_table(self.capacity)[None], self.one_row, *meta,
+                                 self._count(layer), self.policy)
                     self.has_spare[layer], self.n[layer] = True, self.budget
                 else:
                     self._compact(layer)
@@ -306,9 +316,10 @@ class KVCache:
             table = self.store.slot_table(self.capacity)[None]
             pos, _, score = meta
             out, *cand = chunk_attend(q, k, v, storage, layer, table, n, self.one_row, positions, pos, score,
-                                      self.policy, ring=ring)
+                                      self.policy, ring=ring, count=self._count(layer))
             if storage.exact:
-                keep_and_rewrite(storage, layer, table, n, self.one_row, pos, score, self.policy, *cand)
+                keep_and_rewrite(storage, layer, table, n, self.one_row, pos, score, self.policy, *cand,
+                                 count=self._count(layer))
             else:
                 self._evict_and_write(layer, k, v, cand[2][0], None if cand[3] is None else cand[3][0])
             if ring is not None:
@@ -337,6 +348,10 @@ class KVCache:
         """This layer's (pos, spare, score) as one row of a batch: [1, cap, H], [1, H], [1, cap, H] or None."""
         return self.pos[layer][None], self.spare[layer][None], None if self.score is None else self.score[layer][None]
 
+    def _count(self, layer):
+        """This layer's merged-token counts as one row of a batch, [1, cap, H], or None (no merging)."""
+        return None if self.count is None else self.count[layer][None]
+
     def _slots_used(self, layer):
         return self.n[layer] + self.has_spare[layer]
 
@@ -349,12 +364,13 @@ class KVCache:
         read = None if ring is None else WindowRead(ring, self.one_row, first, self.pos[layer][None])
         score = None if self.score is None else self.score[layer, :total]
         table = self.store.slot_table(total)[None]
+        bias = None if self.count is None else attention_bias(self.count[layer, :total][None])
         if t == 1:
             if score is not None:
                 score[total - t:] = fresh_scores(self.policy, k, score, ring or self.store.storage, layer)
             lens = torch.full((1,), total, dtype=torch.int32, device=q.device)
             out = table_attention(q, self.store.storage, layer, table, lens, self.policy,
-                                  None if score is None else score[None], ring=read)
+                                  None if score is None else score[None], ring=read, bias=bias)
             if score is not None and self.policy.rescores:
                 kc = read_kv(self.store.storage, layer, table.long(), read)[0]
                 score.copy_(rescored(self.policy, score[None], kc, pos)[0])
@@ -364,17 +380,17 @@ class KVCache:
             kc, vc = ring.with_piece(layer, self.one_row, kc[:, :total - t], vc[:, :total - t], read.pos, first,
                                      k[None], v[None])
         out, scores = piece_attention(q[None], kc, vc, self.policy, None if score is None else score[None, :total - t],
-                                      self.pos[layer, :total][None])
+                                      self.pos[layer, :total][None], bias)
         if score is not None:
             score.copy_(scores[0])
         return out[0]
 
     def _move(self, layer, heads, src, dst):
-        """Move kept tokens (src[i], heads[i]) -> (dst[i], heads[i]): packed K/V, position and score as is."""
+        """Move kept tokens (src[i], heads[i]) -> (dst[i], heads[i]): packed K/V, position, score and count as is."""
         self.store.move(layer, heads, src, dst)
-        self.pos[layer, dst, heads] = self.pos[layer, src, heads]
-        if self.score is not None:
-            self.score[layer, dst, heads] = self.score[layer, src, heads]
+        for meta in (self.pos, self.score, self.count):
+            if meta is not None:
+                meta[layer, dst, heads] = meta[layer, src, heads]
 
     def _densify(self, layer):
         """Before a multi-token step: move each head's token in the last slot into its spare slot (a cache below
@@ -434,9 +450,10 @@ class KVCache:
         if cap <= self.capacity:
             return
         extra = cap - self.capacity
-        self.pos = torch.cat([self.pos, self.pos.new_full((self.pos.shape[0], extra, self.pos.shape[2]), -1)], 1)
-        if self.score is not None:
-            self.score = torch.cat([self.score, self.score.new_zeros(self.score.shape[0], extra, self.score.shape[2])], 1)
+        more = lambda t, fill: torch.cat([t, t.new_full((t.shape[0], extra, t.shape[2]), fill)], 1)  # noqa: E731
+        self.pos = more(self.pos, -1)
+        self.score = None if self.score is None else more(self.score, 0.0)
+        self.count = None if self.count is None else more(self.count, 1.0)
 
     # --- introspection ------------------------------------------------------------------------
     def positions_held(self, layer: int) -> torch.Tensor:
@@ -456,7 +473,8 @@ class KVCache:
         total = 0
         for layer in range(len(self.n)):
             live = self.positions_held(layer) >= 0
-            total += self.store.bytes_held(layer, live) + int(live.sum()) * (4 + (4 if self.score is not None else 0))
+            meta = 4 + 4 * ((self.score is not None) + (self.count is not None))  # position, score, count
+            total += self.store.bytes_held(layer, live) + int(live.sum()) * meta
             if self.ring is not None:
                 total += self.ring.bytes_held(self.positions_held(layer), self.seen)
         bf16 = 2 * 2 * self.cfg.num_kv_heads * self.cfg.head_dim * self.seen * len(self.n)

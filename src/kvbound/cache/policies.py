@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from ..errors import KvboundError
 
 SCORES = ("cumulative", "ema", "normalized", "observed")
+# what an evicted token is merged by (`H2OPolicy.merge`): its rank, or the tokens each key stands for
+MERGES = ("rank", "count")
 # how each score folds a step's attention probabilities in (the kernels' score modes): "last" keeps only the
 # newest step's (an EMA that forgets at once), "key-norm" takes none
 FOLDS = {"cumulative": "cumulative", "ema": "ema", "normalized": "normalized", "observed": "cumulative",
@@ -138,7 +140,9 @@ class Policy:
         where a policy has none);
       - `keep_mask(pos, score)`: given candidate tokens' stream positions and scores, [M, H] each (one
         column per KV head; batched [B, M, H]), a bool mask keeping exactly `budget` tokens per column;
-      - `victim(pos, score)`: the same choice when exactly one token per column must go, without sorting."""
+      - `victim(pos, score)`: the same choice when exactly one token per column must go, without sorting;
+      - `merge`: None (an evicted token is dropped), or how an evicted token is averaged into its most similar kept
+        key (`cache.merge`): "rank" weighs each by its rank, "count" by the tokens each stands for."""
     budget: int | None
     evict_every: int
     score: str | None
@@ -147,6 +151,7 @@ class Policy:
     recent: int
     pinned: tuple
     ema_decay: float  # the "ema" score's decay
+    merge: str | None = None
 
     @property
     def bounded(self) -> bool:
@@ -204,6 +209,11 @@ class Policy:
         if self.score == "observed":
             return score / (newest(pos) - pos + 1).clamp(min=1)
         return score
+
+    def mergeable(self, pos: torch.Tensor) -> torch.Tensor:
+        """Held tokens that may take an evicted token's key and value (`cache.merge`): not the sinks or pinned
+        spans, which stay as they came."""
+        return (pos >= 0) & ~_protected_base(pos, self.sink, self.pinned)
 
     @property
     def scores_keys(self) -> bool:
@@ -326,6 +336,7 @@ class H2OPolicy(Policy):
     pinned: tuple = field(default_factory=tuple)
     alpha: float | None = None
     beta: float | None = None
+    merge: str | None = None
     name: str = "h2o"
     score_choices = SCORES
 
@@ -355,6 +366,19 @@ class H2OPolicy(Policy):
         if self.adapts and self.granularity != "kv-head":
             raise KvboundError(f"{self.name}: alpha and beta give heads and layers budgets of their own, so "
                                "granularity must be kv-head")
+        self._check_merge()
+
+    def _check_merge(self):
+        if self.merge is None:
+            return
+        if self.merge not in MERGES:
+            raise KvboundError(f"{self.name}: unknown merge {self.merge!r} (choose from {', '.join(MERGES)}, or none)")
+        if self.merge == "rank" and self.rank_source.startswith("key"):
+            raise KvboundError(f"{self.name}: merge=rank weighs tokens by attention, which {self.name} does not "
+                               "gather: use merge=count")
+        if self.adapts or self.evict_every != 1:
+            raise KvboundError(f"{self.name}: merge runs with one eviction a step (evict_every=1) and equal budgets "
+                               "(no alpha or beta)")
 
     @property
     def budget(self) -> int:
@@ -398,7 +422,8 @@ class H2OPolicy(Policy):
                               heads, guaranteed)
 
     def describe(self) -> str:
-        adaptive = "".join(f",{k}={getattr(self, k)}" for k in ("alpha", "beta") if getattr(self, k) is not None)
+        adaptive = "".join(f",{k}={getattr(self, k)}" for k in ("alpha", "beta", "merge")
+                           if getattr(self, k) is not None)
         return (f"{self.name}(sink={self.sink},heavy={self.heavy},recent={self.recent},score={self.score},"
                 f"granularity={self.granularity}{adaptive})")
 
@@ -513,25 +538,25 @@ class PyramidKVPolicy(SnapKVPolicy):
     name: str = "pyramidkv"
 
 
-NAMED = ("window", "h2o", "h2o-balanced", "h2o-heavy", "observed", "tova", "snapkv", "knorm",
+NAMED = ("window", "h2o", "h2o-balanced", "h2o-heavy", "observed", "observed-merge", "tova", "snapkv", "knorm",
          "keydiff", "adakv", "pyramidkv")  # "h2o" is h2o-heavy
 SCORED = {"h2o": H2OPolicy, "tova": TOVAPolicy, "snapkv": SnapKVPolicy, "knorm": KeyNormPolicy,
           "keydiff": KeyDiffPolicy, "adakv": AdaKVPolicy, "pyramidkv": PyramidKVPolicy}
 _H2O_KEYS = ("budget", "sink", "heavy", "recent", "score", "ema_decay", "granularity", "evict_every", "alpha",
-             "beta")
+             "beta", "merge")
 SPEC_KEYS = {"full": (), "window": ("budget", "sink", "evict_every"), "h2o": _H2O_KEYS,
-             "tova": ("budget", "sink", "heavy", "recent", "granularity", "evict_every", "alpha", "beta"),
+             "tova": ("budget", "sink", "heavy", "recent", "granularity", "evict_every", "alpha", "beta", "merge"),
              "snapkv": _H2O_KEYS + ("window", "kernel"), "adakv": _H2O_KEYS + ("window", "kernel"),
              "pyramidkv": _H2O_KEYS + ("window", "kernel"),
-             "knorm": ("budget", "sink", "heavy", "recent", "granularity", "evict_every", "alpha", "beta"),
-             "keydiff": ("budget", "sink", "heavy", "recent", "granularity", "evict_every", "alpha", "beta")}
+             "knorm": ("budget", "sink", "heavy", "recent", "granularity", "evict_every", "alpha", "beta", "merge"),
+             "keydiff": ("budget", "sink", "heavy", "recent", "granularity", "evict_every", "alpha", "beta", "merge")}
 
 
 def named_policy(name: str, budget: int | None, pinned=()):
     """The evaluation's named strategies, scaled to `budget` (their shapes are given at budget 256): 4 sinks,
-    then half the budget heavy and the rest recent (h2o-heavy, observed, knorm), a quarter heavy
+    then half the budget heavy and the rest recent (h2o-heavy, observed, observed-merge, knorm), a quarter heavy
     (h2o-balanced), no recent window (tova), or a recent window of SnapKV's observation window (snapkv, adakv,
-    pyramidkv, keydiff)."""
+    pyramidkv, keydiff). observed-merge is observed whose evicted tokens are merged by rank (`cache.merge`)."""
     if name in ("baseline", "full"):
         return FullPolicy()
     if name not in NAMED:
@@ -561,15 +586,16 @@ def named_policy(name: str, budget: int | None, pinned=()):
     recent = max(0, min(budget - 4 - heavy, budget - pins))
     if name == "knorm":
         return KeyNormPolicy(sink=4, heavy=budget - 4 - recent, recent=recent, pinned=pinned)
+    observed = name.startswith("observed")
     return H2OPolicy(sink=4, heavy=budget - 4 - recent, recent=recent, pinned=pinned,
-                     score="observed" if name == "observed" else "cumulative")
+                     score="observed" if observed else "cumulative", merge="rank" if name == "observed-merge" else None)
 
 
 def parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
     """'full' | 'window[:budget=..,sink=..]' | 'h2o:sink=..,heavy=..,recent=..[,score=..,granularity=..,
-    ema_decay=..,evict_every=..,alpha=..,beta=..]' (and tova / knorm / keydiff / snapkv[:..,window=..,kernel=..] /
-    adakv / pyramidkv with the same shape options) | a named strategy ('baseline', 'window', 'h2o-balanced',
-    'h2o-heavy', 'observed', 'tova', 'snapkv', 'knorm', 'keydiff', 'adakv', 'pyramidkv')."""
+    ema_decay=..,evict_every=..,alpha=..,beta=..,merge=rank|count|none]' (and tova / knorm / keydiff /
+    snapkv[:..,window=..,kernel=..] / adakv / pyramidkv with the same shape options) | a named strategy ('baseline', 'window', 'h2o-balanced',
+    'h2o-heavy', 'observed', 'observed-merge', 'tova', 'snapkv', 'knorm', 'keydiff', 'adakv', 'pyramidkv')."""
     spec = spec.strip()
     if ":" not in spec:
         pol = named_policy(spec, budget, pinned)
@@ -587,10 +613,12 @@ def parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
             raise KvboundError(f"policy spec {spec!r}: unknown option {key!r} for {kind} (options: "
                                f"{', '.join(SPEC_KEYS[kind]) or 'none'})")
         try:
-            text = key in ("score", "granularity")
+            text = key in ("score", "granularity", "merge")
             kw[key] = float(val) if key in ("ema_decay", "alpha", "beta") else (val if text else int(val))
             if text and not val:
                 raise ValueError
+            if key == "merge" and val == "none":
+                kw[key] = None
         except ValueError:
             raise KvboundError(f"policy spec {spec!r}: bad value {val!r} for {key}") from None
     kw = {**{k: v for k, v in defaults.items() if v is not None}, **kw}

@@ -14,6 +14,7 @@ import torch
 
 from ..kernels import (causal_attention_batch, contiguous_slots, decode_attention, decode_with_scores, flash_ok,
                        fold_scores, layer_sum, varlen_attention_lse)
+from .merge import attention_bias, merge_into_kept, merge_weight
 from .store import EACH_HEAD
 
 if TYPE_CHECKING:
@@ -53,10 +54,11 @@ def rescored(policy, score: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) ->
     return torch.where(held, _per_layer(policy, policy.rescore(k, held).to(score.dtype)), score)
 
 
-def piece_attention(q, k, v, policy, old: torch.Tensor | None, pos: torch.Tensor):
+def piece_attention(q, k, v, policy, old: torch.Tensor | None, pos: torch.Tensor, bias: torch.Tensor | None = None):
     """A prefill piece's causal attention, q [B, t, Hq, D] over k, v [B, n + t, H, D] (the t new last), and
-    the n + t keys' scores after it: `old` [B, n, H] and the new keys' starting scores, folded."""
-    out, step = causal_attention_batch(q, k, v, None if old is None else policy.fold, policy.score_window)
+    the n + t keys' scores after it: `old` [B, n, H] and the new keys' starting scores, folded. bias [B, n + t, H]:
+    merged keys' logits (`merge.attention_bias`)."""
+    out, step = causal_attention_batch(q, k, v, None if old is None else policy.fold, policy.score_window, bias)
     if old is None:
         return out, None
     t = q.shape[1]
@@ -102,14 +104,15 @@ def by_layer(policy) -> bool:
 
 
 def table_attention(q, storage, layer, table, lens, policy=None, score=None, contiguous=False,
-                    ring: WindowRead | None = None):
+                    ring: WindowRead | None = None, bias: torch.Tensor | None = None):
     """One new query per sequence, q [B, Hq, D], over its keys at table[b, :lens[b]]. `score` [B, M, H]
     (a policy's, with the policy) folds in this step's probabilities of the valid keys. contiguous: key j is
     at slot table[b, 0] + j, and only column 0 is read (virtual storage's stripes). ring: mixed widths' residuals
-    (`read_kv`), which the kernel reads too."""
+    (`read_kv`), which the kernel reads too. bias [B, M, H]: merged keys' logits (`merge.attention_bias`), which
+    only the PyTorch route takes."""
     mode = None if score is None else policy.fold
     score = None if mode is None else score
-    args = kernel_reads(storage, layer, q, policy)
+    args = None if bias is not None else kernel_reads(storage, layer, q, policy)
     if args is not None:
         k_pool, v_pool, quant = args
         return decode_attention(q, k_pool, v_pool, table, lens, score=score, quant=quant, score_mode=mode,
@@ -118,18 +121,20 @@ def table_attention(q, storage, layer, table, lens, policy=None, score=None, con
     if contiguous:
         table = contiguous_slots(table, lens)
     k, v = read_kv(storage, layer, table.long(), ring)
-    out, step = decode_with_scores(q, k, v, lens, mode)
+    out, step = decode_with_scores(q, k, v, lens, mode, bias)
     if step is not None:
         valid = torch.arange(table.shape[1], device=q.device)[None, :, None] < lens.to(q.device)[:, None, None]
         score.copy_(torch.where(valid, policy_fold(policy, score, step), score))
     return out
 
 
-def evict_one(pos, spare, score, rows, policy, lens=None):
-    """Every slot of rows `rows` is live: pick each head's victim (`policy.victim`), mark its position free
-    and make its slot the head's spare slot, which the next decoded token is written into. lens [B]: the live
-    slots of each row; a row with fewer than pos.shape[1] evicts nothing, its next free slot becomes the spare."""
-    victim = policy.victim(pos[rows], None if score is None else score[rows])
+def evict_one(pos, spare, score, rows, policy, lens=None, victim=None):
+    """Every slot of rows `rows` is live: pick each head's victim (`policy.victim`, unless given [B, H]), mark its
+    position free and make its slot the head's spare slot, which the next decoded token is written into. lens [B]:
+    the live slots of each row; a row with fewer than pos.shape[1] evicts nothing, its next free slot becomes the
+    spare."""
+    if victim is None:
+        victim = policy.victim(pos[rows], None if score is None else score[rows])
     if lens is not None:  # a free slot's position is -1 already
         victim = torch.where(lens[:, None] < pos.shape[1], lens[:, None].to(victim.dtype), victim)
     heads = torch.arange(victim.shape[1], device=victim.device)[None, :]
@@ -137,7 +142,31 @@ def evict_one(pos, spare, score, rows, policy, lens=None):
     spare[rows] = victim
 
 
-def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spare, score, policy, ring=None):
+def evict_merged(storage, layer, table, rows, pos, spare, score, count, policy, lens=None):
+    """`evict_one`, each head's victim first merged into its most similar kept key (`merge`) when `count` [R, cap, H]
+    (the tokens each slot stands for) is given: the target's K/V are rewritten and its count grows. A row below its
+    budget (lens[b] < table.shape[1]) merges nothing."""
+    if count is None:
+        return evict_one(pos, spare, score, rows, policy, lens)
+    m = table.shape[1]
+    held, cnt = pos[rows, :m], count[rows, :m]
+    sc = None if score is None else score[rows, :m]
+    victim = policy.victim(held, sc)
+    k, v = storage.gather(layer, table.long())
+    ok = policy.mergeable(held).scatter(1, victim[:, None], False)
+    k, v, cnt, target, merged = merge_into_kept(k, v, cnt, merge_weight(policy, held, sc, cnt), victim[:, None], ok)
+    if lens is not None:
+        full = lens.to(cnt.device)[:, None] == table.shape[1]
+        merged, cnt = merged & full[:, None], torch.where(full[:, :, None], cnt, count[rows, :m])
+    target = torch.where(merged, target, victim[:, None])[:, 0]  # [B, H]; no merge: the victim's own, as it is
+    at = target[:, None, :, None].expand(-1, -1, -1, k.shape[-1])
+    storage.write(layer, table.gather(1, target).long(), k.gather(1, at)[:, 0], v.gather(1, at)[:, 0], EACH_HEAD)
+    count[rows, :m] = cnt
+    evict_one(pos, spare, score, rows, policy, lens, victim)
+
+
+def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spare, score, policy, ring=None,
+                 count=None):
     """Decode of B bounded caches whose local slots [0, lens[b]) hold their tokens and one free spare slot per head:
     each head's new token goes into its spare slot, attends over the lens[b] slots in place while this step's
     probabilities fold into the scores, and the head's victim's slot becomes the next spare. A cache still below
@@ -145,8 +174,9 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
     becomes the next spare. Nothing else moves. On CUDA, a protection the kernels know runs as five fused kernels,
     six for KeyDiff (`kernels.triton_decode.evict_decode`; packed pools are written quantized), the same steps as
     below.
-    ring: the caches' mixed-width residuals (`quant.RecentResiduals`, rows `rows`); the new token's goes in first."""
-    fused = policy.fused_protection()
+    ring: the caches' mixed-width residuals (`quant.RecentResiduals`, rows `rows`); the new token's goes in first.
+    count [R, cap, H]: the tokens each slot stands for, with a merging policy (`evict_merged`; PyTorch only)."""
+    fused = None if count is not None else policy.fused_protection()
     args = kernel_reads(storage, layer, q, policy)
     read = None if ring is None else WindowRead(ring, rows, positions, pos)
     keys_read = policy.rank_source.startswith("key")  # the kernels read keys without the window's residuals
@@ -162,14 +192,17 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
     slot = spare[rows]  # [B, H]: the local slot each head writes
     storage.write(layer, table.gather(1, slot).long(), k, v, EACH_HEAD)
     pos[r, slot, heads] = positions[:, None].to(pos.dtype)
-    step_score = None
+    step_score, bias = None, None
     if score is not None:
         score[r, slot, heads] = fresh_scores(policy, k, score, ring or storage, layer)
         step_score = score[rows]
-    out = table_attention(q, storage, layer, table, lens, policy, step_score, ring=read)
+    if count is not None:
+        count[r, slot, heads] = 1.0
+        bias = attention_bias(count[rows, :table.shape[1]])
+    out = table_attention(q, storage, layer, table, lens, policy, step_score, ring=read, bias=bias)
     if score is not None:
         score[rows] = rescored(policy, step_score, read_kv(storage, layer, table.long(), read)[0], pos[rows])
-    evict_one(pos, spare, score, rows, policy, lens)
+    evict_merged(storage, layer, table, rows, pos, spare, score, count, policy, lens)
     return out
 
 
@@ -383,11 +416,12 @@ def fill_places(storage, layer, table, rows, owner, pos, score, k, v, kept, new_
     score[r, slot, col] = torch.where(ok, new_score, score[r, slot, col])
 
 
-def chunk_attend(q, k, v, storage, layer, table, n, rows, positions, pos, score, policy, ring=None):
+def chunk_attend(q, k, v, storage, layer, table, n, rows, positions, pos, score, policy, ring=None, count=None):
     """Prefill pieces of t tokens of B bounded caches holding n tokens each (slots table[:, :n]): each
     piece attends over its cache plus itself. Returns (out [B*t, Hq, D], and the n + t candidates of each
-    sequence: K and V [B, n + t, H, D] as the storage reads them back, positions, folded scores or None).
-    ring: the caches' mixed-width residuals (rows `rows`; `read_kv`)."""
+    sequence: K and V [B, n + t, H, D] as the storage reads them back, positions, folded scores or None, the
+    tokens each stands for or None). ring: the caches' mixed-width residuals (rows `rows`; `read_kv`).
+    count [R, cap, H]: the tokens each slot stands for, with a merging policy (`merge`)."""
     bsz = table.shape[0]
     q, k, v = (x.unflatten(0, (bsz, -1)) for x in (q, k, v))  # [B, t, H, D]
     read = None if ring is None else WindowRead(ring, rows, positions.view(bsz, -1)[:, 0], pos)
@@ -397,28 +431,37 @@ def chunk_attend(q, k, v, storage, layer, table, n, rows, positions, pos, score,
     cand_v = torch.cat([vc, back.roundtrip(layer, v).to(vc.dtype)], 1)
     new_pos = positions.view(bsz, -1, 1).expand(-1, -1, k.shape[2]).to(pos.dtype)
     cand_pos = torch.cat([pos[rows, :n], new_pos], 1)
+    cand_count = None if count is None else torch.cat([count[rows, :n], torch.ones_like(new_pos, dtype=count.dtype)], 1)
     out, cand_score = piece_attention(q, cand_k, cand_v, policy, None if score is None else score[rows, :n],
-                                      cand_pos)
-    return out.flatten(0, 1), cand_k, cand_v, cand_pos, cand_score
+                                      cand_pos, attention_bias(cand_count))
+    return out.flatten(0, 1), cand_k, cand_v, cand_pos, cand_score, cand_count
 
 
-def kept_order(policy, cand_pos, cand_score):
-    """The candidates each head keeps, as indices in stream order: [..., budget, H] of [..., M, H]."""
-    keep = policy.keep_mask(cand_pos, cand_score)
+def kept_order(policy, cand_pos, cand_score, keep=None):
+    """The candidates each head keeps (`keep`, else the policy's keep mask), as indices in stream order:
+    [..., budget, H] of [..., M, H]."""
+    keep = policy.keep_mask(cand_pos, cand_score) if keep is None else keep
     order = marked_first(keep, -2)
     return order.narrow(-2, 0, policy.budget)
 
 
 def keep_and_rewrite(storage, layer, table, n, rows, pos, score, policy, cand_k, cand_v, cand_pos, cand_score,
-                     new=None):
+                     cand_count=None, new=None, count=None):
     """After `chunk_attend`: each head's kept candidates, in stream order, are gathered and written to local
     slots [0, budget) in a few whole-tensor operations (no per-head loop, no host sync). The protected prefix
     [0, P) is its own gather, so those slots (possibly blocks shared with other sequences) are not written.
     A storage that does not read back exactly what was written (a packed pool) moves its stored form instead:
     the cached tokens' packed bytes and the new tokens `new` = (k, v) [B, t, H, D] packed once, so no kept
-    token is ever quantized twice."""
+    token is ever quantized twice. count [R, cap, H] (a merging policy's, with `cand_count`): each head's evicted
+    candidates are first merged into kept ones (`merge`), which an exact storage then writes."""
     b = policy.budget
-    order = kept_order(policy, cand_pos, cand_score)  # [B, b, H]
+    keep = policy.keep_mask(cand_pos, cand_score)
+    if count is not None:
+        dropped = marked_first(~keep, -2)[:, :cand_pos.shape[1] - b]
+        weight = merge_weight(policy, cand_pos, cand_score, cand_count)
+        cand_k, cand_v, cand_count, _, _ = merge_into_kept(cand_k, cand_v, cand_count, weight, dropped,
+                                                          keep & policy.mergeable(cand_pos))
+    order = kept_order(policy, cand_pos, cand_score, keep)  # [B, b, H]
     first = min(policy.protected_prefix, n)
     if storage.exact:
         cands = [cand_k, cand_v]
@@ -434,3 +477,5 @@ def keep_and_rewrite(storage, layer, table, n, rows, pos, score, policy, cand_k,
     pos[rows, b:] = pos.new_full((), -1)
     if score is not None:
         score[rows, :b] = cand_score.gather(1, order)
+    if count is not None:
+        count[rows, :b] = cand_count.gather(1, order)

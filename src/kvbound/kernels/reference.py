@@ -45,15 +45,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mo
 
 
 def causal_attention_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mode: str | None = None,
-                           last_queries: int | None = None):
+                           last_queries: int | None = None, bias: torch.Tensor | None = None):
     """`causal_attention` for B sequences at once, each with the same numbers of cached and new tokens:
     q [B, T, Hq, D], k and v [B, n + T, Hkv, D]; returns out [B, T, Hq, D] and key_scores [B, n + T, Hkv].
-    With `last_queries`, only the last that many queries' probabilities count (SnapKV's observation window)."""
+    With `last_queries`, only the last that many queries' probabilities count (SnapKV's observation window).
+    bias [B, n + T, Hkv]: added to each key's logits (merged keys' log counts, `cache.merge`)."""
     _check_mode(score_mode)
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     n = k.shape[1] - t
     scale = d ** -0.5
+    if bias is not None:
+        return _biased_batch(q, k, v, score_mode, last_queries, bias)
     if t > 1 and flash_ok(q):
         return _flash_batch(q, k, v, score_mode, last_queries)
     mask = None if t == 1 else _causal_mask(t, n, q.device)
@@ -79,6 +82,25 @@ def causal_attention_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     if score_mode == "normalized":
         seen = torch.arange(n + first + 1, n + t + 1, device=q.device, dtype=torch.float32)
         probs = probs * seen[:, None]
+    return out, probs.sum(dim=(2, 3)).transpose(1, 2).contiguous()
+
+
+def _biased_batch(q, k, v, score_mode, last_queries, bias):
+    """causal_attention_batch with a logit bias per key, in fp32 (no fused kernel takes one)."""
+    b, t, hq, d = q.shape
+    hkv, m = k.shape[2], k.shape[1]
+    g = hq // hkv
+    logits = torch.einsum("bthgd,bmhd->bhgtm", q.float().view(b, t, hkv, g, d), k.float()) * d ** -0.5
+    logits = logits + bias.float().permute(0, 2, 1)[:, :, None, None, :]
+    logits = logits.masked_fill(~_causal_mask(t, m - t, q.device), float("-inf"))
+    probs = logits.softmax(-1)  # [B, Hkv, G, T, M]
+    out = torch.einsum("bhgtm,bmhd->bthgd", probs, v.float()).reshape(b, t, hq, d).to(q.dtype)
+    if score_mode is None:
+        return out, None
+    first = t - min(t, last_queries or t)
+    probs = probs[:, :, :, first:]
+    if score_mode == "normalized":
+        probs = probs * torch.arange(m - t + first + 1, m + 1, device=q.device, dtype=torch.float32)[:, None]
     return out, probs.sum(dim=(2, 3)).transpose(1, 2).contiguous()
 
 
@@ -186,10 +208,11 @@ def _causal_mask(t: int, n: int, device) -> torch.Tensor:
     return torch.arange(n + t, device=device)[None, :] <= (n + torch.arange(t, device=device))[:, None]
 
 
-def decode_with_scores(q, k, v, ctx_lens, score_mode=None):
+def decode_with_scores(q, k, v, ctx_lens, score_mode=None, bias=None):
     """One query per sequence over its first ctx_lens[b] keys: q [B, Hq, D], k, v [B, M, Hkv, D] (gathered,
     any float dtype). Returns (out [B, Hq, D] in q's dtype, this step's probabilities [B, M, Hkv] summed
-    over each KV head's query group, 0 past ctx_lens, or None without a score_mode), fp32 accumulation."""
+    over each KV head's query group, 0 past ctx_lens, or None without a score_mode), fp32 accumulation.
+    bias [B, M, Hkv]: added to each key's logits (merged keys' log counts, `cache.merge`)."""
     _check_mode(score_mode)
     b, hq, d = q.shape
     hkv = k.shape[2]
@@ -197,6 +220,8 @@ def decode_with_scores(q, k, v, ctx_lens, score_mode=None):
     acc = torch.promote_types(q.dtype, torch.float32)  # fp32 accumulation, as the kernel's
     valid = torch.arange(k.shape[1], device=q.device)[None, :] < ctx_lens.to(q.device)[:, None]  # [B, M]
     logits = torch.einsum("bhgd,bmhd->bhgm", q.to(acc).view(b, hkv, g, d), k.to(acc)) * d ** -0.5
+    if bias is not None:
+        logits = logits + bias.to(acc).transpose(1, 2)[:, :, None, :]
     probs = logits.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)
     out = torch.einsum("bhgm,bmhd->bhgd", probs, v.to(acc)).reshape(b, hq, d).to(q.dtype)
     if score_mode is None:

@@ -1,0 +1,48 @@
+"""Merging evicted tokens into kept ones instead of dropping them (a policy's `merge`; issue #18).
+
+An evicted token's key and value are averaged into the kept key of its KV head most like it (cosine similarity;
+never a sink or pinned token, which stay as they came), weighted by each one's rank (`merge="rank"`) or by the tokens
+each already stands for (`"count"`). The kept key then stands for both: its count grows by the victim's, and
+attention adds log(count) to its logit, so it draws the attention that its tokens would draw apart
+(`attention_bias`). On SmolLM2 at 2048 tokens and budget 256 this halved observed-attention eviction's perplexity
+loss in the prototype (benchmarks/ppl_merge.py; RESULTS.md).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def attention_bias(count: torch.Tensor | None) -> torch.Tensor | None:
+    """The logit each held token gets from the tokens it stands for: log(count) (None without merging)."""
+    return None if count is None else count.log()
+
+
+def merge_weight(policy, pos: torch.Tensor, score: torch.Tensor | None, count: torch.Tensor) -> torch.Tensor:
+    """Each token's weight in an average, [..., M, H]: its rank (kept positive) or its count."""
+    if policy.merge == "rank":
+        return policy.rank(pos, score).float() + 1e-6
+    return count
+
+
+def merge_into_kept(k, v, count, weight, dropped, target_ok):
+    """Merge the tokens at indices `dropped` [B, N, H] (each head's N evicted ones) of candidates k, v [B, M, H, D]
+    (as attention reads them) into the most similar candidate that `target_ok` [B, M, H] allows; a token with none
+    allowed is dropped. count, weight [B, M, H]. Returns k, v and count after the merge, and each evicted token's
+    target [B, N, H] (meaningful where `merged` [B, N, H])."""
+    d = k.shape[-1]
+    at = dropped[..., None].expand(-1, -1, -1, d)
+    unit = F.normalize(k.float(), dim=-1)
+    sim = torch.einsum("bnhd,bmhd->bnmh", unit.gather(1, at), unit).masked_fill(~target_ok[:, None], float("-inf"))
+    best, target = sim.max(2)
+    merged = best > float("-inf")
+    w_drop = torch.where(merged, weight.gather(1, dropped), 0.0)
+    den = weight.float().scatter_add(1, target, w_drop)
+    took = torch.zeros_like(count).scatter_add(1, target, merged.to(count.dtype)) > 0
+
+    def mix(x):
+        num = (x.float() * weight[..., None]).scatter_add(1, target[..., None].expand(-1, -1, -1, d),
+                                                          x.gather(1, at).float() * w_drop[..., None])
+        return torch.where(took[..., None], (num / den[..., None]).to(x.dtype), x)
+    count = count.scatter_add(1, target, torch.where(merged, count.gather(1, dropped), 0.0))
+    return mix(k), mix(v), count, target, merged
