@@ -82,6 +82,8 @@ def test_bench_bad_input(args, needle):
     (["generate", "hi", "--quantized-kv-start", "-5"], "must be >= 0, got -5"),
     (["generate", "hi", "--quantized-kv-start", "5"], "has no effect without --kv-bits"),
     (["eval", "needle", "--pin-prefix", "4"], "--pin-prefix has no effect"),
+    (["generate", "hi", "--policy", "observed-merge", "--budget", "64", "--kv-bits", "8"],
+     "merge=rank: a packed pool (--kv-bits, --kv-cache-dtype fp8) does not merge"),
     (["eval", "ruler", "--budget-frac", "0"], "--budget-frac must be in (0, 1], got 0"),
     (["eval", "ruler", "--budget-frac", "0.25,1.5"], "--budget-frac must be in (0, 1], got 1.5"),
     (["eval", "needle", "--budget-frac", "-0.5"], "--budget-frac must be in (0, 1], got -0.5"),

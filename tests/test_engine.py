@@ -100,6 +100,23 @@ def test_head_budgets_over_every_rank_batched_equal_each_sequence_alone(model, s
                                                              (), 16))
 
 
+def test_merging_policies_batched_and_preempted_equal_each_sequence_alone(model):
+    """Merging (`merge=`) through the engine's batched groups (chunks past the budget, fills, evicting decodes) and
+    through preemption, which swaps the merged counts out and back: each sequence's tokens as its own cache gives."""
+    specs = ["h2o:sink=2,heavy=10,recent=12,score=observed,merge=rank", "keydiff:sink=2,heavy=12,recent=10,merge=count",
+             "tova:sink=2,heavy=22,merge=rank"]
+    # full caches first, which grow: the newest sequences, the merging ones, are the ones preempted
+    reqs = [(prompt(70, 30), None), (prompt(71, 36), None)]
+    reqs += [(prompt(60 + i, 20 + 9 * i), specs[i % len(specs)]) for i in range(6)]
+    roomy, engine = run_engine(model, reqs, shared_policies=True, num_blocks=256, block_size=8)
+    assert all(m.count is not None for m in engine.caches.stacked.values())
+    for (ids, spec), out in zip(reqs, roomy):
+        assert out == alone(model, ids, parse_policy(spec) if spec else None, GREEDY, 16), spec
+    tight, engine = run_engine(model, reqs, shared_policies=True, num_blocks=24, block_size=8)
+    assert engine.scheduler.stats["preemptions"] > 0 and engine.scheduler.stats["swapped_out_blocks"] > 0
+    assert tight == roomy
+
+
 def test_preemption_under_a_small_pool_gives_the_same_outputs(model):
     reqs = mixed_requests()
     roomy, _ = run_engine(model, reqs, num_blocks=256, max_num_batched_tokens=48)
@@ -122,6 +139,12 @@ def test_request_that_can_never_fit_is_refused(model):
         engine.add_request([VOCAB + 3], SamplingParams())
     with pytest.raises(KvboundError, match="max_num_batched_tokens"):
         LLMEngine(model, max_num_batched_tokens=64, prefill_chunk=128)
+    packed = LLMEngine(model, num_blocks=4, block_size=8, kv_bits=8)
+    with pytest.raises(KvboundError, match=r"merge=rank: a packed pool \(--kv-bits, --kv-cache-dtype fp8\) does not "):
+        packed.add_request(prompt(0, 10), SamplingParams(max_tokens=1), parse_policy("observed-merge", 16))
+    with pytest.raises(KvboundError, match="merge=count: a packed pool"):
+        LLMEngine(model, policy=parse_policy("h2o:merge=count", 16), kv_bits="fp8")
+    assert not packed.has_unfinished()
 
 
 def test_decodes_run_every_step_while_a_long_prompt_is_chunked(model):
@@ -825,7 +848,8 @@ def test_greedy_at_20k_context_alone_equals_batched_and_replays_wide_graphs():
                                   "keydiff:sink=2,heavy=12,recent=10,alpha=0.2",
                                   "knorm:sink=2,heavy=12,recent=10,alpha=0.2",
                                   "h2o:sink=2,heavy=12,recent=10,score=observed,alpha=0.2",
-                                  "pyramidkv:sink=2,heavy=12,recent=10,window=6,beta=4"])
+                                  "pyramidkv:sink=2,heavy=12,recent=10,window=6,beta=4",
+                                  "h2o:sink=2,heavy=10,recent=12,score=observed,merge=rank"])
 def test_scored_policies_on_cuda_batched_equal_alone(model, spec, monkeypatch):
     """On CUDA the decode steps of tova, knorm, observed and keydiff run the fused evict kernels (an EMA that
     forgets at once; the new key's norm; the sum over each key's age; every key against the anchor), adakv's

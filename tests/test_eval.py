@@ -380,7 +380,7 @@ def test_perplexity_through_the_engine_equals_the_harness(tiny):
     model, _ = load(tiny)
     args = CacheOptions(kv_group_size=32, prefill_chunk=8)
     strategies = parse_strategies(["baseline", "window", "h2o-heavy", "h2o-heavy+kv8", "h2o-heavy+kv4",
-                                   "baseline+kv8", "adakv", "pyramidkv"], 16, args)
+                                   "baseline+kv8", "adakv", "pyramidkv", "observed-merge"], 16, args)
     samples = torch.randint(4, len(WORDS) + 4, (3, 40), generator=torch.Generator().manual_seed(4)).tolist()
     harness = perplexity(model, samples, strategies, args, 8, progress=False)
     engine = engine_perplexity(model, samples, strategies, args, 8, progress=False)
@@ -502,8 +502,9 @@ def test_ruler_sample_offset_adds_the_next_instances(tiny):
 
 
 def test_merge_prototype_rows_equal_eval_ppl_and_merging_changes_them(tiny, tmp_path, monkeypatch):
-    """benchmarks/ppl_merge.py's own eviction loop: its full, window and observed rows give `eval ppl`'s baseline,
-    window and observed perplexities (K/V in bf16); its merge rows run and move away from observed."""
+    """benchmarks/ppl_merge.py's own eviction loop: its full, window, observed and merge-rank / merge-mass rows give
+    `eval ppl`'s baseline, window, observed and observed-merge / merge=count perplexities (K/V in bf16); every merge
+    row moves away from observed. A merging strategy with packed K/V is refused in one line."""
     from pathlib import Path
     from kvbound.eval.data import token_samples
     from kvbound.models import load
@@ -514,8 +515,14 @@ def test_merge_prototype_rows_equal_eval_ppl_and_merging_changes_them(tiny, tmp_
     got = ppl_merge.perplexities(model, samples, list(ppl_merge.MODES), budget=16, prefill=8)
     out = tmp_path / "ppl.json"
     run("ppl", "--model", str(tiny), "--text", str(tiny / "text"), "--samples", "2", "--seq-len", "64", "--prefill",
-        "8", "--budget", "16", "--kv-dtype", "bfloat16", "--strategies", "window,observed", "--json", str(out))
+        "8", "--budget", "16", "--kv-dtype", "bfloat16", "--strategies",
+        "window,observed,observed-merge,h2o:score=observed,merge=count", "--json", str(out))
     want = json.loads(out.read_text())["strategies"]
-    for mode, name in (("full", "baseline"), ("window", "window"), ("observed", "observed")):
-        assert got[mode] == pytest.approx(want[name]["ppl"], rel=1e-4), mode
+    for mode, name in (("full", "baseline"), ("window", "window"), ("observed", "observed"),
+                       ("merge-rank", "observed-merge"), ("merge-mass", "h2o:score=observed,merge=count")):
+        assert got[mode] == pytest.approx(want[name]["ppl"], rel=1e-5), mode
     assert len({round(got[m], 6) for m in ppl_merge.MODES[2:]}) == len(ppl_merge.MODES) - 2
+    r = subprocess.run([sys.executable, "-m", "kvbound.cli", "eval", "ppl", "--model", str(tiny), "--text",
+                        str(tiny / "text"), "--samples", "1", "--seq-len", "64", "--budget", "16", "--strategies",
+                        "observed-merge+kv8"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "merging keeps K/V unquantized" in r.stderr and "Traceback" not in r.stderr, r.stderr

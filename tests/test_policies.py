@@ -24,7 +24,8 @@ def tiny_config():
 
 class Reference:
     """Per KV head: the kept token ids, every token's score, attention over kept+new, and the eviction
-    rule written out with Python lists."""
+    rule written out with Python lists; with a merging policy, every evicted token averaged into its most similar
+    kept key and each key's count of tokens, a log-count in its logit."""
 
     def __init__(self, policy, budgets=None):
         """budgets: (each head's sure tokens, the layer's budget per head) where heads share a layer's budget."""
@@ -32,7 +33,8 @@ class Reference:
         self.budgets = budgets
         self.kept = [[] for _ in range(HKV)]
         self.score = [dict() for _ in range(HKV)]
-        self.K, self.V = {}, {}
+        self.K, self.V = {}, {}  # token -> [HKV, D]: a merge rewrites its head's row
+        self.count = [dict() for _ in range(HKV)]
         self.seen = 0
 
     def step(self, q, k, v):
@@ -51,8 +53,9 @@ class Reference:
                 visible = self.kept[h] + new[:i + 1]
                 keys = torch.stack([self.K[j][h] for j in visible])
                 vals = torch.stack([self.V[j][h] for j in visible])
+                bias = torch.tensor([math.log(self.count[h].get(j, 1)) for j in visible], dtype=torch.float64)
                 for qh in range(h * g, (h + 1) * g):
-                    probs = torch.softmax(keys @ q[i, qh].double() / math.sqrt(D), 0)
+                    probs = torch.softmax(keys @ q[i, qh].double() / math.sqrt(D) + bias, 0)
                     out[i, qh] = probs @ vals
                     w = len(visible) if p.score == "normalized" else 1.0
                     if i < t - window:
@@ -94,9 +97,14 @@ class Reference:
                     anchor = anchor / anchor.norm()
                     for j in cand:
                         self.score[h][j] += -float(unit[j] @ anchor)
+        for h in range(HKV):  # every head scored before any merges (a layer's scores read every head's keys)
+            cand = self.kept[h] + new
             cap = p.budget + p.evict_every - 1
             if len(cand) > cap and self.budgets is None:
-                cand = self._select(cand, h, new[-1])
+                kept = self._select(cand, h, new[-1])
+                if p.merge:
+                    self._merge(h, [j for j in cand if j not in kept], kept, new[-1])
+                cand = kept
             self.kept[h] = cand
         if self.budgets is not None and sum(map(len, self.kept)) > HKV * (self.budgets[1] + p.evict_every - 1):
             self._share(new[-1])
@@ -118,6 +126,25 @@ class Reference:
         for h, j in rest[:HKV * share - sum(map(len, kept))]:
             kept[h].append(j)
         self.kept = [sorted(x) for x in kept]
+
+    def _merge(self, h, dropped, kept, last):
+        """Each dropped token into the kept key past the sinks and pins most like it (cosine, before any merge), the
+        keys and values averaged by rank (or count), the counts summed."""
+        p, count = self.p, self.count[h]
+        pinned = lambda j: j < p.sink or any(a <= j < b for a, b in p.pinned)  # noqa: E731
+        age = (lambda j: last - j + 1) if p.score == "observed" else (lambda j: 1)  # noqa: E731
+        weight = {j: self.score[h][j] / age(j) + 1e-6 if p.merge == "rank" else count.get(j, 1)
+                  for j in dropped + kept}
+        unit = {j: self.K[j][h] / self.K[j][h].norm() for j in dropped + kept}
+        targets, groups = [j for j in kept if not pinned(j)], {}
+        for d in dropped:
+            if targets:
+                groups.setdefault(max(targets, key=lambda j: float(unit[d] @ unit[j])), []).append(d)
+        for t, group in groups.items():
+            members = [t] + group
+            for X in (self.K, self.V):
+                X[t][h] = sum(weight[j] * X[j][h] for j in members) / sum(weight[j] for j in members)
+            count[t] = sum(count.get(j, 1) for j in members)
 
     def _select(self, cand, h, last):
         p = self.p
@@ -147,6 +174,13 @@ for gran, every, pinned in itertools.product(["kv-head", "layer"], [1, 4], [(), 
                  KeyDiffPolicy(sink=2, heavy=6, recent=3, granularity=gran, evict_every=every, pinned=pinned),
                  SnapKVPolicy(sink=1, heavy=7, recent=4, window=3, kernel=3, granularity=gran, evict_every=every,
                               pinned=pinned)]
+for gran, pinned in itertools.product(["kv-head", "layer"], [(), ((6, 9),)]):  # merging evicted tokens
+    POLICIES += [H2OPolicy(sink=2, heavy=5, recent=5, score="observed", granularity=gran, pinned=pinned, merge="rank"),
+                 H2OPolicy(sink=2, heavy=5, recent=5, granularity=gran, pinned=pinned, merge="count"),
+                 TOVAPolicy(sink=1, heavy=9, recent=2, granularity=gran, pinned=pinned, merge="rank"),
+                 KeyDiffPolicy(sink=2, heavy=6, recent=3, granularity=gran, pinned=pinned, merge="count"),
+                 SnapKVPolicy(sink=1, heavy=7, recent=4, window=3, kernel=3, granularity=gran, pinned=pinned,
+                              merge="rank")]
 
 
 def _steps(seed, lengths=(5, 1, 1, 7, 1, 1, 1, 3, 1, 1, 1, 1, 9, 1, 1, 1, 1, 1, 2, 1, 1, 1)):
@@ -418,3 +452,63 @@ def test_shared_budget_errors():
         sequence_cache(tiny_config(), parse_policy("adakv", 32), kv_bits=8)
     pyramid_64 = parse_policy("pyramidkv:sink=4,heavy=28,recent=32,beta=4")
     assert pyramid_64.head_budgets(0, 2) == (4 + 32 + 49,) * 2  # heavy 28: 49 and 7
+
+
+def test_merge_specs_and_refusals():
+    """merge= in specs and the named observed-merge; a bad value, a rank without attention, adaptive budgets, several
+    evictions a step, packed K/V and the engine each get one line naming what is wrong."""
+    assert parse_policy("observed-merge", 64) == replace(parse_policy("observed", 64), merge="rank")
+    assert parse_policy("h2o:merge=count", 64).merge == "count"
+    assert parse_policy("h2o:merge=none", 64).merge is None
+    assert "merge=rank" in parse_policy("snapkv:merge=rank", 64).describe()
+    for spec, msg in (("h2o:merge=mean", "unknown merge 'mean'"), ("knorm:merge=rank", "use merge=count"),
+                      ("h2o:merge=rank,alpha=0.2", "evict_every=1"), ("h2o:merge=count,evict_every=2", "evict_every=1"),
+                      ("window:merge=rank", "unknown option 'merge'")):
+        with pytest.raises(KvboundError, match=msg):
+            parse_policy(spec, 64)
+    with pytest.raises(KvboundError, match="unquantized"):
+        KVCache(tiny_config(), parse_policy("observed-merge", 16), kv_bits=8)
+
+
+def test_merged_counts_account_for_every_token():
+    """Every evicted token lives on in one kept key, through decodes, pieces that fit and pieces past the budget:
+    each head's counts sum to the tokens seen."""
+    policy = H2OPolicy(sink=2, heavy=5, recent=5, score="observed", merge="rank")
+    cache = KVCache(tiny_config(), policy)
+    for q, k, v in _steps(3, lengths=(6, 1, 1, 9, 1, 1, 20, 1, 3, 1)):
+        cache.attend(0, q, k, v, cache.next_positions(q.shape[0]))
+        cache.advance(q.shape[0])
+        held = cache.pos[0] >= 0
+        assert (cache.count[0] * held).sum(0).tolist() == [cache.seen] * HKV
+    assert cache.count[0].max() > 2
+
+
+@pytest.mark.parametrize("mode", [None, "cumulative", "normalized"])
+def test_log_count_bias_equals_attention_over_copies(mode):
+    """A key standing for c tokens with log(c) in its logit draws what c copies of it would: the same output, and its
+    probability the sum of theirs (decode and prefill pieces; `merge.attention_bias`)."""
+    from kvbound.kernels import causal_attention_batch, decode_with_scores
+    gen = torch.Generator().manual_seed(7)
+    b, n, t = 2, 6, 3
+    k, v = (torch.randn(b, n + t, HKV, D, generator=gen) for _ in range(2))
+    count = torch.ones(b, n + t, HKV)
+    count[:, 2], count[0, 4, 1] = 3.0, 2.0
+    reps = count[0, :, 1].long()  # copy keys by row 0 head 1's counts, the same for every row and head below
+    count[:] = reps[None, :, None].float()
+    copies = lambda x: x.repeat_interleave(reps, dim=1)  # noqa: E731
+    q = torch.randn(b, t, HQ, D, generator=gen)
+    out, step = decode_with_scores(q[:, 0], k, v, torch.full((b,), n + t), mode, bias=count.log())
+    want, want_step = decode_with_scores(q[:, 0], copies(k), copies(v), torch.full((b,), int(reps.sum())), mode)
+    torch.testing.assert_close(out, want)
+    if mode == "cumulative":
+        summed = torch.zeros_like(step).index_add_(1, torch.arange(n + t).repeat_interleave(reps), want_step)
+        torch.testing.assert_close(step, summed)
+    # a prefill piece: its own t tokens count once each, the n cached ones as above
+    cached = reps[:n]
+    kk, vv = (torch.cat([x[:, :n].repeat_interleave(cached, dim=1), x[:, n:]], 1) for x in (k, v))
+    out, scores = causal_attention_batch(q, k, v, mode, bias=torch.cat([count[:, :n], torch.ones(b, t, HKV)], 1).log())
+    want, want_scores = causal_attention_batch(q, kk, vv, mode)
+    torch.testing.assert_close(out, want)
+    if mode == "cumulative":
+        idx = torch.cat([torch.arange(n).repeat_interleave(cached), torch.arange(n, n + t)])
+        torch.testing.assert_close(scores, torch.zeros_like(scores).index_add_(1, idx, want_scores))

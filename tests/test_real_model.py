@@ -20,9 +20,11 @@ def _ppl_full(model, ids):
     return math.exp(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])))
 
 
-def test_cli_generate_paris(smollm):
+@pytest.mark.parametrize("policy", [[], ["--policy", "observed-merge", "--budget", "5"]], ids=["full", "merge"])
+def test_cli_generate_paris(smollm, policy):
+    """The full cache, and a merging policy whose budget the prompt outgrows, so merged keys answer too."""
     out = subprocess.run([sys.executable, "-m", "kvbound.cli", "generate", "The capital of France is",
-                          "--max-tokens", "8"], capture_output=True, text=True, timeout=300)
+                          "--max-tokens", "8", *policy], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
 

@@ -74,6 +74,10 @@ class KVCache:
         self.policy = policy or FullPolicy()
         self.bounded = self.policy.bounded
         self.budget = self.policy.budget
+        if self.policy.merge and (kv_bits is not None or rotate_keys is not None
+                                  or (store is not None and not store.storage.exact)):
+            raise KvboundError(f"merge={self.policy.merge}: merging needs unquantized K/V (no --kv-bits or "
+                               "--kv-cache-dtype fp8) and stream positions (no re-indexed positions)")
         layers, h = config.num_layers, config.num_kv_heads
         cap = self.policy.capacity if self.bounded else initial_slots
         self.ring = None  # mixed widths' residuals: a one-row view (row 0 is this cache, as for pos and score)
@@ -96,16 +100,15 @@ class KVCache:
             self.pos.fill_(-1)
             if self.score is not None:
                 self.score.zero_()
+            if self.count is not None:
+                self.count.fill_(1.0)
         else:
             self.pos = torch.full((layers, cap, h), -1, dtype=torch.int32, device=device)  # stream positions
             self.score = (torch.zeros((layers, cap, h), dtype=torch.float32, device=device) if self.policy.score
                           else None)
             self.spare = torch.zeros((layers, h), dtype=torch.long, device=device)
-        # a merging policy's: the tokens each (slot, head) stands for (`merge`)
-        self.count = torch.ones((layers, cap, h), device=device) if self.policy.merge else None
-        if self.count is not None and (kv_bits is not None or store is not None or rotate_keys is not None):
-            raise KvboundError(f"merge={self.policy.merge}: merging runs on a sequence's own cache with unquantized "
-                               "K/V (no --kv-bits, no --engine, no re-indexed positions)")
+            # a merging policy's: the tokens each (slot, head) stands for (`merge`)
+            self.count = torch.ones((layers, cap, h), device=device) if self.policy.merge else None
         self.n = [0] * layers  # live tokens per layer
         # per layer, once full: each head has a free slot, spare[layer, head] (the last victim's)
         self.has_spare = [False] * layers
@@ -126,7 +129,7 @@ class KVCache:
         """Point pos, score, spare (and mixed widths' residuals) at this cache's row of its stacked metadata (again
         when the rows grow)."""
         meta, row = self.stacked
-        self.pos, self.score, self.spare = meta.views(row)
+        self.pos, self.score, self.spare, self.count = meta.views(row)
         if meta.ring is not None and self.ring is not None:
             self.ring = meta.ring.row(row)
 
@@ -231,6 +234,7 @@ class KVCache:
         host = lambda t: t.to("cpu", copy=True)  # noqa: E731
         return dict(slots=self.store.capacity, bytes=self.store.pool.read_blocks(self.store.blocks),
                     pos=host(self.pos), score=None if self.score is None else host(self.score),
+                    count=None if self.count is None else host(self.count),
                     spare=host(self.spare), n=list(self.n), has_spare=list(self.has_spare), seen=self.seen,
                     ring=None if self.ring is None else [host(t) for t in self.ring.tensors()])
 
@@ -243,6 +247,8 @@ class KVCache:
         self.pos.copy_(state["pos"])
         if self.score is not None:
             self.score.copy_(state["score"])
+        if self.count is not None:
+            self.count.copy_(state["count"])
         self.spare.copy_(state["spare"])
         if self.ring is not None:
             for dst, src in zip(self.ring.tensors(), state["ring"]):
@@ -273,7 +279,7 @@ class KVCache:
             child.score = None if self.score is None else self.score.clone()
             child.spare = self.spare.clone()
             child.ring = None if self.ring is None else self.ring.clone()
-        child.count = None if self.count is None else self.count.clone()
+            child.count = None if self.count is None else self.count.clone()
         return child
 
     # --- called by each attention layer -------------------------------------------------------

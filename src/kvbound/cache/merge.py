@@ -12,6 +12,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..errors import KvboundError
+
+
+def refuse_merge(policy, where: str):
+    """Where merging does not run (packed K/V, transformers' cache), a merging policy is refused, never run as plain
+    eviction."""
+    if getattr(policy, "merge", None):
+        raise KvboundError(f"merge={policy.merge}: {where} does not merge evicted tokens yet (drop merge=)")
+
 
 def attention_bias(count: torch.Tensor | None) -> torch.Tensor | None:
     """The logit each held token gets from the tokens it stands for: log(count) (None without merging)."""

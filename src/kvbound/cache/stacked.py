@@ -1,4 +1,5 @@
-"""Stacked metadata: positions, scores and spare slots of many bounded caches that share one policy.
+"""Stacked metadata: positions, scores, spare slots (and merged-token counts) of many bounded caches that share one
+policy.
 
 One row per cache, so the engine reads and updates a batch of them with one operation per layer; each
 cache holds views of its row (`KVCache(meta=...)`) and works on them as a single cache would.
@@ -65,6 +66,7 @@ class StackedMeta:
         shape = (self.rows + 1, layers, max(self.layer_rows), heads)
         self.pos = torch.full(shape, -1, dtype=torch.int32, device=device)
         self.score = torch.zeros(shape, device=device) if policy.score else None
+        self.count = torch.ones(shape, device=device) if policy.merge else None  # tokens each place stands for
         self.spare = torch.zeros(shape[:2] + shape[3:], dtype=torch.long, device=device)
         # heads sharing a layer's places (AdaKV): each place's head, and spare holds places (slot * heads + column)
         self.owner = torch.full(shape, -1, dtype=torch.int16, device=device) if policy.adapts else None
@@ -97,6 +99,7 @@ class StackedMeta:
             out[:self.rows] = t[:self.rows]
             return out
         self.pos, self.score, self.owner = grown(self.pos, -1), grown(self.score, 0), grown(self.owner, -1)
+        self.count = grown(self.count, 1)
         self.spare = grown(self.spare, 0)
         if self.ring is not None:
             self.ring = self.ring.mapped(lambda t: grown(t, 0))
@@ -111,8 +114,10 @@ class StackedMeta:
         cache.bind_stacked()
 
     def views(self, row: int):
-        """(pos, score, spare) of one row: [layers, cap, heads] twice (score None without scores), [layers, heads]."""
-        return self.pos[row], None if self.score is None else self.score[row], self.spare[row]
+        """(pos, score, spare, count) of one row: [layers, cap, heads] (score None without scores), [layers, heads],
+        [layers, cap, heads] (None without merging)."""
+        return (self.pos[row], None if self.score is None else self.score[row], self.spare[row],
+                None if self.count is None else self.count[row])
 
     def fork(self, row: int, cache):
         """Give `cache`, a fork of row's cache, a free row holding a copy of `row` (positions, scores, spares, owners,
@@ -122,7 +127,7 @@ class StackedMeta:
         cache.stacked = None if new is None else (self, new)
         if new is None:
             return
-        rows = [t for t in (self.pos, self.score, self.spare, self.owner) if t is not None]
+        rows = [t for t in (self.pos, self.score, self.spare, self.owner, self.count) if t is not None]
         for t in rows + (self.ring.tensors() if self.ring is not None else []):
             t[new] = t[row]
         self.hold(new, cache)

@@ -15,6 +15,7 @@ import torch
 
 from ..cache import BlockPool, FullPolicy, KVCache, sequence_cache
 from ..cache.kv_cache import recent_residuals
+from ..cache.merge import refuse_merge
 from ..cache.quant import MIXED, Fp8KV, check_mixed_policy
 from ..cache.stacked import StackedMeta, stackable
 from ..cache.store import PagedStore
@@ -169,6 +170,8 @@ class LLMEngine:
         self.device = next(model.parameters()).device
         self.kv_dtype = kv_dtype or next(model.parameters()).dtype
         self.default_policy = policy or FullPolicy()
+        if kv_bits is not None:
+            refuse_merge(self.default_policy, "a packed pool (--kv-bits, --kv-cache-dtype fp8)")
         num_blocks = num_blocks or max(1, kv_cache_tokens // block_size)
         mixed = kv_bits if isinstance(kv_bits, dict) else None
         if mixed is not None:
@@ -261,6 +264,8 @@ class LLMEngine:
             raise KvboundError("stop strings need a tokenizer")
         if self.mixed is not None:
             check_mixed_policy(policy or self.default_policy)
+        if self.pool.packed is not None:
+            refuse_merge(policy or self.default_policy, "a packed pool (--kv-bits, --kv-cache-dtype fp8)")
         check_question_start(question_start, len(prompt))
         seq = Sequence(request_id, 0, prompt, params, policy or self.default_policy, arrival=time.perf_counter(),
                        seed=self._seed(params, 0), question_start=question_start)

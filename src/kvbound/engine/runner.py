@@ -133,7 +133,8 @@ class EvictGroup:
     def attend(self, layer, q, k, v, positions):
         m = self.meta
         return evict_decode(q, k, v, self.pool, layer, self.table, self.lens, self.rows, positions, m.pos[:, layer],
-                            m.spare[:, layer], None if m.score is None else m.score[:, layer], m.policy, ring=m.ring)
+                            m.spare[:, layer], None if m.score is None else m.score[:, layer], m.policy, ring=m.ring,
+                            count=None if m.count is None else m.count[:, layer])
 
 
 def layer_slots(pool, meta, layer: int, table, lens=None):
@@ -245,10 +246,11 @@ class ChunkGroup:
     def attend(self, layer, q, k, v, positions):
         m, n = self.meta, self.n
         pos, score = m.pos[:, layer], None if m.score is None else m.score[:, layer]
+        count = None if m.count is None else m.count[:, layer]
         out, *cand = chunk_attend(q, k, v, self.pool, layer, self.table, n, self.rows, positions, pos, score, m.policy,
-                                  ring=m.ring)
+                                  ring=m.ring, count=count)
         new = (k.unflatten(0, (self.rows.shape[0], -1)), v.unflatten(0, (self.rows.shape[0], -1)))
-        keep_and_rewrite(self.pool, layer, self.table, n, self.rows, pos, score, m.policy, *cand, new=new)
+        keep_and_rewrite(self.pool, layer, self.table, n, self.rows, pos, score, m.policy, *cand, new=new, count=count)
         if m.ring is not None:
             m.ring.write(layer, self.rows, positions.view(self.rows.shape[0], -1), *new)
         return out
@@ -267,6 +269,8 @@ class FillGroup:
         self.pool.write(layer, self.table[:, n:n + t].flatten(), k, v)
         pos = m.pos[:, layer]
         pos[rows, n:n + t] = positions.view(bsz, t, 1).to(pos.dtype)
+        if m.count is not None:  # a cache with room has evicted nothing yet: every token stands for itself
+            m.count[:, layer][rows, n:n + t] = 1.0
         kc, vc = self.pool.gather(layer, self.table)
         if m.ring is not None:  # the cached tokens as the window holds them, the piece's own at mixed precision
             new = (k.view(bsz, t, *k.shape[1:]), v.view(bsz, t, *v.shape[1:]))

@@ -55,7 +55,10 @@ def parse_strategies(names: list[str], budget: int, options: CacheOptions, pinne
             if quant not in KV_SUFFIXES:
                 raise KvboundError(f"strategy {name!r}: unknown suffix +{quant} (use +kv8, +kv4, +kvmixed)")
             bits = KV_SUFFIXES[quant]
-        out[name] = (parse_policy(base, budget, pinned=pinned, **policy_defaults), bits)
+        policy = parse_policy(base, budget, pinned=pinned, **policy_defaults)
+        if policy.merge and bits is not None:
+            raise KvboundError(f"strategy {name!r}: merging keeps K/V unquantized (drop the +kv suffix or --kv-bits)")
+        out[name] = (policy, bits)
     return out
 
 
@@ -74,6 +77,7 @@ def check_engine_strategies(strategies: dict, options: CacheOptions):
     stays on single-sequence caches."""
     if options.quantized_kv_start:
         raise KvboundError("--quantized-kv-start runs on single-sequence caches; drop --engine")
+
 
 
 def kv_widths(bits) -> list:

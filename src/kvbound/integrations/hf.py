@@ -19,6 +19,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..cache.merge import refuse_merge
 from ..cache.policies import H2OPolicy, Policy, parse_policy
 from ..cache.steps import fresh_scores, kept_order, piece_fold, policy_fold, rescored
 from ..errors import KvboundError
@@ -317,6 +318,7 @@ def _policy(policy, budget, n_sink, n_recent, evict_every, granularity, score) -
         raise KvboundError(f"{chosen.name} gives heads and layers budgets of their own, which transformers' cache "
                            "(one length for all heads of a layer) does not hold; run it on kvbound's own cache "
                            "(kvbound generate, kvbound eval)")
+    refuse_merge(chosen, "transformers' cache")
     return chosen
 
 
