@@ -69,6 +69,26 @@ def test_decode_attention_dense_matches_reference(shape, mode):
             torch.testing.assert_close(got[b, :ln].double(), want_score[b, :ln], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("mode", [None, "cumulative", "ema"])
+def test_decode_attention_logit_bias_matches_reference(mode):
+    """Merged keys' log counts (`bias`) added to the logits, with and without score export: the reference's output
+    and scores, over split sequences."""
+    from kvbound.kernels.reference import paged_decode_attention
+    bsz, hq, hkv, d, lens = 3, 8, 2, 32, [37, 1, 150]
+    q, k, v, table, n = _case(71 + len(str(mode)), bsz, hq, hkv, d, lens)
+    bias = torch.rand(bsz, max(lens), hkv, generator=torch.Generator().manual_seed(3)).mul(4).add(1).log()
+    score0 = torch.rand(bsz, max(lens), hkv)
+    got_score, want_score = score0.clone().to(DEV), score0.clone()
+    out = decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), table.to(DEV), n.to(DEV), score=got_score, score_mode=mode,
+                           ema_decay=0.9, split=64, block_n=16, bias=bias.to(DEV))
+    want = paged_decode_attention(q, k, v, table, n, score=want_score, score_mode=mode, ema_decay=0.9, bias=bias)
+    torch.testing.assert_close(out.cpu(), want, atol=1e-4, rtol=1e-4)
+    plain = paged_decode_attention(q, k, v, table, n)
+    assert (plain - want).abs().max() > 1e-2  # the bias changed the output
+    for b, ln in enumerate(lens):
+        torch.testing.assert_close(got_score.cpu()[b, :ln], want_score[b, :ln], atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("bits, d, group, value_dot, paired", [
     (8, 64, 32, None, ""), (8, 64, 32, True, ""), (4, 64, 32, None, ""), (8, 128, 64, None, ""),
     (8, 128, 64, False, ""), (4, 128, 128, None, ""), (8, 64, 64, None, ""), (8, 64, 64, True, ""),
@@ -1080,3 +1100,40 @@ def test_byte_permutes_give_the_portable_conversions_result(bits, d):
         return
     plain = decode_attention(*args, quant=quant, permute=False, block_n=64)
     torch.testing.assert_close(decode_attention(*args, quant=quant, permute=True, block_n=64), plain, atol=0, rtol=0)
+
+
+
+@pytest.mark.parametrize("weight", ["count", "attention", "age"])
+def test_merge_kernel_matches_the_pytorch_merge(weight):
+    """`triton_merge.merge_victims` against `steps.evict_merged`'s PyTorch route on fresh random rows: the same targets,
+    averaged K/V and counts; a row below its budget and the sinks (the protected prefix) are left alone."""
+    from kvbound.cache.policies import H2OPolicy
+    from kvbound.cache.steps import evict_merged
+    from kvbound.cache.store import DenseStore
+    from kvbound.kernels.triton_merge import merge_victims
+    gen = torch.Generator().manual_seed(len(weight))
+    bsz, heads, d, width, rows_total = 3, 2, 32, 21, 5
+    policy = H2OPolicy(sink=2, heavy=10, recent=8, score="observed" if weight == "age" else "cumulative",
+                       merge="count" if weight == "count" else "rank")
+    ref = DenseStore(1, bsz * width, heads, d, "cpu", torch.float32)
+    ref.k.copy_(torch.randn(ref.k.shape, generator=gen))
+    ref.v.copy_(torch.randn(ref.v.shape, generator=gen))
+    k, v = ref.k[0].clone().to(DEV), ref.v[0].clone().to(DEV)  # copies the kernel merges into
+    table = torch.randperm(bsz * width, generator=gen).view(bsz, width).to(torch.int32)
+    rows = torch.tensor([3, 0, 2])
+    pos = torch.stack([torch.randperm(40, generator=gen)[:width] + 2 for _ in range(rows_total * heads)]).view(
+        rows_total, heads, width).transpose(1, 2).contiguous().to(torch.int32)
+    pos[:, :2] = torch.arange(2, dtype=torch.int32)[:, None]  # the sinks
+    score = torch.rand(rows_total, width, heads, generator=gen)
+    count = torch.randint(1, 5, (rows_total, width, heads), generator=gen).float()
+    lens = torch.tensor([width, width - 3, width], dtype=torch.int32)
+    want = count.clone()
+    evict_merged(ref, 0, table, rows, pos.clone(), torch.zeros(rows_total, heads, dtype=torch.long), score, want,
+                 policy, lens)
+    got = count.clone().to(DEV)
+    merge_victims(k, v, table.to(DEV), rows.to(DEV), pos.to(DEV), score.to(DEV), got, policy.victim(pos[rows],
+                  score[rows]).to(DEV), lens.to(DEV), 2, weight)
+    torch.testing.assert_close(k.cpu(), ref.k[0])
+    torch.testing.assert_close(v.cpu(), ref.v[0])
+    torch.testing.assert_close(got.cpu(), want)
+    assert (want != count).any() and torch.equal(want[0], count[0])  # merged; the row below its budget was not

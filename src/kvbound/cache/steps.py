@@ -108,16 +108,16 @@ def table_attention(q, storage, layer, table, lens, policy=None, score=None, con
     """One new query per sequence, q [B, Hq, D], over its keys at table[b, :lens[b]]. `score` [B, M, H]
     (a policy's, with the policy) folds in this step's probabilities of the valid keys. contiguous: key j is
     at slot table[b, 0] + j, and only column 0 is read (virtual storage's stripes). ring: mixed widths' residuals
-    (`read_kv`), which the kernel reads too. bias [B, M, H]: merged keys' logits (`merge.attention_bias`), which
-    only the PyTorch route takes."""
+    (`read_kv`), which the kernel reads too. bias [B, M, H]: merged keys' logits (`merge.attention_bias`)."""
     mode = None if score is None else policy.fold
     score = None if mode is None else score
-    args = None if bias is not None else kernel_reads(storage, layer, q, policy)
+    args = kernel_reads(storage, layer, q, policy)
     if args is not None:
         k_pool, v_pool, quant = args
         return decode_attention(q, k_pool, v_pool, table, lens, score=score, quant=quant, score_mode=mode,
                                 ema_decay=policy.fold_decay if policy is not None else 0.95, contiguous=contiguous,
-                                resid=None if ring is None else ring.kernel_args(layer), layer=by_layer(policy))
+                                resid=None if ring is None else ring.kernel_args(layer), layer=by_layer(policy),
+                                bias=bias)
     if contiguous:
         table = contiguous_slots(table, lens)
     k, v = read_kv(storage, layer, table.long(), ring)
@@ -145,13 +145,22 @@ def evict_one(pos, spare, score, rows, policy, lens=None, victim=None):
 def evict_merged(storage, layer, table, rows, pos, spare, score, count, policy, lens=None):
     """`evict_one`, each head's victim first merged into its most similar kept key (`merge`) when `count` [R, cap, H]
     (the tokens each slot stands for) is given: the target's K/V are rewritten and its count grows. A row below its
-    budget (lens[b] < table.shape[1]) merges nothing."""
+    budget (lens[b] < table.shape[1]) merges nothing. On CUDA, over unquantized K/V and a protection the kernels know,
+    the merge is one kernel (`kernels.triton_merge`)."""
     if count is None:
         return evict_one(pos, spare, score, rows, policy, lens)
     m = table.shape[1]
     held, cnt = pos[rows, :m], count[rows, :m]
     sc = None if score is None else score[rows, :m]
     victim = policy.victim(held, sc)
+    fused = policy.fused_protection()
+    args = storage.kernel_args(layer) if table.is_cuda and fused is not None else None
+    if args is not None and args[2] is None and not args[0].shape[-1] & (args[0].shape[-1] - 1):
+        from ..kernels.triton_merge import merge_victims
+        full = torch.full((table.shape[0],), m, dtype=torch.int32, device=table.device) if lens is None else lens
+        merge_victims(args[0], args[1], table, rows, pos, score, count, victim, full, fused[0],
+                      "count" if policy.merge == "count" else policy.rank_source)
+        return evict_one(pos, spare, score, rows, policy, lens, victim)
     k, v = storage.gather(layer, table.long())
     ok = policy.mergeable(held).scatter(1, victim[:, None], False)
     k, v, cnt, target, merged = merge_into_kept(k, v, cnt, merge_weight(policy, held, sc, cnt), victim[:, None], ok)
@@ -197,11 +206,12 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
         score[r, slot, heads] = fresh_scores(policy, k, score, ring or storage, layer)
         step_score = score[rows]
     if count is not None:
-        count[r, slot, heads] = 1.0
+        count[r, slot, heads] = count.new_ones(())  # a device scalar: graph capture allows no host copies
         bias = attention_bias(count[rows, :table.shape[1]])
     out = table_attention(q, storage, layer, table, lens, policy, step_score, ring=read, bias=bias)
     if score is not None:
-        score[rows] = rescored(policy, step_score, read_kv(storage, layer, table.long(), read)[0], pos[rows])
+        keys = read_kv(storage, layer, table.long(), read)[0] if policy.rescores else None
+        score[rows] = rescored(policy, step_score, keys, pos[rows])
     evict_merged(storage, layer, table, rows, pos, spare, score, count, policy, lens)
     return out
 

@@ -175,12 +175,14 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                   scale, split,
                   RPos, RRows, RFirst, stride_rpr, stride_rpj,
                   RK, RKS, RKB, RV, RVS, RVB, stride_rks, stride_rkh, stride_rss, stride_rsh, ring_row_entries,
+                  Bias, stride_bb, stride_bn,
                   G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                   BITS: tl.constexpr, GS: tl.constexpr, EXPORT: tl.constexpr, IEEE: tl.constexpr,
                   VDOT: tl.constexpr, FP8: tl.constexpr, CONTIG: tl.constexpr,
                   RESID: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, PAIR_K: tl.constexpr,
                   PAIR_V: tl.constexpr, PERMUTE: tl.constexpr, STAGED: tl.constexpr = False,
-                  PAIRS: tl.constexpr = False, EARLY: tl.constexpr = False, KDEQ: tl.constexpr = False):
+                  PAIRS: tl.constexpr = False, EARLY: tl.constexpr = False, KDEQ: tl.constexpr = False,
+                  BIAS: tl.constexpr = False):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -246,6 +248,8 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
             rslot = ring_row * ring_row_entries + tl.where(held, _ring_entry(p_key, SINK, RECENT), 0)
             qk += _packed_qk(Q, RK, RKS, RKB, rslot, h, held, q_row, stride_rks, stride_rkh, stride_rss, stride_rsh,
                              scale, G_PAD, BLOCK_N, D, 4, GS, IEEE, PAIR_K, PERMUTE, False)
+        if BIAS:  # merged keys' log counts (`cache.merge`)
+            qk += tl.load(Bias + b * stride_bb + offs_n * stride_bn + h, mask=valid, other=0.0)[None, :]
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
         alpha = tl.exp(m - m_new)
@@ -844,7 +848,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
                      ema_decay=0.95, quant=None, split=None, block_n=None, out=None, programs_per_sm=None,
                      num_warps=None, rows=None, victim=None, num_stages=None, value_dot=None, contiguous=False,
                      resid=None, layer=False, paired=None, permute=None, staged=None, pairs=None, early=None,
-                     key_dequant=None):
+                     key_dequant=None, bias=None):
     """q: [B, Hq, D]; k_pool/v_pool: [slots, Hkv, D] (or packed codes [slots, Hkv, D*bits/8] with
     quant=dict(bits=, group=, k_scale=, k_bias=, v_scale=, v_bias=) of [slots, Hkv, D/group]; or float8 e4m3
     codes [slots, Hkv, D] with quant=dict(bits="fp8", k_scale=, v_scale=) of [slots, Hkv, 1]);
@@ -870,6 +874,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     pairs: `Tile.pairs` (None: the table's tile's; 8-bit values read as codes only).
     early: `Tile.early` (None: the table's tile's).
     key_dequant: `Tile.key_dequant` (None: the table's tile's; packed 8 / 4-bit keys only).
+    bias: [B, max_len, Hkv] float32, added to each key's logits (merged keys' log counts, `cache.merge`).
     Returns out [B, Hq, D] in q's dtype."""
     bsz, hq, d = q.shape
     if d & (d - 1):
@@ -911,7 +916,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         raise ValueError(f"split {split} must be a multiple of block_n {block_n}")
     if (victim or {}).get("rank", "attention") != "attention" and (rows is None or score is None):
         raise ValueError(f"rank {victim['rank']!r} ranks by stored scores: it needs rows and a score buffer")
-    for name, t in (("score", score), ("victim pos", (victim or {}).get("pos"))):
+    for name, t in (("score", score), ("victim pos", (victim or {}).get("pos")), ("bias", bias)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name} must have its KV heads contiguous (last stride 1), got strides {t.stride()}")
     num_splits = max(1, triton.cdiv(max_len, split))
@@ -956,10 +961,10 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), ss[0], ss[1], slot_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
         e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), scale, min_split, *rt["reads"], *rt["ring"],
-        G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee, VDOT=value_dot,
+        part_m if bias is None else bias, *((0, 0) if bias is None else (bias.stride(0), bias.stride(1))), G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee, VDOT=value_dot,
         FP8=fp8, CONTIG=bool(contiguous), RESID=resid is not None, SINK=rt["sink"], RECENT=rt["recent"],
         PAIR_K="k" in paired, PAIR_V="v" in paired, PERMUTE=permute, STAGED=staged, PAIRS=pairs, EARLY=early,
-        KDEQ=key_dequant, num_warps=num_warps,
+        KDEQ=key_dequant, BIAS=bias is not None, num_warps=num_warps,
         **({} if num_stages is None else dict(num_stages=num_stages)))
     _merge_kernel[(bsz, hq)](
         part_o, part_m, part_l, out, ctx_lens,

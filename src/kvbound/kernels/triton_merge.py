@@ -1,0 +1,84 @@
+"""A decode step's merge on CUDA (`cache.merge`; the PyTorch steps are `cache.steps.evict_merged`): one program per
+(sequence, KV head) finds the kept key most like the victim's, averages the victim's key and value into it and adds
+the victim's count to its count, in one launch instead of some fifty small PyTorch operations a layer."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+WEIGHTS = {"count": 0, "attention": 1, "age": 2}  # what a token weighs in the average: its count, or its rank
+
+
+@triton.jit
+def _merge_victim_kernel(K, V, Table, Rows, Pos, Score, Count, Victim, Lens, Newest,
+                         stride_ks, stride_kh, stride_tb, stride_pr, stride_pj, stride_vb, width, prefix,
+                         D: tl.constexpr, BLOCK: tl.constexpr, WEIGHT: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.load(Lens + b)
+    if n == width:  # a row below its budget evicts nothing
+        row = tl.load(Rows + b).to(tl.int64)
+        jv = tl.load(Victim + b * stride_vb + h)
+        offs_d = tl.arange(0, D)
+        slot_v = tl.load(Table + b * stride_tb + jv).to(tl.int64)
+        k_v = tl.load(K + slot_v * stride_ks + h * stride_kh + offs_d).to(tl.float32)
+        unit_v = k_v / tl.maximum(tl.sqrt(tl.sum(k_v * k_v, 0)), 1e-12)
+        best = float("-inf")
+        best_j = -1
+        for j0 in range(0, n, BLOCK):
+            offs = j0 + tl.arange(0, BLOCK)
+            valid = offs < n
+            p = tl.load(Pos + row * stride_pr + offs * stride_pj + h, mask=valid, other=-1)
+            ok = valid & (p >= prefix) & (offs != jv)  # held, past the sinks and pins, not the victim
+            slot = tl.load(Table + b * stride_tb + offs, mask=ok, other=0).to(tl.int64)
+            k = tl.load(K + slot[:, None] * stride_ks + h * stride_kh + offs_d[None, :], mask=ok[:, None],
+                        other=0.0).to(tl.float32)
+            cos = tl.sum(k * unit_v[None, :], 1) / tl.maximum(tl.sqrt(tl.sum(k * k, 1)), 1e-12)
+            cos = tl.where(ok, cos, float("-inf"))
+            top = tl.max(cos, 0)
+            at = tl.min(tl.where(cos == top, offs, 1 << 30), 0)  # the first of the block's best
+            better = top > best
+            best_j = tl.where(better, at, best_j)
+            best = tl.where(better, top, best)
+        if best_j >= 0:
+            at_t = row * stride_pr + best_j * stride_pj + h
+            at_v = row * stride_pr + jv * stride_pj + h
+            c_t, c_v = tl.load(Count + at_t), tl.load(Count + at_v)
+            if WEIGHT == 0:
+                w_t, w_v = c_t, c_v
+            else:
+                w_t, w_v = tl.load(Score + at_t), tl.load(Score + at_v)
+                if WEIGHT == 2:  # summed attention over the queries that could see each token
+                    newest = tl.load(Newest + b)
+                    w_t = w_t / tl.maximum(newest - tl.load(Pos + at_t) + 1, 1).to(tl.float32)
+                    w_v = w_v / tl.maximum(newest - tl.load(Pos + at_v) + 1, 1).to(tl.float32)
+                w_t, w_v = w_t + 1e-6, w_v + 1e-6
+            slot_t = tl.load(Table + b * stride_tb + best_j).to(tl.int64)
+            t_ptr = slot_t * stride_ks + h * stride_kh + offs_d
+            v_ptr = slot_v * stride_ks + h * stride_kh + offs_d
+            den = w_t + w_v
+            k_t = tl.load(K + t_ptr).to(tl.float32)
+            tl.store(K + t_ptr, ((w_t * k_t + w_v * k_v) / den).to(K.dtype.element_ty))
+            v_t, v_v = tl.load(V + t_ptr).to(tl.float32), tl.load(V + v_ptr).to(tl.float32)
+            tl.store(V + t_ptr, ((w_t * v_t + w_v * v_v) / den).to(V.dtype.element_ty))
+            tl.store(Count + at_t, c_t + c_v)
+
+
+def merge_victims(k_pool, v_pool, table, rows, pos, score, count, victim, lens, prefix: int, weight: str):
+    """Each head's victim (local slot victim[b, h]) of rows whose lens[b] fill the table's width, merged into the held
+    key past `prefix` (sinks and pins) of highest cosine similarity: K/V written in place in the unquantized pools
+    [slots, H, D] (table [B, W] their slots), count [R, W, H] updated at rows `rows`. weight: `WEIGHTS`' key."""
+    bsz, width = table.shape
+    heads, d = k_pool.shape[1], k_pool.shape[2]
+    newest = pos[rows, :width].flatten(1).amax(1).to(torch.int32)
+    sc = count if score is None else score
+    if v_pool.stride() != k_pool.stride():
+        raise ValueError(f"merge_victims: K and V pools must share strides, got {k_pool.stride()}, {v_pool.stride()}")
+    if not (pos.stride(2) == count.stride(2) == sc.stride(2) == 1 and pos.stride()[:2] == count.stride()[:2]
+            == sc.stride()[:2]):
+        raise ValueError("merge_victims: pos, score and count must share one layout, heads contiguous")
+    _merge_victim_kernel[(bsz, heads)](
+        k_pool, v_pool, table, rows, pos, sc, count, victim, lens, newest, k_pool.stride(0), k_pool.stride(1),
+        table.stride(0), pos.stride(0), pos.stride(1), victim.stride(0), width, prefix, D=d,
+        BLOCK=min(64, triton.next_power_of_2(width)), WEIGHT=WEIGHTS[weight])
