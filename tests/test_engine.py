@@ -139,7 +139,7 @@ def test_request_that_can_never_fit_is_refused(model):
         engine.add_request([VOCAB + 3], SamplingParams())
     with pytest.raises(KvboundError, match="max_num_batched_tokens"):
         LLMEngine(model, max_num_batched_tokens=64, prefill_chunk=128)
-    packed = LLMEngine(model, num_blocks=4, block_size=8, kv_bits=8)
+    packed = LLMEngine(model, num_blocks=4, block_size=8, kv_bits="fp8")
     with pytest.raises(KvboundError, match=r"merge=rank: a packed pool \(--kv-bits, --kv-cache-dtype fp8\) does not "):
         packed.add_request(prompt(0, 10), SamplingParams(max_tokens=1), parse_policy("observed-merge", 16))
     with pytest.raises(KvboundError, match="merge=count: a packed pool"):

@@ -71,17 +71,17 @@ def test_decode_attention_dense_matches_reference(shape, mode):
 
 @pytest.mark.parametrize("mode", [None, "cumulative", "ema"])
 def test_decode_attention_logit_bias_matches_reference(mode):
-    """Merged keys' log counts (`bias`) added to the logits, with and without score export: the reference's output
+    """Merged keys' log counts (`count`) added to the logits, with and without score export: the reference's output
     and scores, over split sequences."""
     from kvbound.kernels.reference import paged_decode_attention
     bsz, hq, hkv, d, lens = 3, 8, 2, 32, [37, 1, 150]
     q, k, v, table, n = _case(71 + len(str(mode)), bsz, hq, hkv, d, lens)
-    bias = torch.rand(bsz, max(lens), hkv, generator=torch.Generator().manual_seed(3)).mul(4).add(1).log()
+    count = torch.rand(bsz, max(lens), hkv, generator=torch.Generator().manual_seed(3)).mul(4).add(1)
     score0 = torch.rand(bsz, max(lens), hkv)
     got_score, want_score = score0.clone().to(DEV), score0.clone()
     out = decode_attention(q.to(DEV), k.to(DEV), v.to(DEV), table.to(DEV), n.to(DEV), score=got_score, score_mode=mode,
-                           ema_decay=0.9, split=64, block_n=16, bias=bias.to(DEV))
-    want = paged_decode_attention(q, k, v, table, n, score=want_score, score_mode=mode, ema_decay=0.9, bias=bias)
+                           ema_decay=0.9, split=64, block_n=16, count=count.to(DEV))
+    want = paged_decode_attention(q, k, v, table, n, score=want_score, score_mode=mode, ema_decay=0.9, count=count)
     torch.testing.assert_close(out.cpu(), want, atol=1e-4, rtol=1e-4)
     plain = paged_decode_attention(q, k, v, table, n)
     assert (plain - want).abs().max() > 1e-2  # the bias changed the output
@@ -646,6 +646,8 @@ def _evict_state(policy, seed, rows=4, batch=(2, 0, 3), layers=2, heads=2, d=32,
                 meta.spare[r, layer, h] = spare
     if meta.score is not None:
         meta.score.copy_(torch.rand(meta.score.shape, generator=gen).round(decimals=1))  # ties happen
+    if meta.count is not None:  # merged keys, several tokens each
+        meta.count.copy_(torch.randint(1, 6, meta.count.shape, generator=gen).float())
     if policy.granularity == "layer":  # the layer's heads hold the same token in the same slot, with one score
         for t in (meta.pos, meta.score) if meta.score is not None else (meta.pos,):
             t.copy_(t[..., :1].expand_as(t))
@@ -678,21 +680,26 @@ def _torch_evict(pool, meta, rows, table, step, layer, held=None):
                                   "tova:sink=2,heavy=8", "h2o:sink=2,heavy=300,recent=20,granularity=layer",
                                   "h2o:sink=2,heavy=5,recent=3,score=observed", "knorm:sink=2,heavy=5,recent=3",
                                   "knorm:sink=1,heavy=300,recent=20,granularity=layer",
-                                  "keydiff:sink=2,heavy=300,recent=20", "keydiff:sink=2,heavy=5,recent=3,granularity=layer"])
+                                  "keydiff:sink=2,heavy=300,recent=20", "keydiff:sink=2,heavy=5,recent=3,granularity=layer",
+                                  "h2o:sink=2,heavy=5,recent=3,score=observed,merge=rank",
+                                  "h2o:sink=2,heavy=300,recent=20,merge=rank", "knorm:sink=2,heavy=5,recent=3,merge=count",
+                                  "tova:sink=2,heavy=8,merge=rank"])
 def test_evict_decode_matches_torch_path(spec):
     """The fused evict step (store, attention with export, victim) against cache.steps.evict_decode's PyTorch
     steps on the same state: output, pool, positions, scores and each head's next spare slot. The
     500-token case spans several key chunks, so the victim is chosen across chunks; tova and the last fold
     the layer's summed attention into every head, which then evict the same token. Observed ranks by the
     summed attention over each key's age; knorm scores the new token from its key, keydiff rescores every key
-    against an anchor summed over several blocks (the 300-token case)."""
+    against an anchor summed over several blocks (the 300-token case). Merging policies add each key's log count to
+    its logits and merge each victim into its most similar kept key (`triton_merge`), over several key chunks too."""
     _check_evict_decode(spec)
 
 
 @pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=5,recent=3", "window:budget=9,sink=2",
                                   "keydiff:sink=2,heavy=300,recent=20",
                                   "knorm:sink=1,heavy=300,recent=20,granularity=layer",
-                                  "h2o:sink=2,heavy=5,recent=3,score=observed"])
+                                  "h2o:sink=2,heavy=5,recent=3,score=observed",
+                                  "h2o:sink=2,heavy=5,recent=3,score=observed,merge=rank"])
 def test_evict_decode_below_budget_evicts_nothing(spec):
     """Caches still below their budget decode in the same batch as full ones: each attends over the slots it
     holds, evicts nothing, and takes its next free slot as its spare (one of them at 1 token, one a token short
@@ -701,6 +708,7 @@ def test_evict_decode_below_budget_evicts_nothing(spec):
 
 
 def _check_evict_decode(spec, held=None):
+    from kvbound.cache.merge import merge_mode
     from kvbound.kernels.triton_decode import evict_decode
     from kvbound.cache.policies import parse_policy
     pol = parse_policy(spec, pinned=((1, 2),) if "window" in spec else ())
@@ -715,15 +723,21 @@ def _check_evict_decode(spec, held=None):
     dev = lambda t: t.to(DEV)  # noqa: E731
     kp, vp, pos, spare = dev(pool.k[layer]), dev(pool.v[layer]), dev(meta.pos[:, layer]), dev(meta.spare[:, layer])
     score = None if meta.score is None else dev(meta.score[:, layer])
+    count = None if meta.count is None else dev(meta.count.clone()[:, layer])  # laid out as pos
     got = evict_decode(dev(step["q"]), dev(step["k"]), dev(step["v"]), kp, vp, dev(table), dev(lens), dev(rows),
                        dev(step["positions"]), pos, spare, score, pol.fold, pol.fold_decay,
-                       *pol.fused_protection(), layer=pol.granularity == "layer", rank=pol.rank_source)
+                       *pol.fused_protection(), layer=pol.granularity == "layer", rank=pol.rank_source, count=count,
+                       merge=merge_mode(pol))
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
-    assert torch.equal(kp.cpu(), ref_pool.k[layer]) and torch.equal(vp.cpu(), ref_pool.v[layer])
+    # a merged key is an average, which the kernel and PyTorch may round apart
+    same = torch.equal if count is None else lambda a, b: torch.allclose(a, b, atol=1e-6, rtol=1e-6)  # noqa: E731
+    assert same(kp.cpu(), ref_pool.k[layer]) and same(vp.cpu(), ref_pool.v[layer])
     assert torch.equal(pos.cpu(), ref_meta.pos[:, layer])
     assert torch.equal(spare.cpu(), ref_meta.spare[:, layer])
     if score is not None:
         torch.testing.assert_close(score.cpu(), ref_meta.score[:, layer], atol=1e-6, rtol=1e-5)
+    if count is not None:
+        assert torch.equal(count.cpu(), ref_meta.count[:, layer]) and not torch.equal(count.cpu(), meta.count[:, layer])
     if pol.granularity == "layer":
         assert (spare == spare[:, :1]).all() and (pos == pos[..., :1]).all()
 

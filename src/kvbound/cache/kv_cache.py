@@ -370,13 +370,13 @@ class KVCache:
         read = None if ring is None else WindowRead(ring, self.one_row, first, self.pos[layer][None])
         score = None if self.score is None else self.score[layer, :total]
         table = self.store.slot_table(total)[None]
-        bias = None if self.count is None else attention_bias(self.count[layer, :total][None])
+        count = None if self.count is None else self.count[layer, :total][None]
         if t == 1:
             if score is not None:
                 score[total - t:] = fresh_scores(self.policy, k, score, ring or self.store.storage, layer)
             lens = torch.full((1,), total, dtype=torch.int32, device=q.device)
             out = table_attention(q, self.store.storage, layer, table, lens, self.policy,
-                                  None if score is None else score[None], ring=read, bias=bias)
+                                  None if score is None else score[None], ring=read, count=count)
             if score is not None and self.policy.rescores:
                 kc = read_kv(self.store.storage, layer, table.long(), read)[0]
                 score.copy_(rescored(self.policy, score[None], kc, pos)[0])
@@ -386,7 +386,7 @@ class KVCache:
             kc, vc = ring.with_piece(layer, self.one_row, kc[:, :total - t], vc[:, :total - t], read.pos, first,
                                      k[None], v[None])
         out, scores = piece_attention(q[None], kc, vc, self.policy, None if score is None else score[None, :total - t],
-                                      self.pos[layer, :total][None], bias)
+                                      self.pos[layer, :total][None], attention_bias(count))
         if score is not None:
             score.copy_(scores[0])
         return out[0]

@@ -27,6 +27,13 @@ def attention_bias(count: torch.Tensor | None) -> torch.Tensor | None:
     return None if count is None else count.log()
 
 
+def merge_mode(policy) -> str | None:
+    """What a token weighs in a merge, as the merge kernel names it: "count", or the policy's rank source."""
+    if not policy.merge:
+        return None
+    return "count" if policy.merge == "count" else policy.rank_source
+
+
 def merge_weight(policy, pos: torch.Tensor, score: torch.Tensor | None, count: torch.Tensor) -> torch.Tensor:
     """Each token's weight in an average, [..., M, H]: its rank (kept positive) or its count."""
     if policy.merge == "rank":

@@ -14,7 +14,7 @@ import torch
 
 from ..kernels import (causal_attention_batch, contiguous_slots, decode_attention, decode_with_scores, flash_ok,
                        fold_scores, layer_sum, varlen_attention_lse)
-from .merge import attention_bias, merge_into_kept, merge_weight
+from .merge import attention_bias, merge_into_kept, merge_mode, merge_weight
 from .store import EACH_HEAD
 
 if TYPE_CHECKING:
@@ -104,11 +104,12 @@ def by_layer(policy) -> bool:
 
 
 def table_attention(q, storage, layer, table, lens, policy=None, score=None, contiguous=False,
-                    ring: WindowRead | None = None, bias: torch.Tensor | None = None):
+                    ring: WindowRead | None = None, count: torch.Tensor | None = None):
     """One new query per sequence, q [B, Hq, D], over its keys at table[b, :lens[b]]. `score` [B, M, H]
     (a policy's, with the policy) folds in this step's probabilities of the valid keys. contiguous: key j is
     at slot table[b, 0] + j, and only column 0 is read (virtual storage's stripes). ring: mixed widths' residuals
-    (`read_kv`), which the kernel reads too. bias [B, M, H]: merged keys' logits (`merge.attention_bias`)."""
+    (`read_kv`), which the kernel reads too. count [B, M, H]: the tokens each key stands for, its log added to its
+    logits (merged keys, `merge`)."""
     mode = None if score is None else policy.fold
     score = None if mode is None else score
     args = kernel_reads(storage, layer, q, policy)
@@ -117,11 +118,11 @@ def table_attention(q, storage, layer, table, lens, policy=None, score=None, con
         return decode_attention(q, k_pool, v_pool, table, lens, score=score, quant=quant, score_mode=mode,
                                 ema_decay=policy.fold_decay if policy is not None else 0.95, contiguous=contiguous,
                                 resid=None if ring is None else ring.kernel_args(layer), layer=by_layer(policy),
-                                bias=bias)
+                                count=count)
     if contiguous:
         table = contiguous_slots(table, lens)
     k, v = read_kv(storage, layer, table.long(), ring)
-    out, step = decode_with_scores(q, k, v, lens, mode, bias)
+    out, step = decode_with_scores(q, k, v, lens, mode, attention_bias(count))
     if step is not None:
         valid = torch.arange(table.shape[1], device=q.device)[None, :, None] < lens.to(q.device)[:, None, None]
         score.copy_(torch.where(valid, policy_fold(policy, score, step), score))
@@ -158,8 +159,7 @@ def evict_merged(storage, layer, table, rows, pos, spare, score, count, policy, 
     if args is not None and args[2] is None and not args[0].shape[-1] & (args[0].shape[-1] - 1):
         from ..kernels.triton_merge import merge_victims
         full = torch.full((table.shape[0],), m, dtype=torch.int32, device=table.device) if lens is None else lens
-        merge_victims(args[0], args[1], table, rows, pos, score, count, victim, full, fused[0],
-                      "count" if policy.merge == "count" else policy.rank_source)
+        merge_victims(args[0], args[1], table, rows, pos, score, count, victim, full, fused[0], merge_mode(policy))
         return evict_one(pos, spare, score, rows, policy, lens, victim)
     k, v = storage.gather(layer, table.long())
     ok = policy.mergeable(held).scatter(1, victim[:, None], False)
@@ -185,30 +185,32 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
     below.
     ring: the caches' mixed-width residuals (`quant.RecentResiduals`, rows `rows`); the new token's goes in first.
     count [R, cap, H]: the tokens each slot stands for, with a merging policy (`evict_merged`; PyTorch only)."""
-    fused = None if count is not None else policy.fused_protection()
+    fused = policy.fused_protection()
     args = kernel_reads(storage, layer, q, policy)
     read = None if ring is None else WindowRead(ring, rows, positions, pos)
     keys_read = policy.rank_source.startswith("key")  # the kernels read keys without the window's residuals
-    if q.is_cuda and fused is not None and args is not None and not (keys_read and ring is not None):
+    merges = count is not None and args is not None and args[2] is None  # the merge kernel: unquantized pools
+    if (q.is_cuda and fused is not None and args is not None and not (keys_read and ring is not None)
+            and (count is None or merges)):
         from ..kernels.triton_decode import evict_decode as fused_step  # the store writes the residuals too
         return fused_step(q, k, v, args[0], args[1], table, lens, rows, positions, pos, spare, score, policy.fold,
                           policy.fold_decay, *fused, quant=args[2],
                           resid=None if read is None else read.kernel_args(layer), layer=by_layer(policy),
-                          rank=policy.rank_source)
+                          rank=policy.rank_source, count=count, merge=merge_mode(policy))
     if ring is not None:
         ring.write(layer, rows, positions[:, None], k[:, None], v[:, None])
     r, heads = rows[:, None], torch.arange(k.shape[1], device=k.device)[None, :]
     slot = spare[rows]  # [B, H]: the local slot each head writes
     storage.write(layer, table.gather(1, slot).long(), k, v, EACH_HEAD)
     pos[r, slot, heads] = positions[:, None].to(pos.dtype)
-    step_score, bias = None, None
+    step_score, step_count = None, None
     if score is not None:
         score[r, slot, heads] = fresh_scores(policy, k, score, ring or storage, layer)
         step_score = score[rows]
     if count is not None:
         count[r, slot, heads] = count.new_ones(())  # a device scalar: graph capture allows no host copies
-        bias = attention_bias(count[rows, :table.shape[1]])
-    out = table_attention(q, storage, layer, table, lens, policy, step_score, ring=read, bias=bias)
+        step_count = count[rows, :table.shape[1]]
+    out = table_attention(q, storage, layer, table, lens, policy, step_score, ring=read, count=step_count)
     if score is not None:
         keys = read_kv(storage, layer, table.long(), read)[0] if policy.rescores else None
         score[rows] = rescored(policy, step_score, keys, pos[rows])

@@ -265,15 +265,15 @@ def add_residuals(k, v, resid, group):
 
 
 def paged_decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, score=None, score_mode=None,
-                           ema_decay=0.95, quant=None, contiguous=False, resid=None, layer=False, bias=None):
+                           ema_decay=0.95, quant=None, contiguous=False, resid=None, layer=False, count=None):
     """The reference of the Triton decode kernel (same arguments): one query per sequence over the keys at
     slot_table[b, :ctx_lens[b]] of the pools, GQA; `score` [B, max_len, Hkv] folds in this step's
     probabilities (`fold_scores`) for the valid keys only. Packed pools (quant=dict(bits=, group=,
     k_scale=, k_bias=, v_scale=, v_bias=), or bits="fp8" with k_scale, v_scale) are dequantized first.
     contiguous: key j of sequence b is at slot_table[b, 0] + j. resid: mixed widths' residuals (`add_residuals`).
     layer: every KV head folds in the probabilities summed over the layer's heads (granularity "layer", whose
-    heads hold the same token in the same slot). bias [B, max_len, Hkv]: added to each key's logits (merged keys' log
-    counts). Returns out [B, Hq, D] in q's dtype."""
+    heads hold the same token in the same slot). count [B, max_len, Hkv]: the tokens each key stands for, whose log
+    its logits gain (merged keys). Returns out [B, Hq, D] in q's dtype."""
     idx = contiguous_slots(slot_table, ctx_lens).long() if contiguous else slot_table.long()
     if quant is None:
         k, v = k_pool[idx], v_pool[idx]  # [B, M, Hkv, D]
@@ -287,7 +287,7 @@ def paged_decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, score=None, 
         v = dequantize(v_pool[idx], quant["v_scale"][idx], quant["v_bias"][idx], bits, group)
         if resid is not None:
             k, v = add_residuals(k, v, resid, group)
-    out, step = decode_with_scores(q, k, v, ctx_lens, score_mode, bias)
+    out, step = decode_with_scores(q, k, v, ctx_lens, score_mode, None if count is None else count.log())
     if step is not None:
         step = layer_sum(step) if layer else step
         valid = torch.arange(idx.shape[1], device=q.device)[None, :, None] < ctx_lens.to(q.device)[:, None, None]

@@ -175,14 +175,14 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                   scale, split,
                   RPos, RRows, RFirst, stride_rpr, stride_rpj,
                   RK, RKS, RKB, RV, RVS, RVB, stride_rks, stride_rkh, stride_rss, stride_rsh, ring_row_entries,
-                  Bias, stride_bb, stride_bn,
+                  Count, CountRows, stride_cb, stride_cn,
                   G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                   BITS: tl.constexpr, GS: tl.constexpr, EXPORT: tl.constexpr, IEEE: tl.constexpr,
                   VDOT: tl.constexpr, FP8: tl.constexpr, CONTIG: tl.constexpr,
                   RESID: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, PAIR_K: tl.constexpr,
                   PAIR_V: tl.constexpr, PERMUTE: tl.constexpr, STAGED: tl.constexpr = False,
                   PAIRS: tl.constexpr = False, EARLY: tl.constexpr = False, KDEQ: tl.constexpr = False,
-                  BIAS: tl.constexpr = False):
+                  COUNT: tl.constexpr = False, COUNT_ROWS: tl.constexpr = False):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -248,8 +248,9 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
             rslot = ring_row * ring_row_entries + tl.where(held, _ring_entry(p_key, SINK, RECENT), 0)
             qk += _packed_qk(Q, RK, RKS, RKB, rslot, h, held, q_row, stride_rks, stride_rkh, stride_rss, stride_rsh,
                              scale, G_PAD, BLOCK_N, D, 4, GS, IEEE, PAIR_K, PERMUTE, False)
-        if BIAS:  # merged keys' log counts (`cache.merge`)
-            qk += tl.load(Bias + b * stride_bb + offs_n * stride_bn + h, mask=valid, other=0.0)[None, :]
+        if COUNT:  # a merged key's logit gains the log of the tokens it stands for (`cache.merge`)
+            c_row = tl.load(CountRows + b).to(tl.int64) if COUNT_ROWS else b
+            qk += tl.log(tl.load(Count + c_row * stride_cb + offs_n * stride_cn + h, mask=valid, other=1.0))[None, :]
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
         alpha = tl.exp(m - m_new)
@@ -770,10 +771,12 @@ def _key_scores(K, KS, KB, SlotTable, Out, UnitSum, b, offs_n, offs_h, scored, n
 
 @triton.jit
 def _victim_kernel(CandKey, CandPos, CandJ, Rows, Pos, Spare, CtxLen, width, blocks, stride_pr, stride_pj,
-                   stride_spr, HKV: tl.constexpr, HKV_PAD: tl.constexpr, NC_PAD: tl.constexpr):
+                   stride_spr, HKV: tl.constexpr, HKV_PAD: tl.constexpr, NC_PAD: tl.constexpr,
+                   KEEP_POS: tl.constexpr = False):
     """Sequence b: each head's victim among its blocks' candidates (lowest key, then oldest position): its
-    position is marked free and its slot becomes the head's spare slot. A sequence whose `CtxLen` slots do not
-    fill its table's `width` yet evicts nothing: its next free slot becomes the spare."""
+    position is marked free (unless KEEP_POS: a merge reads it first, then frees it) and its slot becomes the head's
+    spare slot. A sequence whose `CtxLen` slots do not fill its table's `width` yet evicts nothing: its next free
+    slot becomes the spare."""
     b = tl.program_id(0)
     row = tl.load(Rows + b)
     n = tl.load(CtxLen + b)
@@ -787,7 +790,8 @@ def _victim_kernel(CandKey, CandPos, CandJ, Rows, Pos, Spare, CtxLen, width, blo
     _, _, j_min = _lowest(key, pos, j, cm, 0)
     j_min = tl.where(n < width, n, j_min)  # a free slot's position is -1 already
     hmask = offs_h < HKV
-    tl.store(Pos + row * stride_pr + j_min * stride_pj + offs_h, tl.full([HKV_PAD], -1, tl.int32), mask=hmask)
+    if not KEEP_POS:
+        tl.store(Pos + row * stride_pr + j_min * stride_pj + offs_h, tl.full([HKV_PAD], -1, tl.int32), mask=hmask)
     tl.store(Spare + row * stride_spr + offs_h, j_min.to(tl.int64), mask=hmask)
 
 
@@ -848,7 +852,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
                      ema_decay=0.95, quant=None, split=None, block_n=None, out=None, programs_per_sm=None,
                      num_warps=None, rows=None, victim=None, num_stages=None, value_dot=None, contiguous=False,
                      resid=None, layer=False, paired=None, permute=None, staged=None, pairs=None, early=None,
-                     key_dequant=None, bias=None):
+                     key_dequant=None, count=None):
     """q: [B, Hq, D]; k_pool/v_pool: [slots, Hkv, D] (or packed codes [slots, Hkv, D*bits/8] with
     quant=dict(bits=, group=, k_scale=, k_bias=, v_scale=, v_bias=) of [slots, Hkv, D/group]; or float8 e4m3
     codes [slots, Hkv, D] with quant=dict(bits="fp8", k_scale=, v_scale=) of [slots, Hkv, 1]);
@@ -874,7 +878,8 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     pairs: `Tile.pairs` (None: the table's tile's; 8-bit values read as codes only).
     early: `Tile.early` (None: the table's tile's).
     key_dequant: `Tile.key_dequant` (None: the table's tile's; packed 8 / 4-bit keys only).
-    bias: [B, max_len, Hkv] float32, added to each key's logits (merged keys' log counts, `cache.merge`).
+    count: [B, max_len, Hkv] float32 (or, with rows, [R, >= max_len, Hkv] read at row rows[b]), the tokens each key
+    stands for: its logit gains log(count) (merged keys, `cache.merge`).
     Returns out [B, Hq, D] in q's dtype."""
     bsz, hq, d = q.shape
     if d & (d - 1):
@@ -916,7 +921,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         raise ValueError(f"split {split} must be a multiple of block_n {block_n}")
     if (victim or {}).get("rank", "attention") != "attention" and (rows is None or score is None):
         raise ValueError(f"rank {victim['rank']!r} ranks by stored scores: it needs rows and a score buffer")
-    for name, t in (("score", score), ("victim pos", (victim or {}).get("pos")), ("bias", bias)):
+    for name, t in (("score", score), ("victim pos", (victim or {}).get("pos")), ("count", count)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name} must have its KV heads contiguous (last stride 1), got strides {t.stride()}")
     num_splits = max(1, triton.cdiv(max_len, split))
@@ -961,10 +966,11 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), ss[0], ss[1], slot_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
         e.stride(0), e.stride(1), m_blk.stride(0), m_blk.stride(1), scale, min_split, *rt["reads"], *rt["ring"],
-        part_m if bias is None else bias, *((0, 0) if bias is None else (bias.stride(0), bias.stride(1))), G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee, VDOT=value_dot,
+        part_m if count is None else count, ctx_lens if rows is None else rows,
+        *((0, 0) if count is None else (count.stride(0), count.stride(1))), G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, BITS=bits, GS=gs, EXPORT=export, IEEE=ieee, VDOT=value_dot,
         FP8=fp8, CONTIG=bool(contiguous), RESID=resid is not None, SINK=rt["sink"], RECENT=rt["recent"],
         PAIR_K="k" in paired, PAIR_V="v" in paired, PERMUTE=permute, STAGED=staged, PAIRS=pairs, EARLY=early,
-        KDEQ=key_dequant, BIAS=bias is not None, num_warps=num_warps,
+        KDEQ=key_dequant, COUNT=count is not None, COUNT_ROWS=rows is not None, num_warps=num_warps,
         **({} if num_stages is None else dict(num_stages=num_stages)))
     _merge_kernel[(bsz, hq)](
         part_o, part_m, part_l, out, ctx_lens,
@@ -1006,19 +1012,19 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
             spare = vt["spare"]
             _victim_kernel[(bsz,)](*cand, rows, pos, spare, ctx_lens, max_len, blocks, pos.stride(0), pos.stride(1),
                                    spare.stride(0), HKV=hkv, HKV_PAD=hkv_pad,
-                                   NC_PAD=max(2, triton.next_power_of_2(blocks)))
+                                   NC_PAD=max(2, triton.next_power_of_2(blocks)), KEEP_POS=bool(vt.get("keep_pos")))
     return out
 
 
 @triton.jit
-def _evict_store_kernel(KN, VN, KP, VP, KS, KB, VS, VB, Table, Rows, Spare, Pos, Score, Positions, stride_nt,
+def _evict_store_kernel(KN, VN, KP, VP, KS, KB, VS, VB, Table, Rows, Spare, Pos, Score, Count, Positions, stride_nt,
                         stride_nh, stride_ps, stride_ph, stride_ss, stride_sh, stride_tb, stride_spr, stride_pr,
                         stride_pj, stride_sr, stride_sj,
                         RK, RKS, RKB, RV, RVS, RVB, stride_rks, stride_rkh, stride_rss, stride_rsh, ring_row_entries,
                         D: tl.constexpr, DP: tl.constexpr, HAS_SCORE: tl.constexpr,
                         BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr,
-                        RESID: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr):
-    """Sequence b, KV head h: the new token goes into the head's spare slot (K, V, position, score 0); packed
+                        RESID: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr, HAS_COUNT: tl.constexpr):
+    """Sequence b, KV head h: the new token goes into the head's spare slot (K, V, position, score 0, count 1); packed
     pools (BITS 8/4, or FP8) take it quantized, as `store_kv` writes it; with RESID (mixed widths) its residuals
     go into its ring entry."""
     b = tl.program_id(0)
@@ -1039,10 +1045,13 @@ def _evict_store_kernel(KN, VN, KP, VP, KS, KB, VS, VB, Table, Rows, Spare, Pos,
     tl.store(Pos + row * stride_pr + j * stride_pj + h, p.to(tl.int32))
     if HAS_SCORE:
         tl.store(Score + row * stride_sr + j * stride_sj + h, 0.0)
+    if HAS_COUNT:  # laid out as the positions
+        tl.store(Count + row * stride_pr + j * stride_pj + h, 1.0)
 
 
 def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spare, score, score_mode, ema_decay,
-                 prefix: int, recent: int, quant=None, resid=None, layer=False, rank="attention"):
+                 prefix: int, recent: int, quant=None, resid=None, layer=False, rank="attention", count=None,
+                 merge=None):
     """One layer of the engine's steady-state bounded decode, fused: each head's new token into its spare
     slot, attention with score export over the `table` slots, and each head's next victim, which becomes
     its spare slot. pos/score/spare are the layer's stacked metadata [R, cap, H] / [R, H], read at
@@ -1050,7 +1059,11 @@ def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spa
     tokens are a prefix of positions plus the `recent` newest. With `quant` (a packed pool, as for
     `decode_attention`) the new K/V are quantized into the spare slots; `resid` as for `decode_attention`, the new
     token's residuals written into its ring entry first; `layer` and `rank` as for `decode_attention` (the key
-    ranks read no residuals)."""
+    ranks read no residuals). count [R, cap, H] (laid out as pos) and merge (`triton_merge.WEIGHTS`' key): the new
+    token counts 1, attention adds each key's log count, and each victim merges into its most similar kept key
+    (`triton_merge`) before its position is freed; unquantized pools only."""
+    if count is not None and (quant is not None or count.stride() != pos.stride()):
+        raise ValueError("merging: unquantized pools, and count laid out as pos")
     if rank.startswith("key") and resid is not None:
         raise ValueError(f"rank {rank!r} reads the keys without the window's residuals")
     bsz, hkv, d = k.shape
@@ -1058,15 +1071,21 @@ def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spa
     bits, gs, fp8, scales = _quant_args(quant, k_pool, d)
     rt = _resid_args(resid, pos)
     _evict_store_kernel[(bsz, hkv)](
-        k, v, k_pool, v_pool, *scales, table, rows, spare, pos, sc, positions, k.stride(0), k.stride(1),
+        k, v, k_pool, v_pool, *scales, table, rows, spare, pos, sc, pos if count is None else count, positions,
+        k.stride(0), k.stride(1),
         k_pool.stride(0), k_pool.stride(1), scales[0].stride(0), scales[0].stride(1), table.stride(0),
         spare.stride(0), pos.stride(0), pos.stride(1), sc.stride(0), sc.stride(1), *rt["ring"],
         D=d, DP=triton.next_power_of_2(d), HAS_SCORE=score is not None, BITS=bits, GS=gs, FP8=fp8,
-        RESID=resid is not None, SINK=rt["sink"], RECENT=rt["recent"])
+        RESID=resid is not None, SINK=rt["sink"], RECENT=rt["recent"], HAS_COUNT=count is not None)
     victim = dict(pos=pos, spare=spare, positions=positions, prefix=prefix, recent=recent,
-                  by_score=score is not None, rank=rank)
-    return decode_attention(q, k_pool, v_pool, table, lens, score=score, score_mode=score_mode, ema_decay=ema_decay,
-                            quant=quant, rows=rows, victim=victim, resid=resid, layer=layer)
+                  by_score=score is not None, rank=rank, keep_pos=count is not None)
+    out = decode_attention(q, k_pool, v_pool, table, lens, score=score, score_mode=score_mode, ema_decay=ema_decay,
+                           quant=quant, rows=rows, victim=victim, resid=resid, layer=layer, count=count)
+    if count is not None:
+        from .triton_merge import merge_victims
+        merge_victims(k_pool, v_pool, table, rows, pos, score, count, spare, lens, prefix, merge, newest=positions,
+                      free=True)
+    return out
 
 
 @triton.jit

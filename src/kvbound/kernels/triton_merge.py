@@ -13,13 +13,13 @@ WEIGHTS = {"count": 0, "attention": 1, "age": 2}  # what a token weighs in the a
 @triton.jit
 def _merge_victim_kernel(K, V, Table, Rows, Pos, Score, Count, Victim, Lens, Newest,
                          stride_ks, stride_kh, stride_tb, stride_pr, stride_pj, stride_vb, width, prefix,
-                         D: tl.constexpr, BLOCK: tl.constexpr, WEIGHT: tl.constexpr):
+                         D: tl.constexpr, BLOCK: tl.constexpr, WEIGHT: tl.constexpr, FREE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.load(Lens + b)
     if n == width:  # a row below its budget evicts nothing
         row = tl.load(Rows + b).to(tl.int64)
-        jv = tl.load(Victim + b * stride_vb + h)
+        jv = tl.load(Victim + (row if FREE else b) * stride_vb + h)  # FREE: the rows' spare slots, by row
         offs_d = tl.arange(0, D)
         slot_v = tl.load(Table + b * stride_tb + jv).to(tl.int64)
         k_v = tl.load(K + slot_v * stride_ks + h * stride_kh + offs_d).to(tl.float32)
@@ -63,15 +63,21 @@ def _merge_victim_kernel(K, V, Table, Rows, Pos, Score, Count, Victim, Lens, New
             v_t, v_v = tl.load(V + t_ptr).to(tl.float32), tl.load(V + v_ptr).to(tl.float32)
             tl.store(V + t_ptr, ((w_t * v_t + w_v * v_v) / den).to(V.dtype.element_ty))
             tl.store(Count + at_t, c_t + c_v)
+        if FREE:
+            tl.store(Pos + row * stride_pr + jv * stride_pj + h, -1)
 
 
-def merge_victims(k_pool, v_pool, table, rows, pos, score, count, victim, lens, prefix: int, weight: str):
+def merge_victims(k_pool, v_pool, table, rows, pos, score, count, victim, lens, prefix: int, weight: str, newest=None,
+                  free: bool = False):
     """Each head's victim (local slot victim[b, h]) of rows whose lens[b] fill the table's width, merged into the held
     key past `prefix` (sinks and pins) of highest cosine similarity: K/V written in place in the unquantized pools
-    [slots, H, D] (table [B, W] their slots), count [R, W, H] updated at rows `rows`. weight: `WEIGHTS`' key."""
+    [slots, H, D] (table [B, W] their slots), count [R, W, H] updated at rows `rows`. weight: `WEIGHTS`' key.
+    newest [B]: each row's newest position (default: the largest held). free: the victims are the rows' spare slots,
+    victim [R, H] read at rows[b], whose positions the merge then frees (`triton_decode.evict_decode`)."""
     bsz, width = table.shape
     heads, d = k_pool.shape[1], k_pool.shape[2]
-    newest = pos[rows, :width].flatten(1).amax(1).to(torch.int32)
+    if newest is None:
+        newest = pos[rows, :width].flatten(1).amax(1)
     sc = count if score is None else score
     if v_pool.stride() != k_pool.stride():
         raise ValueError(f"merge_victims: K and V pools must share strides, got {k_pool.stride()}, {v_pool.stride()}")
@@ -81,4 +87,4 @@ def merge_victims(k_pool, v_pool, table, rows, pos, score, count, victim, lens, 
     _merge_victim_kernel[(bsz, heads)](
         k_pool, v_pool, table, rows, pos, sc, count, victim, lens, newest, k_pool.stride(0), k_pool.stride(1),
         table.stride(0), pos.stride(0), pos.stride(1), victim.stride(0), width, prefix, D=d,
-        BLOCK=min(64, triton.next_power_of_2(width)), WEIGHT=WEIGHTS[weight])
+        BLOCK=min(64, triton.next_power_of_2(width)), WEIGHT=WEIGHTS[weight], FREE=free)
