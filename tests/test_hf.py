@@ -196,6 +196,8 @@ def test_unsupported_attention_and_bad_arguments_are_named():
         kh.install_kv_eviction(m, "nope", budget=8)
     with pytest.raises(KvboundError, match="adakv gives heads and layers budgets of their own"):
         kh.install_kv_eviction(m, "adakv", budget=8)
+    with pytest.raises(KvboundError, match=r"merge=rank: transformers' cache does not merge evicted tokens yet"):
+        kh.install_kv_eviction(m, "observed-merge", budget=8)
     assert isinstance(kh.install_kv_eviction(m, budget=8), H2OPolicy)
 
 

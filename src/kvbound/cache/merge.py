@@ -4,8 +4,8 @@ An evicted token's key and value are averaged into the kept key of its KV head m
 never a sink or pinned token, which stay as they came), weighted by each one's rank (`merge="rank"`) or by the tokens
 each already stands for (`"count"`). The kept key then stands for both: its count grows by the victim's, and
 attention adds log(count) to its logit, so it draws the attention that its tokens would draw apart
-(`attention_bias`). On SmolLM2 at 2048 tokens and budget 256 this halved observed-attention eviction's perplexity
-loss in the prototype (benchmarks/ppl_merge.py; RESULTS.md).
+(`attention_bias`). On SmolLM2 at 2,048 tokens and budget 256 it keeps 0.34-0.41x of the window's perplexity loss,
+against 0.50-0.58x for observed-attention eviction alone (RESULTS.md, "Perplexity over length").
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from ..errors import KvboundError
 def refuse_merge(policy, where: str):
     """Where merging does not run (packed K/V, transformers' cache), a merging policy is refused, never run as plain
     eviction."""
-    if getattr(policy, "merge", None):
+    if policy.merge:
         raise KvboundError(f"merge={policy.merge}: {where} does not merge evicted tokens yet (drop merge=)")
 
 

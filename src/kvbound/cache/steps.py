@@ -468,6 +468,8 @@ def keep_and_rewrite(storage, layer, table, n, rows, pos, score, policy, cand_k,
     candidates are first merged into kept ones (`merge`), which an exact storage then writes."""
     b = policy.budget
     keep = policy.keep_mask(cand_pos, cand_score)
+    if count is not None and not storage.exact:
+        raise ValueError("merging rewrites kept K/V, which a packed pool would quantize twice")
     if count is not None:
         dropped = marked_first(~keep, -2)[:, :cand_pos.shape[1] - b]
         weight = merge_weight(policy, cand_pos, cand_score, cand_count)
