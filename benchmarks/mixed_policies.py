@@ -26,6 +26,8 @@ MIXES = {  # name -> the policies of its requests, in turn
     "h2o at 4 budgets": ["h2o:sink=4,heavy=124,recent=128", "h2o:sink=4,heavy=252,recent=256",
                          "h2o:sink=4,heavy=60,recent=64", "h2o:sink=4,heavy=188,recent=192"],
     "keydiff, head budgets (AdaKV)": ["keydiff:alpha=0.2"],
+    "full + 7 bounded (eval ruler's)": ["full", "window", "h2o-heavy", "observed", "tova", "snapkv", "knorm",
+                                        "keydiff"],
 }
 
 
@@ -75,12 +77,12 @@ def decode_rate(model, mix, args, tally):
 
 
 def ppl_rate(model, args):
-    """`eval ppl --engine`'s tokens scored per second: the baseline and three bounded strategies, one batch."""
+    """`eval ppl --engine`'s tokens scored per second: the baseline and `--ppl-strategies`, one batch."""
     from kvbound.eval.perplexity import engine_perplexity
     from kvbound.eval.strategies import CacheOptions, parse_strategies
     from kvbound.eval.bench import random_prompts
     options = CacheOptions()
-    strategies = parse_strategies(["baseline", "window", "h2o-heavy", "observed"], args.budget, options)
+    strategies = parse_strategies(["baseline", *args.ppl_strategies.split(",")], args.budget, options)
     samples = random_prompts(args.ppl_samples, args.ppl_len, model.config.vocab_size, seed=1)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -100,6 +102,7 @@ def main():
     ap.add_argument("--mixes", nargs="+", choices=list(MIXES), default=list(MIXES), help="the mixes to run")
     ap.add_argument("--ppl-samples", type=int, default=4, help="0: no eval ppl --engine rate")
     ap.add_argument("--ppl-len", type=int, default=1024)
+    ap.add_argument("--ppl-strategies", default="window,h2o-heavy,observed", help="beside the baseline")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import kvbound
@@ -129,8 +132,8 @@ def main():
     for name, r in rows.items():
         print(f"| {name} | {r['decode_tok_s']:,.0f} | {r['graph_share']:.0%} |")
     if ppl is not None:
-        print(f"eval ppl --engine (baseline, window, h2o-heavy, observed; {args.ppl_samples} x {args.ppl_len} "
-              f"tokens): {ppl:,.0f} tokens scored/s")
+        print(f"eval ppl --engine (baseline, {args.ppl_strategies.replace(',', ', ')}; {args.ppl_samples} x "
+              f"{args.ppl_len} tokens): {ppl:,.0f} tokens scored/s")
 
 
 if __name__ == "__main__":
