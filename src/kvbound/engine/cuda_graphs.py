@@ -8,7 +8,7 @@ from .runner import (AppendGroup, EvictGroup, GroupKey, SharedGroup, Spans, appe
                      decode_lens, group_spans)
 
 KINDS = ("append", "evict", "shared")  # the group kinds a graph can hold
-MAX_GROUPS = 4  # a step of more groups than this runs eagerly
+MAX_GROUPS = 16  # a step of more groups than this runs eagerly
 MAX_SEVERAL = 64  # graphs of several groups kept at once; the one replayed least recently goes first
 
 
