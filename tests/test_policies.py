@@ -512,3 +512,18 @@ def test_log_count_bias_equals_attention_over_copies(mode):
     if mode == "cumulative":
         idx = torch.cat([torch.arange(n).repeat_interleave(cached), torch.arange(n, n + t)])
         torch.testing.assert_close(scores, torch.zeros_like(scores).index_add_(1, idx, want_scores))
+
+
+def test_biased_prefill_in_chunks_of_sequences_equals_one_call(monkeypatch):
+    """A batch of prefill pieces whose biased logits pass `BIASED_ELEMENTS` runs in chunks of sequences: the same
+    outputs and scores as one call."""
+    import kvbound.kernels.reference as ref
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = torch.randn(5, 4, HQ, D, generator=gen), torch.randn(5, 10, HKV, D, generator=gen), \
+        torch.randn(5, 10, HKV, D, generator=gen)
+    bias = torch.rand(5, 10, HKV, generator=gen).log1p()
+    whole = ref.causal_attention_batch(q, k, v, "cumulative", bias=bias)
+    monkeypatch.setattr(ref, "BIASED_ELEMENTS", 2 * 4 * HQ * 10)  # two sequences a call
+    parts = ref.causal_attention_batch(q, k, v, "cumulative", bias=bias)
+    for a, b in zip(whole, parts):
+        torch.testing.assert_close(a, b)

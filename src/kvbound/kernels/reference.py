@@ -85,8 +85,17 @@ def causal_attention_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     return out, probs.sum(dim=(2, 3)).transpose(1, 2).contiguous()
 
 
+BIASED_ELEMENTS = 1 << 27  # the most logits one `_biased_batch` call holds: more sequences go in chunks of them
+
+
 def _biased_batch(q, k, v, score_mode, last_queries, bias):
-    """causal_attention_batch with a logit bias per key, in fp32 (no fused kernel takes one)."""
+    """causal_attention_batch with a logit bias per key, in fp32 (no fused kernel takes one), in chunks of sequences
+    whose logits fit BIASED_ELEMENTS."""
+    each = max(1, BIASED_ELEMENTS // (q.shape[1] * q.shape[2] * k.shape[1]))
+    if q.shape[0] > each:
+        parts = [_biased_batch(*(x[a:a + each] for x in (q, k, v)), score_mode, last_queries, bias[a:a + each])
+                 for a in range(0, q.shape[0], each)]
+        return torch.cat([o for o, _ in parts]), None if score_mode is None else torch.cat([s for _, s in parts])
     b, t, hq, d = q.shape
     hkv, m = k.shape[2], k.shape[1]
     g = hq // hkv
