@@ -504,7 +504,7 @@ def test_ruler_sample_offset_adds_the_next_instances(tiny):
 def test_merge_prototype_rows_equal_eval_ppl_and_merging_changes_them(tiny, tmp_path, monkeypatch):
     """benchmarks/ppl_merge.py's own eviction loop: its full, window, observed and merge-rank / merge-mass rows give
     `eval ppl`'s baseline, window, observed and observed-merge / merge=count perplexities (K/V in bf16); every merge
-    row moves away from observed. A merging strategy with packed K/V is refused in one line."""
+    row moves away from observed. A merging strategy with mixed widths is refused in one line."""
     from pathlib import Path
     from kvbound.eval.data import token_samples
     from kvbound.models import load
@@ -524,5 +524,5 @@ def test_merge_prototype_rows_equal_eval_ppl_and_merging_changes_them(tiny, tmp_
     assert len({round(got[m], 6) for m in ppl_merge.MODES[2:]}) == len(ppl_merge.MODES) - 2
     r = subprocess.run([sys.executable, "-m", "kvbound.cli", "eval", "ppl", "--model", str(tiny), "--text",
                         str(tiny / "text"), "--samples", "1", "--seq-len", "64", "--budget", "16", "--strategies",
-                        "observed-merge+kv8"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and "merging keeps K/V unquantized" in r.stderr and "Traceback" not in r.stderr, r.stderr
+                        "observed-merge+kvmixed"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "merging needs one K/V width" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -27,7 +27,7 @@ from .quant import QuantizedStore, RecentResiduals, check_mixed_policy
 from .stacked import StackedMeta, release
 from .merge import attention_bias
 from .steps import (WindowRead, chunk_attend, evict_decode, evict_merged, fresh_scores, keep_and_rewrite,
-                    piece_attention, read_kv, rescored, table_attention)
+                    merge_dropped, piece_attention, read_kv, rescored, table_attention)
 from .store import DenseStore
 
 
@@ -74,10 +74,9 @@ class KVCache:
         self.policy = policy or FullPolicy()
         self.bounded = self.policy.bounded
         self.budget = self.policy.budget
-        if self.policy.merge and (kv_bits is not None or rotate_keys is not None
-                                  or (store is not None and not store.storage.exact)):
-            raise KvboundError(f"merge={self.policy.merge}: merging needs unquantized K/V (no --kv-bits or "
-                               "--kv-cache-dtype fp8) and stream positions (no re-indexed positions)")
+        if self.policy.merge and (isinstance(kv_bits, dict) or rotate_keys is not None):
+            raise KvboundError(f"merge={self.policy.merge}: merging needs one K/V width (not --kv-bits "
+                               "heavy=4,recent=8) and stream positions (no re-indexed positions)")
         layers, h = config.num_layers, config.num_kv_heads
         cap = self.policy.capacity if self.bounded else initial_slots
         self.ring = None  # mixed widths' residuals: a one-row view (row 0 is this cache, as for pos and score)
@@ -327,7 +326,7 @@ class KVCache:
                 keep_and_rewrite(storage, layer, table, n, self.one_row, pos, score, self.policy, *cand,
                                  count=self._count(layer))
             else:
-                self._evict_and_write(layer, k, v, cand[2][0], None if cand[3] is None else cand[3][0])
+                self._evict_and_write(layer, k, v, *(None if c is None else c[0] for c in cand))
             if ring is not None:
                 ring.write(layer, self.one_row, positions[None], k[None], v[None])
             self.n[layer] = self.budget
@@ -421,15 +420,23 @@ class KVCache:
         self.pos[layer, b:] = -1
         self.n[layer] = b
 
-    def _evict_and_write(self, layer, k, v, cand_pos, cand_score):
+    def _evict_and_write(self, layer, k, v, cand_k, cand_v, cand_pos, cand_score, cand_count):
         """`keep_and_rewrite` for packed stores, which must not requantize kept tokens: keep `budget` of the
-        n cached + T new candidates, moving kept tokens into holes and quantizing only the new ones."""
+        n cached + T new candidates, moving kept tokens into holes and quantizing only the new ones, and the kept
+        ones that took evicted tokens (a merging policy's: new values, quantized once)."""
         n, h, b = self.n[layer], k.shape[1], self.budget
         new_pos = cand_pos[n:]
         new_score = None
         if cand_score is not None:  # the cached tokens' scores after this chunk, then the new tokens'
             self.score[layer, :n], new_score = cand_score[:n], cand_score[n:]
         keep = self.policy.keep_mask(cand_pos, cand_score)
+        took = torch.zeros_like(keep)
+        if self.count is not None:
+            merged = merge_dropped(self.policy, keep[None], cand_k[None], cand_v[None], cand_pos[None],
+                                   None if cand_score is None else cand_score[None], cand_count[None])
+            cand_k, cand_v, cand_count, took = (x[0] for x in merged)
+            self.count[layer, :n] = cand_count[:n]
+            k, v = (torch.where(took[n:, :, None], c[n:], x) for c, x in ((cand_k, k), (cand_v, v)))
         for head in range(h):
             kept_old = keep[:n, head]
             holes = (~kept_old[:b]).nonzero().flatten()
@@ -440,12 +447,20 @@ class KVCache:
             assert len(holes) == len(movers) + len(fresh), "policy kept a wrong number of tokens"
             dst_move, dst_new = holes[:len(movers)], holes[len(movers):]
             self._move(layer, torch.full_like(movers, head), movers, dst_move)
+            stay = (kept_old[:b] & took[:min(n, b), head]).nonzero().flatten()  # kept in place
+            src = torch.cat([stay, movers[took[movers, head]]])  # kept old tokens that took evicted ones
+            if len(src):
+                dst = torch.cat([stay, dst_move[took[movers, head]]])
+                self.store.write(layer, dst[:, None], cand_k[src, head][:, None], cand_v[src, head][:, None],
+                                 torch.full_like(dst[:, None], head))
             if len(fresh):
                 self.store.write(layer, dst_new[:, None], k[fresh, head][:, None], v[fresh, head][:, None],
                                  torch.full_like(dst_new[:, None], head))
                 self.pos[layer, dst_new, head] = new_pos[fresh, head]
                 if self.score is not None:
                     self.score[layer, dst_new, head] = new_score[fresh, head]
+                if self.count is not None:
+                    self.count[layer, dst_new, head] = cand_count[n + fresh, head]
         self.pos[layer, b:] = -1
         self.n[layer] = b
 

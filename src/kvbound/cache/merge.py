@@ -44,8 +44,8 @@ def merge_weight(policy, pos: torch.Tensor, score: torch.Tensor | None, count: t
 def merge_into_kept(k, v, count, weight, dropped, target_ok):
     """Merge the tokens at indices `dropped` [B, N, H] (each head's N evicted ones) of candidates k, v [B, M, H, D]
     (as attention reads them) into the most similar candidate that `target_ok` [B, M, H] allows; a token with none
-    allowed is dropped. count, weight [B, M, H]. Returns k, v and count after the merge, and each evicted token's
-    target [B, N, H] (meaningful where `merged` [B, N, H])."""
+    allowed is dropped. count, weight [B, M, H]. Returns k, v and count after the merge, each evicted token's target
+    [B, N, H] (meaningful where `merged` [B, N, H]), and which candidates took a token, `took` [B, M, H]."""
     d = k.shape[-1]
     at = dropped[..., None].expand(-1, -1, -1, d)
     unit = F.normalize(k.float(), dim=-1)
@@ -61,4 +61,4 @@ def merge_into_kept(k, v, count, weight, dropped, target_ok):
                                                           x.gather(1, at).float() * w_drop[..., None])
         return torch.where(took[..., None], (num / den[..., None]).to(x.dtype), x)
     count = count.scatter_add(1, target, torch.where(merged, count.gather(1, dropped), 0.0))
-    return mix(k), mix(v), count, target, merged
+    return mix(k), mix(v), count, target, merged, took

@@ -163,7 +163,8 @@ def evict_merged(storage, layer, table, rows, pos, spare, score, count, policy, 
         return evict_one(pos, spare, score, rows, policy, lens, victim)
     k, v = storage.gather(layer, table.long())
     ok = policy.mergeable(held).scatter(1, victim[:, None], False)
-    k, v, cnt, target, merged = merge_into_kept(k, v, cnt, merge_weight(policy, held, sc, cnt), victim[:, None], ok)
+    k, v, cnt, target, merged, _ = merge_into_kept(k, v, cnt, merge_weight(policy, held, sc, cnt), victim[:, None],
+                                                   ok)
     if lens is not None:
         full = lens.to(cnt.device)[:, None] == table.shape[1]
         merged, cnt = merged & full[:, None], torch.where(full[:, :, None], cnt, count[rows, :m])
@@ -449,6 +450,16 @@ def chunk_attend(q, k, v, storage, layer, table, n, rows, positions, pos, score,
     return out.flatten(0, 1), cand_k, cand_v, cand_pos, cand_score, cand_count
 
 
+def merge_dropped(policy, keep, cand_k, cand_v, cand_pos, cand_score, cand_count):
+    """Each head's candidates that `keep` [B, M, H] drops (all held: M - budget a head) merged into the kept ones
+    (`merge`): the candidates' K, V and counts after it, and which candidates took tokens [B, M, H]."""
+    dropped = marked_first(~keep, -2)[:, :cand_pos.shape[1] - policy.budget]
+    weight = merge_weight(policy, cand_pos, cand_score, cand_count)
+    k, v, count, _, _, took = merge_into_kept(cand_k, cand_v, cand_count, weight, dropped,
+                                              keep & policy.mergeable(cand_pos))
+    return k, v, count, took
+
+
 def kept_order(policy, cand_pos, cand_score, keep=None):
     """The candidates each head keeps (`keep`, else the policy's keep mask), as indices in stream order:
     [..., budget, H] of [..., M, H]."""
@@ -468,13 +479,9 @@ def keep_and_rewrite(storage, layer, table, n, rows, pos, score, policy, cand_k,
     candidates are first merged into kept ones (`merge`), which an exact storage then writes."""
     b = policy.budget
     keep = policy.keep_mask(cand_pos, cand_score)
-    if count is not None and not storage.exact:
-        raise ValueError("merging rewrites kept K/V, which a packed pool would quantize twice")
+    took = None
     if count is not None:
-        dropped = marked_first(~keep, -2)[:, :cand_pos.shape[1] - b]
-        weight = merge_weight(policy, cand_pos, cand_score, cand_count)
-        cand_k, cand_v, cand_count, _, _ = merge_into_kept(cand_k, cand_v, cand_count, weight, dropped,
-                                                          keep & policy.mergeable(cand_pos))
+        cand_k, cand_v, cand_count, took = merge_dropped(policy, keep, cand_k, cand_v, cand_pos, cand_score, cand_count)
     order = kept_order(policy, cand_pos, cand_score, keep)  # [B, b, H]
     first = min(policy.protected_prefix, n)
     if storage.exact:
@@ -482,6 +489,8 @@ def keep_and_rewrite(storage, layer, table, n, rows, pos, score, policy, cand_k,
     else:
         cached = storage.gather_raw(layer, table[:, :n].long())
         cands = [torch.cat([c, p], 1) for c, p in zip(cached, storage.pack(*new))]
+        if took is not None:  # a key that took tokens is a new value, packed once; the others keep their bytes
+            cands = [torch.where(took[..., None], r, c) for c, r in zip(cands, storage.pack(cand_k, cand_v))]
     kept = [c.gather(1, order[:, first:, :, None].expand(-1, -1, -1, c.shape[3])) for c in cands]
     if storage.exact:
         storage.write(layer, table[:, first:b].long(), *kept)

@@ -170,8 +170,8 @@ class LLMEngine:
         self.device = next(model.parameters()).device
         self.kv_dtype = kv_dtype or next(model.parameters()).dtype
         self.default_policy = policy or FullPolicy()
-        if kv_bits is not None:
-            refuse_merge(self.default_policy, "a packed pool (--kv-bits, --kv-cache-dtype fp8)")
+        if isinstance(kv_bits, dict):
+            refuse_merge(self.default_policy, "mixed widths (--kv-bits heavy=4,recent=8)")
         num_blocks = num_blocks or max(1, kv_cache_tokens // block_size)
         mixed = kv_bits if isinstance(kv_bits, dict) else None
         if mixed is not None:
@@ -264,8 +264,8 @@ class LLMEngine:
             raise KvboundError("stop strings need a tokenizer")
         if self.mixed is not None:
             check_mixed_policy(policy or self.default_policy)
-        if self.pool.packed is not None:
-            refuse_merge(policy or self.default_policy, "a packed pool (--kv-bits, --kv-cache-dtype fp8)")
+        if self.mixed is not None:
+            refuse_merge(policy or self.default_policy, "mixed widths (--kv-bits heavy=4,recent=8)")
         check_question_start(question_start, len(prompt))
         seq = Sequence(request_id, 0, prompt, params, policy or self.default_policy, arrival=time.perf_counter(),
                        seed=self._seed(params, 0), question_start=question_start)

@@ -56,8 +56,8 @@ def parse_strategies(names: list[str], budget: int, options: CacheOptions, pinne
                 raise KvboundError(f"strategy {name!r}: unknown suffix +{quant} (use +kv8, +kv4, +kvmixed)")
             bits = KV_SUFFIXES[quant]
         policy = parse_policy(base, budget, pinned=pinned, **policy_defaults)
-        if policy.merge and bits is not None:
-            raise KvboundError(f"strategy {name!r}: merging keeps K/V unquantized (drop the +kv suffix or --kv-bits)")
+        if policy.merge and isinstance(bits, dict):
+            raise KvboundError(f"strategy {name!r}: merging needs one K/V width (not heavy=4,recent=8)")
         out[name] = (policy, bits)
     return out
 
