@@ -1107,6 +1107,27 @@ def test_packed_pools_on_cuda_batched_equal_alone(model32, bits, monkeypatch):
         model32.cpu()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the packed decode kernel with merged keys' counts")
+@pytest.mark.parametrize("bits", [8, 4, "fp8"])
+def test_merging_over_packed_pools_on_cuda_batched_equal_alone(model32, bits):
+    """On CUDA, merging over packed blocks (the decode kernel reads each key's count; the victim and the merge in
+    PyTorch, the target written packed): batched greedy tokens equal each request alone, and for 8/4 bits the
+    single-sequence quantized cache's."""
+    gpu = model32.cuda()
+    try:
+        specs = ["h2o:sink=2,heavy=10,recent=12,score=observed,merge=rank",
+                 "knorm:sink=2,heavy=12,recent=10,merge=count"]
+        reqs = [(prompt(80 + i, 20 + 11 * i), specs[i % 2]) for i in range(4)]
+        got, _ = run_engine(gpu, reqs, shared_policies=True, num_blocks=256, kv_bits=bits, kv_group_size=32)
+        for (ids, spec), out in zip(reqs, got):
+            assert out == run_engine(gpu, [(ids, spec)], num_blocks=256, kv_bits=bits, kv_group_size=32)[0][0], spec
+            if bits != "fp8":
+                cache = KVCache(gpu.config, parse_policy(spec), device="cuda", kv_bits=bits, kv_group_size=32)
+                assert out == list(generate_ids(gpu, ids, GREEDY, cache, (), 16)), spec
+    finally:
+        model32.cpu()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused evict kernels on packed pools")
 @pytest.mark.parametrize("budgets", ["", ",alpha=0.2"])
 @pytest.mark.parametrize("bits", [8, 4, "fp8"])
