@@ -16,7 +16,7 @@ from ..errors import KvboundError
 
 
 def refuse_merge(policy, where: str):
-    """Where merging does not run (packed K/V, transformers' cache), a merging policy is refused, never run as plain
+    """Where merging does not run (mixed widths, transformers' cache), a merging policy is refused, never run as plain
     eviction."""
     if policy.merge:
         raise KvboundError(f"merge={policy.merge}: {where} does not merge evicted tokens yet (drop merge=)")
