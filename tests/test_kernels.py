@@ -742,18 +742,21 @@ def _check_evict_decode(spec, held=None):
         assert (spare == spare[:, :1]).all() and (pos == pos[..., :1]).all()
 
 
-@pytest.mark.parametrize("bits,spec", [(8, "h2o"), (4, "h2o"), ("mixed", "h2o"), (8, "keydiff"), (4, "knorm")])
+@pytest.mark.parametrize("bits,spec", [(8, "h2o"), (4, "h2o"), ("mixed", "h2o"), (8, "keydiff"), (4, "knorm"),
+                                       (8, "h2o:score=observed,merge=rank"), (4, "knorm:merge=count")])
 def test_fused_evict_decode_on_packed_pools_matches_torch_path(bits, spec):
     """Packed pools (8/4-bit codes, group 32): the fused store quantizes the new token into each head's spare
     slot bit for bit as the pool's PyTorch packer, and attention and victims follow. Mixed widths (a 4-bit pool
     and the window's residuals in the stacked rows): the store writes the new token's residuals, and attention
     adds every held residual, as the PyTorch steps do. keydiff and knorm score the keys as the pool reads them
-    back (dequantized)."""
+    back (dequantized). Merging policies read keys and values dequantized and pack the merged ones, as the PyTorch
+    steps do (the same codes up to a rounding of the average)."""
     from kvbound.cache.block_pool import BlockPool
+    from kvbound.cache.merge import merge_mode
     from kvbound.cache.policies import parse_policy
     from kvbound.cache.quant import RecentResiduals
     from kvbound.kernels.triton_decode import evict_decode
-    pol = parse_policy(f"{spec}:sink=2,heavy=5,recent=3")
+    pol = parse_policy(f"{spec},sink=2,heavy=5,recent=3" if ":" in spec else f"{spec}:sink=2,heavy=5,recent=3")
     meta, dense, table, rows, step = _evict_state(pol, 11 + (0 if bits == "mixed" else bits))
     layers, slots, heads, d = dense.k.shape
     if bits == "mixed":
@@ -782,9 +785,16 @@ def test_fused_evict_decode_on_packed_pools_matches_torch_path(bits, spec):
     got = evict_decode(dev(step["q"]), dev(step["k"]), dev(step["v"]), raw[0], raw[3], dev(table), dev(lens),
                        dev(rows), dev(step["positions"]), pos, spare, score, pol.fold, pol.fold_decay,
                        *pol.fused_protection(), quant=quant, rank=pol.rank_source,
-                       resid=None if ring is None else ring.kernel_args(layer, dev(rows), dev(step["positions"]), pos))
+                       resid=None if ring is None else ring.kernel_args(layer, dev(rows), dev(step["positions"]), pos),
+                       count=None if meta.count is None else dev(meta.count.clone()[:, layer]), merge=merge_mode(pol))
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
-    for got_t, want_t in zip(raw, ref_pool.raw):
+    if pol.merge:
+        pool.write_raw(layer, torch.arange(raw[0].shape[0]), [t.cpu().clone() for t in raw])  # the kernel's bytes
+        for got_kv, want_kv in zip(pool.gather(layer, torch.arange(raw[0].shape[0])),
+                                   ref_pool.gather(layer, torch.arange(raw[0].shape[0]))):
+            torch.testing.assert_close(got_kv, want_kv, atol=0.05, rtol=0)
+        assert (ref_pool.raw[0][layer] != pool.raw[0][layer]).sum() <= 2 * 3 * 2 * 32  # at most the targets' codes
+    for got_t, want_t in zip(raw if not pol.merge else (), ref_pool.raw):
         assert torch.equal(got_t.cpu(), want_t[layer])
     if ring is not None:
         for got_t, want_t in zip(ring.tensors(), ref_meta.ring.tensors()):

@@ -143,11 +143,18 @@ def evict_one(pos, spare, score, rows, policy, lens=None, victim=None):
     spare[rows] = victim
 
 
+def _head_dim(args) -> int:
+    """The head size of a storage's kernel arguments (k_pool, v_pool, quant): packed 8/4-bit codes hold D * bits / 8
+    bytes a head."""
+    quant = args[2]
+    return args[0].shape[-1] * 8 // quant["bits"] if quant and quant["bits"] != "fp8" else args[0].shape[-1]
+
+
 def evict_merged(storage, layer, table, rows, pos, spare, score, count, policy, lens=None):
     """`evict_one`, each head's victim first merged into its most similar kept key (`merge`) when `count` [R, cap, H]
     (the tokens each slot stands for) is given: the target's K/V are rewritten and its count grows. A row below its
-    budget (lens[b] < table.shape[1]) merges nothing. On CUDA, over unquantized K/V and a protection the kernels know,
-    the merge is one kernel (`kernels.triton_merge`)."""
+    budget (lens[b] < table.shape[1]) merges nothing. On CUDA, with a protection the kernels know, the merge is one
+    kernel (`kernels.triton_merge`), over any pool format."""
     if count is None:
         return evict_one(pos, spare, score, rows, policy, lens)
     m = table.shape[1]
@@ -156,10 +163,11 @@ def evict_merged(storage, layer, table, rows, pos, spare, score, count, policy, 
     victim = policy.victim(held, sc)
     fused = policy.fused_protection()
     args = storage.kernel_args(layer) if table.is_cuda and fused is not None else None
-    if args is not None and args[2] is None and not args[0].shape[-1] & (args[0].shape[-1] - 1):
+    if args is not None and _head_dim(args) & (_head_dim(args) - 1) == 0:  # the kernel's tiles: a power of two
         from ..kernels.triton_merge import merge_victims
         full = torch.full((table.shape[0],), m, dtype=torch.int32, device=table.device) if lens is None else lens
-        merge_victims(args[0], args[1], table, rows, pos, score, count, victim, full, fused[0], merge_mode(policy))
+        merge_victims(args[0], args[1], table, rows, pos, score, count, victim, full, fused[0], merge_mode(policy),
+                      quant=args[2])
         return evict_one(pos, spare, score, rows, policy, lens, victim)
     k, v = storage.gather(layer, table.long())
     ok = policy.mergeable(held).scatter(1, victim[:, None], False)
@@ -190,9 +198,8 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
     args = kernel_reads(storage, layer, q, policy)
     read = None if ring is None else WindowRead(ring, rows, positions, pos)
     keys_read = policy.rank_source.startswith("key")  # the kernels read keys without the window's residuals
-    merges = count is not None and args is not None and args[2] is None  # the merge kernel: unquantized pools
     if (q.is_cuda and fused is not None and args is not None and not (keys_read and ring is not None)
-            and (count is None or merges)):
+            and (count is None or ring is None)):
         from ..kernels.triton_decode import evict_decode as fused_step  # the store writes the residuals too
         return fused_step(q, k, v, args[0], args[1], table, lens, rows, positions, pos, spare, score, policy.fold,
                           policy.fold_decay, *fused, quant=args[2],

@@ -1061,9 +1061,9 @@ def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spa
     token's residuals written into its ring entry first; `layer` and `rank` as for `decode_attention` (the key
     ranks read no residuals). count [R, cap, H] (laid out as pos) and merge (`triton_merge.WEIGHTS`' key): the new
     token counts 1, attention adds each key's log count, and each victim merges into its most similar kept key
-    (`triton_merge`) before its position is freed; unquantized pools only."""
-    if count is not None and (quant is not None or count.stride() != pos.stride()):
-        raise ValueError("merging: unquantized pools, and count laid out as pos")
+    (`triton_merge`, which packs the merged key as the store does) before its position is freed."""
+    if count is not None and (count.stride() != pos.stride() or resid is not None):
+        raise ValueError("merging: count laid out as pos, and one K/V width (no residuals)")
     if rank.startswith("key") and resid is not None:
         raise ValueError(f"rank {rank!r} reads the keys without the window's residuals")
     bsz, hkv, d = k.shape
@@ -1084,7 +1084,7 @@ def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spa
     if count is not None:
         from .triton_merge import merge_victims
         merge_victims(k_pool, v_pool, table, rows, pos, score, count, spare, lens, prefix, merge, newest=positions,
-                      free=True)
+                      free=True, quant=quant)
     return out
 
 

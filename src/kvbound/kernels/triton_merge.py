@@ -1,28 +1,67 @@
 """A decode step's merge on CUDA (`cache.merge`; the PyTorch steps are `cache.steps.evict_merged`): one program per
 (sequence, KV head) finds the kept key most like the victim's, averages the victim's key and value into it and adds
-the victim's count to its count, in one launch instead of some fifty small PyTorch operations a layer."""
+the victim's count to its count, in one launch instead of some fifty small PyTorch operations a layer. Over packed
+pools (8/4-bit codes, fp8) it reads keys and values dequantized and writes the merged key and value packed, as the
+store kernel packs a new token."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
+from .triton_decode import _dequant, _put, _quant_args
+
 WEIGHTS = {"count": 0, "attention": 1, "age": 2}  # what a token weighs in the average: its count, or its rank
 
 
 @triton.jit
-def _merge_victim_kernel(K, V, Table, Rows, Pos, Score, Count, Victim, Lens, Newest,
-                         stride_ks, stride_kh, stride_tb, stride_pr, stride_pj, stride_vb, width, prefix,
-                         D: tl.constexpr, BLOCK: tl.constexpr, WEIGHT: tl.constexpr, FREE: tl.constexpr):
+def _rows(P, S, B, slot, h, ok, stride_ps, stride_ph, stride_ss, stride_sh, D: tl.constexpr, BITS: tl.constexpr,
+          GS: tl.constexpr, FP8: tl.constexpr):
+    """K or V of head h at `slot` [N] where `ok`, as fp32 [N, D] (0 elsewhere), from any pool format."""
+    offs_d = tl.arange(0, D)
+    if FP8:
+        x = tl.load(P + slot[:, None] * stride_ps + h * stride_ph + offs_d[None, :], mask=ok[:, None], other=0.0)
+        sc = tl.load(S + slot * stride_ss + h * stride_sh, mask=ok, other=0.0).to(tl.float32)
+        return x.to(tl.float32) * sc[:, None]
+    elif BITS == 16:
+        return tl.load(P + slot[:, None] * stride_ps + h * stride_ph + offs_d[None, :], mask=ok[:, None],
+                       other=0.0).to(tl.float32)
+    else:
+        return _dequant(P, S, B, slot, h, ok, stride_ps, stride_ph, stride_ss, stride_sh, D, BITS, GS, True,
+                        False).to(tl.float32)
+
+
+@triton.jit
+def _row(P, S, B, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D: tl.constexpr, BITS: tl.constexpr,
+         GS: tl.constexpr, FP8: tl.constexpr):
+    """One token's K or V of head h, fp32 [D]: a block of 16 copies of its slot, the first read, summed."""
+    first = tl.arange(0, 16) == 0
+    return tl.sum(_rows(P, S, B, tl.full([16], 0, tl.int64) + slot, h, first, stride_ps, stride_ph, stride_ss,
+                        stride_sh, D, BITS, GS, FP8), 0)
+
+
+@triton.jit
+def _write_row(x, P, S, B, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D: tl.constexpr, BITS: tl.constexpr,
+               GS: tl.constexpr, FP8: tl.constexpr):
+    if BITS == 16 and not FP8:
+        tl.store(P + slot * stride_ps + h * stride_ph + tl.arange(0, D), x.to(P.dtype.element_ty))
+    else:
+        _put(x, P, S, B, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D, BITS, GS, FP8)
+
+
+@triton.jit
+def _merge_victim_kernel(K, V, KS, KB, VS, VB, Table, Rows, Pos, Score, Count, Victim, Lens, Newest,
+                         stride_ks, stride_kh, stride_ss, stride_sh, stride_tb, stride_pr, stride_pj, stride_vb, width,
+                         prefix, D: tl.constexpr, BLOCK: tl.constexpr, WEIGHT: tl.constexpr, FREE: tl.constexpr,
+                         BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.load(Lens + b)
     if n == width:  # a row below its budget evicts nothing
         row = tl.load(Rows + b).to(tl.int64)
         jv = tl.load(Victim + (row if FREE else b) * stride_vb + h)  # FREE: the rows' spare slots, by row
-        offs_d = tl.arange(0, D)
         slot_v = tl.load(Table + b * stride_tb + jv).to(tl.int64)
-        k_v = tl.load(K + slot_v * stride_ks + h * stride_kh + offs_d).to(tl.float32)
+        k_v = _row(K, KS, KB, slot_v, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
         unit_v = k_v / tl.maximum(tl.sqrt(tl.sum(k_v * k_v, 0)), 1e-12)
         best = float("-inf")
         best_j = -1
@@ -32,8 +71,7 @@ def _merge_victim_kernel(K, V, Table, Rows, Pos, Score, Count, Victim, Lens, New
             p = tl.load(Pos + row * stride_pr + offs * stride_pj + h, mask=valid, other=-1)
             ok = valid & (p >= prefix) & (offs != jv)  # held, past the sinks and pins, not the victim
             slot = tl.load(Table + b * stride_tb + offs, mask=ok, other=0).to(tl.int64)
-            k = tl.load(K + slot[:, None] * stride_ks + h * stride_kh + offs_d[None, :], mask=ok[:, None],
-                        other=0.0).to(tl.float32)
+            k = _rows(K, KS, KB, slot, h, ok, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
             cos = tl.sum(k * unit_v[None, :], 1) / tl.maximum(tl.sqrt(tl.sum(k * k, 1)), 1e-12)
             cos = tl.where(ok, cos, float("-inf"))
             top = tl.max(cos, 0)
@@ -55,27 +93,31 @@ def _merge_victim_kernel(K, V, Table, Rows, Pos, Score, Count, Victim, Lens, New
                     w_v = w_v / tl.maximum(newest - tl.load(Pos + at_v) + 1, 1).to(tl.float32)
                 w_t, w_v = w_t + 1e-6, w_v + 1e-6
             slot_t = tl.load(Table + b * stride_tb + best_j).to(tl.int64)
-            t_ptr = slot_t * stride_ks + h * stride_kh + offs_d
-            v_ptr = slot_v * stride_ks + h * stride_kh + offs_d
             den = w_t + w_v
-            k_t = tl.load(K + t_ptr).to(tl.float32)
-            tl.store(K + t_ptr, ((w_t * k_t + w_v * k_v) / den).to(K.dtype.element_ty))
-            v_t, v_v = tl.load(V + t_ptr).to(tl.float32), tl.load(V + v_ptr).to(tl.float32)
-            tl.store(V + t_ptr, ((w_t * v_t + w_v * v_v) / den).to(V.dtype.element_ty))
+            k_t = _row(K, KS, KB, slot_t, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
+            v_t = _row(V, VS, VB, slot_t, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
+            v_v = _row(V, VS, VB, slot_v, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
+            _write_row((w_t * k_t + w_v * k_v) / den, K, KS, KB, slot_t, h, stride_ks, stride_kh, stride_ss,
+                       stride_sh, D, BITS, GS, FP8)
+            _write_row((w_t * v_t + w_v * v_v) / den, V, VS, VB, slot_t, h, stride_ks, stride_kh, stride_ss,
+                       stride_sh, D, BITS, GS, FP8)
             tl.store(Count + at_t, c_t + c_v)
         if FREE:
             tl.store(Pos + row * stride_pr + jv * stride_pj + h, -1)
 
 
 def merge_victims(k_pool, v_pool, table, rows, pos, score, count, victim, lens, prefix: int, weight: str, newest=None,
-                  free: bool = False):
+                  free: bool = False, quant=None):
     """Each head's victim (local slot victim[b, h]) of rows whose lens[b] fill the table's width, merged into the held
-    key past `prefix` (sinks and pins) of highest cosine similarity: K/V written in place in the unquantized pools
-    [slots, H, D] (table [B, W] their slots), count [R, W, H] updated at rows `rows`. weight: `WEIGHTS`' key.
-    newest [B]: each row's newest position (default: the largest held). free: the victims are the rows' spare slots,
-    victim [R, H] read at rows[b], whose positions the merge then frees (`triton_decode.evict_decode`)."""
+    key past `prefix` (sinks and pins) of highest cosine similarity: K/V written in place in the pools [slots, H, ...]
+    (table [B, W] their slots; `quant` as for `triton_decode.decode_attention`, the merged key and value then packed),
+    count [R, W, H] updated at rows `rows`. weight: `WEIGHTS`' key. newest [B]: each row's newest position (default:
+    the largest held). free: the victims are the rows' spare slots, victim [R, H] read at rows[b], whose positions the
+    merge then frees (`triton_decode.evict_decode`)."""
     bsz, width = table.shape
-    heads, d = k_pool.shape[1], k_pool.shape[2]
+    heads, d = k_pool.shape[1], (k_pool.shape[2] if quant is None or quant["bits"] == "fp8"
+                                 else k_pool.shape[2] * 8 // quant["bits"])
+    bits, gs, fp8, scales = _quant_args(quant, k_pool, d)
     if newest is None:
         newest = pos[rows, :width].flatten(1).amax(1)
     sc = count if score is None else score
@@ -85,6 +127,7 @@ def merge_victims(k_pool, v_pool, table, rows, pos, score, count, victim, lens, 
             == sc.stride()[:2]):
         raise ValueError("merge_victims: pos, score and count must share one layout, heads contiguous")
     _merge_victim_kernel[(bsz, heads)](
-        k_pool, v_pool, table, rows, pos, sc, count, victim, lens, newest, k_pool.stride(0), k_pool.stride(1),
-        table.stride(0), pos.stride(0), pos.stride(1), victim.stride(0), width, prefix, D=d,
-        BLOCK=min(64, triton.next_power_of_2(width)), WEIGHT=WEIGHTS[weight], FREE=free)
+        k_pool, v_pool, *scales, table, rows, pos, sc, count, victim, lens, newest, k_pool.stride(0),
+        k_pool.stride(1), scales[0].stride(0) if quant else 0, scales[0].stride(1) if quant else 0, table.stride(0),
+        pos.stride(0), pos.stride(1), victim.stride(0), width, prefix, D=d,
+        BLOCK=min(64, triton.next_power_of_2(width)), WEIGHT=WEIGHTS[weight], FREE=free, BITS=bits, GS=gs, FP8=fp8)
