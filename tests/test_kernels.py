@@ -707,9 +707,21 @@ def test_evict_decode_below_budget_evicts_nothing(spec):
     _check_evict_decode(spec, held=(None, 1, "short"))
 
 
+def _fused_evict(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spare, score, mode, decay, prefix, recent,
+                 merge=None, **kw):
+    """The fused evict step as `cache.steps.evict_decode` runs it: the kernels, then a merging policy's merge."""
+    from kvbound.kernels.triton_decode import evict_decode
+    from kvbound.kernels.triton_merge import merge_victims
+    out = evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spare, score, mode, decay, prefix,
+                       recent, **kw)
+    if kw.get("count") is not None:
+        merge_victims(k_pool, v_pool, table, rows, pos, score, kw["count"], spare, lens, prefix, merge,
+                      newest=positions, free=True, quant=kw.get("quant"))
+    return out
+
+
 def _check_evict_decode(spec, held=None):
     from kvbound.cache.merge import merge_mode
-    from kvbound.kernels.triton_decode import evict_decode
     from kvbound.cache.policies import parse_policy
     pol = parse_policy(spec, pinned=((1, 2),) if "window" in spec else ())
     held = held and [pol.budget - 1 if m == "short" else m for m in held]
@@ -724,7 +736,7 @@ def _check_evict_decode(spec, held=None):
     kp, vp, pos, spare = dev(pool.k[layer]), dev(pool.v[layer]), dev(meta.pos[:, layer]), dev(meta.spare[:, layer])
     score = None if meta.score is None else dev(meta.score[:, layer])
     count = None if meta.count is None else dev(meta.count.clone()[:, layer])  # laid out as pos
-    got = evict_decode(dev(step["q"]), dev(step["k"]), dev(step["v"]), kp, vp, dev(table), dev(lens), dev(rows),
+    got = _fused_evict(dev(step["q"]), dev(step["k"]), dev(step["v"]), kp, vp, dev(table), dev(lens), dev(rows),
                        dev(step["positions"]), pos, spare, score, pol.fold, pol.fold_decay,
                        *pol.fused_protection(), layer=pol.granularity == "layer", rank=pol.rank_source, count=count,
                        merge=merge_mode(pol))
@@ -755,7 +767,6 @@ def test_fused_evict_decode_on_packed_pools_matches_torch_path(bits, spec):
     from kvbound.cache.merge import merge_mode
     from kvbound.cache.policies import parse_policy
     from kvbound.cache.quant import RecentResiduals
-    from kvbound.kernels.triton_decode import evict_decode
     pol = parse_policy(f"{spec},sink=2,heavy=5,recent=3" if ":" in spec else f"{spec}:sink=2,heavy=5,recent=3")
     meta, dense, table, rows, step = _evict_state(pol, 11 + (0 if bits == "mixed" else bits))
     layers, slots, heads, d = dense.k.shape
@@ -782,7 +793,7 @@ def test_fused_evict_decode_on_packed_pools_matches_torch_path(bits, spec):
         ring = RecentResiduals(*meta.pos.shape[:2], heads, d, pol.sink, pol.recent, 32, DEV)
         for dst, src in zip(ring.tensors(), meta.ring.tensors()):
             dst.copy_(src)
-    got = evict_decode(dev(step["q"]), dev(step["k"]), dev(step["v"]), raw[0], raw[3], dev(table), dev(lens),
+    got = _fused_evict(dev(step["q"]), dev(step["k"]), dev(step["v"]), raw[0], raw[3], dev(table), dev(lens),
                        dev(rows), dev(step["positions"]), pos, spare, score, pol.fold, pol.fold_decay,
                        *pol.fused_protection(), quant=quant, rank=pol.rank_source,
                        resid=None if ring is None else ring.kernel_args(layer, dev(rows), dev(step["positions"]), pos),

@@ -201,10 +201,15 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
     if (q.is_cuda and fused is not None and args is not None and not (keys_read and ring is not None)
             and (count is None or ring is None)):
         from ..kernels.triton_decode import evict_decode as fused_step  # the store writes the residuals too
-        return fused_step(q, k, v, args[0], args[1], table, lens, rows, positions, pos, spare, score, policy.fold,
-                          policy.fold_decay, *fused, quant=args[2],
-                          resid=None if read is None else read.kernel_args(layer), layer=by_layer(policy),
-                          rank=policy.rank_source, count=count, merge=merge_mode(policy))
+        out = fused_step(q, k, v, args[0], args[1], table, lens, rows, positions, pos, spare, score, policy.fold,
+                         policy.fold_decay, *fused, quant=args[2],
+                         resid=None if read is None else read.kernel_args(layer), layer=by_layer(policy),
+                         rank=policy.rank_source, count=count)
+        if count is not None:  # each victim, still at its position, merges, then leaves
+            from ..kernels.triton_merge import merge_victims
+            merge_victims(args[0], args[1], table, rows, pos, score, count, spare, lens, fused[0], merge_mode(policy),
+                          newest=positions, free=True, quant=args[2])
+        return out
     if ring is not None:
         ring.write(layer, rows, positions[:, None], k[:, None], v[:, None])
     r, heads = rows[:, None], torch.arange(k.shape[1], device=k.device)[None, :]

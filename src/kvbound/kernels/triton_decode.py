@@ -1050,8 +1050,7 @@ def _evict_store_kernel(KN, VN, KP, VP, KS, KB, VS, VB, Table, Rows, Spare, Pos,
 
 
 def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spare, score, score_mode, ema_decay,
-                 prefix: int, recent: int, quant=None, resid=None, layer=False, rank="attention", count=None,
-                 merge=None):
+                 prefix: int, recent: int, quant=None, resid=None, layer=False, rank="attention", count=None):
     """One layer of the engine's steady-state bounded decode, fused: each head's new token into its spare
     slot, attention with score export over the `table` slots, and each head's next victim, which becomes
     its spare slot. pos/score/spare are the layer's stacked metadata [R, cap, H] / [R, H], read at
@@ -1059,9 +1058,9 @@ def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spa
     tokens are a prefix of positions plus the `recent` newest. With `quant` (a packed pool, as for
     `decode_attention`) the new K/V are quantized into the spare slots; `resid` as for `decode_attention`, the new
     token's residuals written into its ring entry first; `layer` and `rank` as for `decode_attention` (the key
-    ranks read no residuals). count [R, cap, H] (laid out as pos) and merge (`triton_merge.WEIGHTS`' key): the new
-    token counts 1, attention adds each key's log count, and each victim merges into its most similar kept key
-    (`triton_merge`, which packs the merged key as the store does) before its position is freed."""
+    ranks read no residuals). count [R, cap, H] (laid out as pos), a merging policy's: the new token counts 1,
+    attention adds each key's log count, and each victim keeps its position for the merge that follows
+    (`triton_merge.merge_victims(..., free=True)`, which then frees it)."""
     if count is not None and (count.stride() != pos.stride() or resid is not None):
         raise ValueError("merging: count laid out as pos, and one K/V width (no residuals)")
     if rank.startswith("key") and resid is not None:
@@ -1079,13 +1078,8 @@ def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spa
         RESID=resid is not None, SINK=rt["sink"], RECENT=rt["recent"], HAS_COUNT=count is not None)
     victim = dict(pos=pos, spare=spare, positions=positions, prefix=prefix, recent=recent,
                   by_score=score is not None, rank=rank, keep_pos=count is not None)
-    out = decode_attention(q, k_pool, v_pool, table, lens, score=score, score_mode=score_mode, ema_decay=ema_decay,
-                           quant=quant, rows=rows, victim=victim, resid=resid, layer=layer, count=count)
-    if count is not None:
-        from .triton_merge import merge_victims
-        merge_victims(k_pool, v_pool, table, rows, pos, score, count, spare, lens, prefix, merge, newest=positions,
-                      free=True, quant=quant)
-    return out
+    return decode_attention(q, k_pool, v_pool, table, lens, score=score, score_mode=score_mode, ema_decay=ema_decay,
+                            quant=quant, rows=rows, victim=victim, resid=resid, layer=layer, count=count)
 
 
 @triton.jit
