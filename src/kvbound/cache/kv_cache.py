@@ -430,7 +430,6 @@ class KVCache:
         if cand_score is not None:  # the cached tokens' scores after this chunk, then the new tokens'
             self.score[layer, :n], new_score = cand_score[:n], cand_score[n:]
         keep = self.policy.keep_mask(cand_pos, cand_score)
-        took = torch.zeros_like(keep)
         if self.count is not None:
             merged = merge_dropped(self.policy, keep[None], cand_k[None], cand_v[None], cand_pos[None],
                                    None if cand_score is None else cand_score[None], cand_count[None])
@@ -447,10 +446,10 @@ class KVCache:
             assert len(holes) == len(movers) + len(fresh), "policy kept a wrong number of tokens"
             dst_move, dst_new = holes[:len(movers)], holes[len(movers):]
             self._move(layer, torch.full_like(movers, head), movers, dst_move)
-            stay = (kept_old[:b] & took[:min(n, b), head]).nonzero().flatten()  # kept in place
-            src = torch.cat([stay, movers[took[movers, head]]])  # kept old tokens that took evicted ones
-            if len(src):
-                dst = torch.cat([stay, dst_move[took[movers, head]]])
+            if self.count is not None:  # kept old tokens that took evicted ones: in place, or moved
+                stay = (kept_old[:b] & took[:min(n, b), head]).nonzero().flatten()
+                moved = took[movers, head]
+                src, dst = torch.cat([stay, movers[moved]]), torch.cat([stay, dst_move[moved]])
                 self.store.write(layer, dst[:, None], cand_k[src, head][:, None], cand_v[src, head][:, None],
                                  torch.full_like(dst[:, None], head))
             if len(fresh):

@@ -594,8 +594,9 @@ def named_policy(name: str, budget: int | None, pinned=()):
 def parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
     """'full' | 'window[:budget=..,sink=..]' | 'h2o:sink=..,heavy=..,recent=..[,score=..,granularity=..,
     ema_decay=..,evict_every=..,alpha=..,beta=..,merge=rank|count|none]' (and tova / knorm / keydiff /
-    snapkv[:..,window=..,kernel=..] / adakv / pyramidkv with the same shape options) | a named strategy ('baseline', 'window', 'h2o-balanced',
-    'h2o-heavy', 'observed', 'observed-merge', 'tova', 'snapkv', 'knorm', 'keydiff', 'adakv', 'pyramidkv')."""
+    snapkv[:..,window=..,kernel=..] / adakv / pyramidkv with the same shape options) | a named strategy ('baseline',
+    'window', 'h2o-balanced', 'h2o-heavy', 'observed', 'observed-merge', 'tova', 'snapkv', 'knorm', 'keydiff',
+    'adakv', 'pyramidkv')."""
     spec = spec.strip()
     if ":" not in spec:
         pol = named_policy(spec, budget, pinned)

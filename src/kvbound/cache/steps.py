@@ -14,6 +14,7 @@ import torch
 
 from ..kernels import (causal_attention_batch, contiguous_slots, decode_attention, decode_with_scores, flash_ok,
                        fold_scores, layer_sum, varlen_attention_lse)
+from ..kernels.packing import head_dim
 from .merge import attention_bias, merge_into_kept, merge_mode, merge_weight
 from .store import EACH_HEAD
 
@@ -143,13 +144,6 @@ def evict_one(pos, spare, score, rows, policy, lens=None, victim=None):
     spare[rows] = victim
 
 
-def _head_dim(args) -> int:
-    """The head size of a storage's kernel arguments (k_pool, v_pool, quant): packed 8/4-bit codes hold D * bits / 8
-    bytes a head."""
-    quant = args[2]
-    return args[0].shape[-1] * 8 // quant["bits"] if quant and quant["bits"] != "fp8" else args[0].shape[-1]
-
-
 def evict_merged(storage, layer, table, rows, pos, spare, score, count, policy, lens=None):
     """`evict_one`, each head's victim first merged into its most similar kept key (`merge`) when `count` [R, cap, H]
     (the tokens each slot stands for) is given: the target's K/V are rewritten and its count grows. A row below its
@@ -163,7 +157,8 @@ def evict_merged(storage, layer, table, rows, pos, spare, score, count, policy, 
     victim = policy.victim(held, sc)
     fused = policy.fused_protection()
     args = storage.kernel_args(layer) if table.is_cuda and fused is not None else None
-    if args is not None and _head_dim(args) & (_head_dim(args) - 1) == 0:  # the kernel's tiles: a power of two
+    d = None if args is None else head_dim(args[0], args[2])
+    if d is not None and d & (d - 1) == 0:  # the kernel's tiles: a power of two
         from ..kernels.triton_merge import merge_victims
         full = torch.full((table.shape[0],), m, dtype=torch.int32, device=table.device) if lens is None else lens
         merge_victims(args[0], args[1], table, rows, pos, score, count, victim, full, fused[0], merge_mode(policy),
@@ -193,7 +188,8 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
     six for KeyDiff (`kernels.triton_decode.evict_decode`; packed pools are written quantized), the same steps as
     below.
     ring: the caches' mixed-width residuals (`quant.RecentResiduals`, rows `rows`); the new token's goes in first.
-    count [R, cap, H]: the tokens each slot stands for, with a merging policy (`evict_merged`; PyTorch only)."""
+    count [R, cap, H]: the tokens each slot stands for, with a merging policy: each victim merges into its most
+    similar kept key (`evict_merged`; after the fused kernels, `kernels.triton_merge`)."""
     fused = policy.fused_protection()
     args = kernel_reads(storage, layer, q, policy)
     read = None if ring is None else WindowRead(ring, rows, positions, pos)

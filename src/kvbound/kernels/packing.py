@@ -10,6 +10,13 @@ from __future__ import annotations
 import torch
 
 
+def head_dim(k_pool: torch.Tensor, quant: dict | None) -> int:
+    """The head size behind a pool's kernel arguments (`quant` as `decode_attention` takes it): 8/4-bit codes hold
+    D * bits / 8 bytes a head; fp8 and unquantized pools one value a dimension."""
+    bits = None if quant is None else quant["bits"]
+    return k_pool.shape[-1] if bits in (None, "fp8") else k_pool.shape[-1] * 8 // bits
+
+
 def quantize(x: torch.Tensor, bits: int, group_size: int):
     """x: [..., D] -> (codes uint8 [..., D*bits/8], scale fp16 [..., D/G], bias fp16 [..., D/G])."""
     *lead, d = x.shape

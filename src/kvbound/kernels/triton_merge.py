@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .packing import head_dim
 from .triton_decode import _dequant, _put, _quant_args
 
 WEIGHTS = {"count": 0, "attention": 1, "age": 2}  # what a token weighs in the average: its count, or its rank
@@ -115,8 +116,7 @@ def merge_victims(k_pool, v_pool, table, rows, pos, score, count, victim, lens, 
     the largest held). free: the victims are the rows' spare slots, victim [R, H] read at rows[b], whose positions the
     merge then frees (`triton_decode.evict_decode`)."""
     bsz, width = table.shape
-    heads, d = k_pool.shape[1], (k_pool.shape[2] if quant is None or quant["bits"] == "fp8"
-                                 else k_pool.shape[2] * 8 // quant["bits"])
+    heads, d = k_pool.shape[1], head_dim(k_pool, quant)
     bits, gs, fp8, scales = _quant_args(quant, k_pool, d)
     if newest is None:
         newest = pos[rows, :width].flatten(1).amax(1)
