@@ -793,11 +793,12 @@ def test_fused_evict_decode_on_packed_pools_matches_torch_path(bits, spec):
         ring = RecentResiduals(*meta.pos.shape[:2], heads, d, pol.sink, pol.recent, 32, DEV)
         for dst, src in zip(ring.tensors(), meta.ring.tensors()):
             dst.copy_(src)
+    count = None if meta.count is None else dev(meta.count.clone()[:, layer])  # laid out as pos
     got = _fused_evict(dev(step["q"]), dev(step["k"]), dev(step["v"]), raw[0], raw[3], dev(table), dev(lens),
                        dev(rows), dev(step["positions"]), pos, spare, score, pol.fold, pol.fold_decay,
                        *pol.fused_protection(), quant=quant, rank=pol.rank_source,
                        resid=None if ring is None else ring.kernel_args(layer, dev(rows), dev(step["positions"]), pos),
-                       count=None if meta.count is None else dev(meta.count.clone()[:, layer]), merge=merge_mode(pol))
+                       count=count, merge=merge_mode(pol))
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
     if pol.merge:
         pool.write_raw(layer, torch.arange(raw[0].shape[0]), [t.cpu().clone() for t in raw])  # the kernel's bytes
@@ -805,6 +806,8 @@ def test_fused_evict_decode_on_packed_pools_matches_torch_path(bits, spec):
                                    ref_pool.gather(layer, torch.arange(raw[0].shape[0]))):
             torch.testing.assert_close(got_kv, want_kv, atol=0.05, rtol=0)
         assert (ref_pool.raw[0][layer] != pool.raw[0][layer]).sum() <= 2 * 3 * 2 * 32  # at most the targets' codes
+        # every victim went into a kept key: the counts moved, as the PyTorch steps moved them
+        assert torch.equal(count.cpu(), ref_meta.count[:, layer]) and not torch.equal(count.cpu(), meta.count[:, layer])
     for got_t, want_t in zip(raw if not pol.merge else (), ref_pool.raw):
         assert torch.equal(got_t.cpu(), want_t[layer])
     if ring is not None:
