@@ -1141,17 +1141,18 @@ def test_byte_permutes_give_the_portable_conversions_result(bits, d):
 
 
 
-@pytest.mark.parametrize("weight", ["count", "attention", "age"])
-def test_merge_kernel_matches_the_pytorch_merge(weight):
+@pytest.mark.parametrize("weight,width", [("count", 21), ("attention", 21), ("age", 21), ("attention", 150)])
+def test_merge_kernel_matches_the_pytorch_merge(weight, width):
     """`triton_merge.merge_victims` against `steps.evict_merged`'s PyTorch route on fresh random rows: the same targets,
-    averaged K/V and counts; a row below its budget and the sinks (the protected prefix) are left alone."""
+    averaged K/V and counts; a row below its budget and the sinks (the protected prefix) are left alone. 150 keys a
+    row take three 64-key blocks, whose best the merge launch compares."""
     from kvbound.cache.policies import H2OPolicy
     from kvbound.cache.steps import evict_merged
     from kvbound.cache.store import DenseStore
     from kvbound.kernels.triton_merge import merge_victims
-    gen = torch.Generator().manual_seed(len(weight))
-    bsz, heads, d, width, rows_total = 3, 2, 32, 21, 5
-    policy = H2OPolicy(sink=2, heavy=10, recent=8, score="observed" if weight == "age" else "cumulative",
+    gen = torch.Generator().manual_seed(len(weight) + width)
+    bsz, heads, d, rows_total = 3, 2, 32, 5
+    policy = H2OPolicy(sink=2, heavy=width - 11, recent=8, score="observed" if weight == "age" else "cumulative",
                        merge="count" if weight == "count" else "rank")
     ref = DenseStore(1, bsz * width, heads, d, "cpu", torch.float32)
     ref.k.copy_(torch.randn(ref.k.shape, generator=gen))
@@ -1159,7 +1160,7 @@ def test_merge_kernel_matches_the_pytorch_merge(weight):
     k, v = ref.k[0].clone().to(DEV), ref.v[0].clone().to(DEV)  # copies the kernel merges into
     table = torch.randperm(bsz * width, generator=gen).view(bsz, width).to(torch.int32)
     rows = torch.tensor([3, 0, 2])
-    pos = torch.stack([torch.randperm(40, generator=gen)[:width] + 2 for _ in range(rows_total * heads)]).view(
+    pos = torch.stack([torch.randperm(width + 19, generator=gen)[:width] + 2 for _ in range(rows_total * heads)]).view(
         rows_total, heads, width).transpose(1, 2).contiguous().to(torch.int32)
     pos[:, :2] = torch.arange(2, dtype=torch.int32)[:, None]  # the sinks
     score = torch.rand(rows_total, width, heads, generator=gen)
