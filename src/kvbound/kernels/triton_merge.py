@@ -53,10 +53,12 @@ def _write_row(x, P, S, B, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, 
 
 @triton.jit
 def _victim_unit(K, KS, KB, Table, Rows, Victim, b, h, stride_ks, stride_kh, stride_ss, stride_sh, stride_tb, stride_vb,
-                 D: tl.constexpr, FREE: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr):
-    """Row b's victim in head h: its row, local slot, pool slot and key, fp32 [D]."""
+                 width, D: tl.constexpr, FREE: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr):
+    """Row b's victim in head h: its row, local slot, pool slot and key, fp32 [D]. Read before the row is known to
+    fill its table (so the reads overlap the test), the slot kept inside the table."""
     row = tl.load(Rows + b).to(tl.int64)
     jv = tl.load(Victim + (row if FREE else b) * stride_vb + h)  # FREE: the rows' spare slots, by row
+    jv = tl.minimum(tl.maximum(jv, 0), width - 1)
     slot_v = tl.load(Table + b * stride_tb + jv).to(tl.int64)
     k_v = _row(K, KS, KB, slot_v, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
     return row, jv, slot_v, k_v
@@ -68,27 +70,27 @@ def _most_alike_kernel(K, KS, KB, Table, Rows, Pos, Victim, Lens, Top, TopAt, st
                        BLOCK: tl.constexpr, NB: tl.constexpr, FREE: tl.constexpr, BITS: tl.constexpr,
                        GS: tl.constexpr, FP8: tl.constexpr):
     """One block of a row's held keys in head h: its highest cosine similarity to the victim's key and the first
-    local slot that has it, into Top / TopAt [B, H, NB] (-inf: none of the block may take the victim)."""
+    local slot that has it, into Top / TopAt [B, H, NB] (-inf: none of the block may take the victim, or the row is
+    below its budget and evicts nothing). Every read is independent of the others but the victim's, so they
+    overlap."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     blk = tl.program_id(2)
     n = tl.load(Lens + b)
-    if n == width:  # a row below its budget evicts nothing
-        row, jv, slot_v, k_v = _victim_unit(K, KS, KB, Table, Rows, Victim, b, h, stride_ks, stride_kh, stride_ss,
-                                            stride_sh, stride_tb, stride_vb, D, FREE, BITS, GS, FP8)
-        unit_v = k_v / tl.maximum(tl.sqrt(tl.sum(k_v * k_v, 0)), 1e-12)
-        offs = blk * BLOCK + tl.arange(0, BLOCK)
-        valid = offs < n
-        p = tl.load(Pos + row * stride_pr + offs * stride_pj + h, mask=valid, other=-1)
-        ok = valid & (p >= prefix) & (offs != jv)  # held, past the sinks and pins, not the victim
-        slot = tl.load(Table + b * stride_tb + offs, mask=ok, other=0).to(tl.int64)
-        k = _rows(K, KS, KB, slot, h, ok, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
-        cos = tl.sum(k * unit_v[None, :], 1) / tl.maximum(tl.sqrt(tl.sum(k * k, 1)), 1e-12)
-        cos = tl.where(ok, cos, float("-inf"))
-        top = tl.max(cos, 0)
-        at = (b * tl.num_programs(1) + h) * NB + blk
-        tl.store(Top + at, top)
-        tl.store(TopAt + at, tl.min(tl.where(cos == top, offs, 1 << 30), 0))  # the first of the block's best
+    row, jv, slot_v, k_v = _victim_unit(K, KS, KB, Table, Rows, Victim, b, h, stride_ks, stride_kh, stride_ss,
+                                        stride_sh, stride_tb, stride_vb, width, D, FREE, BITS, GS, FP8)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < width
+    p = tl.load(Pos + row * stride_pr + offs * stride_pj + h, mask=valid, other=-1)
+    slot = tl.load(Table + b * stride_tb + offs, mask=valid, other=0).to(tl.int64)
+    k = _rows(K, KS, KB, slot, h, valid, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
+    ok = valid & (p >= prefix) & (offs != jv) & (n == width)  # held, past the sinks and pins, not the victim
+    cos = tl.sum(k * k_v[None, :], 1) / tl.maximum(tl.sqrt(tl.sum(k * k, 1)), 1e-12)  # the victim's norm: a constant
+    cos = tl.where(ok, cos, float("-inf"))
+    top = tl.max(cos, 0)
+    at = (b * tl.num_programs(1) + h) * NB + blk
+    tl.store(Top + at, top)
+    tl.store(TopAt + at, tl.min(tl.where(cos == top, offs, 1 << 30), 0))  # the first of the block's best
 
 
 @triton.jit
@@ -97,43 +99,43 @@ def _merge_victim_kernel(K, V, KS, KB, VS, VB, Table, Rows, Pos, Score, Count, V
                          nblocks, D: tl.constexpr, NB: tl.constexpr, WEIGHT: tl.constexpr, FREE: tl.constexpr,
                          BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr):
     """Row b's victim in head h averaged into the best of its blocks' candidates (`_most_alike_kernel`), the
-    first on a tie, as one pass over the keys would choose."""
+    first on a tie, as one pass over the keys would choose. The victim's reads are issued before the tests."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.load(Lens + b)
-    if n == width:
-        row, jv, slot_v, k_v = _victim_unit(K, KS, KB, Table, Rows, Victim, b, h, stride_ks, stride_kh, stride_ss,
-                                            stride_sh, stride_tb, stride_vb, D, FREE, BITS, GS, FP8)
-        blocks = tl.arange(0, NB)
-        at = (b * tl.num_programs(1) + h) * NB + blocks
-        tops = tl.load(Top + at, mask=blocks < nblocks, other=float("-inf"))
-        best = tl.max(tops, 0)
-        best_j = tl.min(tl.where(tops == best, tl.load(TopAt + at, mask=blocks < nblocks, other=1 << 30), 1 << 30), 0)
-        if best > float("-inf"):
-            at_t = row * stride_pr + best_j * stride_pj + h
-            at_v = row * stride_pr + jv * stride_pj + h
-            c_t, c_v = tl.load(Count + at_t), tl.load(Count + at_v)
-            if WEIGHT == 0:
-                w_t, w_v = c_t, c_v
-            else:
-                w_t, w_v = tl.load(Score + at_t), tl.load(Score + at_v)
-                if WEIGHT == 2:  # summed attention over the queries that could see each token
-                    newest = tl.load(Newest + b)
-                    w_t = w_t / tl.maximum(newest - tl.load(Pos + at_t) + 1, 1).to(tl.float32)
-                    w_v = w_v / tl.maximum(newest - tl.load(Pos + at_v) + 1, 1).to(tl.float32)
-                w_t, w_v = w_t + 1e-6, w_v + 1e-6
-            slot_t = tl.load(Table + b * stride_tb + best_j).to(tl.int64)
-            den = w_t + w_v
-            k_t = _row(K, KS, KB, slot_t, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
-            v_t = _row(V, VS, VB, slot_t, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
-            v_v = _row(V, VS, VB, slot_v, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
-            _write_row((w_t * k_t + w_v * k_v) / den, K, KS, KB, slot_t, h, stride_ks, stride_kh, stride_ss,
-                       stride_sh, D, BITS, GS, FP8)
-            _write_row((w_t * v_t + w_v * v_v) / den, V, VS, VB, slot_t, h, stride_ks, stride_kh, stride_ss,
-                       stride_sh, D, BITS, GS, FP8)
-            tl.store(Count + at_t, c_t + c_v)
-        if FREE:
-            tl.store(Pos + row * stride_pr + jv * stride_pj + h, -1)
+    row, jv, slot_v, k_v = _victim_unit(K, KS, KB, Table, Rows, Victim, b, h, stride_ks, stride_kh, stride_ss,
+                                        stride_sh, stride_tb, stride_vb, width, D, FREE, BITS, GS, FP8)
+    v_v = _row(V, VS, VB, slot_v, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
+    at_v = row * stride_pr + jv * stride_pj + h
+    c_v = tl.load(Count + at_v)
+    blocks = tl.arange(0, NB)
+    at = (b * tl.num_programs(1) + h) * NB + blocks
+    tops = tl.load(Top + at, mask=blocks < nblocks, other=float("-inf"))
+    best = tl.max(tops, 0)
+    best_j = tl.min(tl.where(tops == best, tl.load(TopAt + at, mask=blocks < nblocks, other=1 << 30), 1 << 30), 0)
+    if (n == width) & (best > float("-inf")):
+        at_t = row * stride_pr + best_j * stride_pj + h
+        c_t = tl.load(Count + at_t)
+        if WEIGHT == 0:
+            w_t, w_v = c_t, c_v
+        else:
+            w_t, w_v = tl.load(Score + at_t), tl.load(Score + at_v)
+            if WEIGHT == 2:  # summed attention over the queries that could see each token
+                newest = tl.load(Newest + b)
+                w_t = w_t / tl.maximum(newest - tl.load(Pos + at_t) + 1, 1).to(tl.float32)
+                w_v = w_v / tl.maximum(newest - tl.load(Pos + at_v) + 1, 1).to(tl.float32)
+            w_t, w_v = w_t + 1e-6, w_v + 1e-6
+        slot_t = tl.load(Table + b * stride_tb + best_j).to(tl.int64)
+        den = w_t + w_v
+        k_t = _row(K, KS, KB, slot_t, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
+        v_t = _row(V, VS, VB, slot_t, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
+        _write_row((w_t * k_t + w_v * k_v) / den, K, KS, KB, slot_t, h, stride_ks, stride_kh, stride_ss,
+                   stride_sh, D, BITS, GS, FP8)
+        _write_row((w_t * v_t + w_v * v_v) / den, V, VS, VB, slot_t, h, stride_ks, stride_kh, stride_ss,
+                   stride_sh, D, BITS, GS, FP8)
+        tl.store(Count + at_t, c_t + c_v)
+    if FREE & (n == width):
+        tl.store(Pos + at_v, -1)
 
 
 def merge_victims(k_pool, v_pool, table, rows, pos, score, count, victim, lens, prefix: int, weight: str, newest=None,
