@@ -217,8 +217,6 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
     if RESID:  # mixed widths: the window's and sinks' residuals, by position (`cache.quant.RecentResiduals`)
         ring_row = tl.load(RRows + b).to(tl.int64)
         first = tl.load(RFirst + b).to(tl.int64)
-    if COUNT:
-        c_row = tl.load(CountRows + b).to(tl.int64) if COUNT_ROWS else b
     for j0 in range(start, end, BLOCK_N):
         offs_n = j0 + tl.arange(0, BLOCK_N)
         valid = offs_n < end
@@ -227,8 +225,6 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
         else:
             slot = tl.load(SlotTable + b * stride_tb + offs_n, mask=valid, other=0).to(tl.int64)
         kv_ptr = slot[:, None] * stride_ks + h * stride_kh + offs_d[None, :]
-        if COUNT:  # read before the keys' dot, so the load is in flight beside them
-            count = tl.load(Count + c_row * stride_cb + offs_n * stride_cn + h, mask=valid, other=1.0)
         if VDOT and EARLY:  # the values' codes and scales load beside the keys', so both reads are in flight at once
             v_codes, vs, vb, v_codes_hi, vs_hi, vb_hi = _value_loads(V, VS, VB, slot, h, valid, stride_ks, stride_kh,
                                                                      stride_ss, stride_sh, W, WA, D // GS, PAIRS,
@@ -253,7 +249,8 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
             qk += _packed_qk(Q, RK, RKS, RKB, rslot, h, held, q_row, stride_rks, stride_rkh, stride_rss, stride_rsh,
                              scale, G_PAD, BLOCK_N, D, 4, GS, IEEE, PAIR_K, PERMUTE, False)
         if COUNT:  # a merged key's logit gains the log of the tokens it stands for (`cache.merge`)
-            qk += tl.log(count)[None, :]
+            c_row = tl.load(CountRows + b).to(tl.int64) if COUNT_ROWS else b
+            qk += tl.log(tl.load(Count + c_row * stride_cb + offs_n * stride_cn + h, mask=valid, other=1.0))[None, :]
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
         alpha = tl.exp(m - m_new)
