@@ -89,16 +89,33 @@ def kept_by_hf(cache):
             for layer in cache.layers]
 
 
+def counts_by_kvbound(cache, cfg):
+    """Each layer's (position, tokens it stands for) pairs, every head's in turn (merging policies)."""
+    n = len(cache.n)
+    return [sorted((int(p), float(c)) for h in range(cfg.num_key_value_heads)
+                   for p, c in zip(cache.positions_held(layer)[:, h].tolist(), cache.count[layer, :, h].tolist())
+                   if p >= 0) for layer in range(n)]
+
+
+def counts_by_hf(cache):
+    return [sorted((int(p), float(c)) for h in range(layer.pos.shape[2])
+                   for p, c in zip(layer.pos[0, :, h].tolist(), layer.count[0, :, h].tolist()) if p >= 0)
+            for layer in cache.layers]
+
+
 @pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=6,recent=6", "h2o:sink=2,heavy=6,recent=6,score=observed",
                                   "h2o:sink=2,heavy=6,recent=6,granularity=layer,evict_every=3",
                                   "window:budget=14,sink=2", "tova:sink=2,heavy=12", "knorm:sink=2,heavy=6,recent=6",
                                   "snapkv:sink=2,heavy=6,recent=6,window=4,kernel=3",
-                                  "keydiff:sink=2,heavy=6,recent=6"])
+                                  "keydiff:sink=2,heavy=6,recent=6", "h2o:sink=2,heavy=6,recent=6,score=observed,merge=rank",
+                                  "h2o:sink=2,heavy=6,recent=6,granularity=layer,merge=count",
+                                  "knorm:sink=2,heavy=6,recent=6,merge=count"])
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_kept_tokens_at_every_step_and_outputs_equal_kvbounds_own_cache(name, spec):
     """The same policy fed the same attention, step by step: kvbound's own model and KVCache on the same
     weights keep the same positions in every layer and head and pick the same tokens (so RoPE positions
-    kept counting the tokens processed after eviction); generate() gives those tokens too."""
+    kept counting the tokens processed after eviction); generate() gives those tokens too. Merging policies
+    merge the same tokens into the same kept ones (the logits see the merged keys and their log counts)."""
     # float64: a kept set follows near-ties (KNorm ranks single key norms), which two implementations' float32
     # summation orders can flip (transformers 5.23's Qwen3 did at one step)
     m, ids, policy = model_of(name, seed=2).double(), ids_of(24, seed=3), parse_policy(spec)
@@ -114,15 +131,20 @@ def test_kept_tokens_at_every_step_and_outputs_equal_kvbounds_own_cache(name, sp
             kv.advance(x.shape[1])
             got = m(x, past_key_values=hf_cache).logits[0]
             assert kept_by_hf(hf_cache) == kept_by_kvbound(kv, m.config), f"step {step}"
+            if policy.merge:  # the merged keys stand for the same tokens
+                assert counts_by_hf(hf_cache) == counts_by_kvbound(kv, m.config), f"step {step}"
             torch.testing.assert_close(got[-1].double(), want[-1].double(), atol=1e-4, rtol=1e-4)
             toks.append(int(want[-1].argmax()))
             x = torch.tensor([toks[-1:]])
     assert greedy(m, ids, 16)[0, 24:].tolist() == toks
 
 
-def test_left_padded_batch_gives_each_sequence_what_it_gets_alone():
-    m = model_of("llama", seed=4)
-    kh.install_kv_eviction(m, budget=5, n_sink=2, n_recent=4)
+@pytest.mark.parametrize("name,policy", [("llama", "h2o"), ("llama", "observed-merge"), ("deepseek_v3", "observed-merge")])
+def test_left_padded_batch_gives_each_sequence_what_it_gets_alone(name, policy):
+    """Left padding is never kept over a real token, nor merged into one (DeepSeek's values are narrower than its
+    keys: merging averages each at its own width)."""
+    m = model_of(name, seed=4)
+    kh.install_kv_eviction(m, policy, budget=5, n_sink=2, n_recent=4)
     prompts = [ids_of(n, seed=10 + n)[0] for n in (9, 17, 25)]
     alone = [greedy(m, p[None], 20)[0, len(p):] for p in prompts]
     width = max(map(len, prompts))
@@ -196,8 +218,9 @@ def test_unsupported_attention_and_bad_arguments_are_named():
         kh.install_kv_eviction(m, "nope", budget=8)
     with pytest.raises(KvboundError, match="adakv gives heads and layers budgets of their own"):
         kh.install_kv_eviction(m, "adakv", budget=8)
-    with pytest.raises(KvboundError, match=r"merge=rank: transformers' cache does not merge evicted tokens yet"):
-        kh.install_kv_eviction(m, "observed-merge", budget=8)
+    with pytest.raises(KvboundError, match="merge=rank weighs tokens by attention, which knorm does not gather"):
+        kh.install_kv_eviction(m, "knorm:merge=rank", budget=8)
+    assert kh.install_kv_eviction(m, "observed-merge", budget=8).merge == "rank"
     assert isinstance(kh.install_kv_eviction(m, budget=8), H2OPolicy)
 
 

@@ -223,7 +223,8 @@ def test_stream_decoder_pieces_add_up_to_the_whole_decode(smollm):
 
 def test_transformers_under_kvbound_hf_gives_kvbounds_perplexity(smollm, hf_smollm, shared_data):
     """SmolLM2 read by transformers from the shipped GGUF, bounded by `kvbound.hf.install_kv_eviction`: its
-    token-by-token perplexity under h2o-heavy (budget 128, 192 tokens) equals `kvbound eval ppl`'s."""
+    token-by-token perplexity under h2o-heavy and observed-merge (budget 128, 192 tokens) equals `kvbound eval
+    ppl`'s."""
     transformers = pytest.importorskip("transformers")
     import kvbound.hf as kh
     from kvbound.cache import parse_policy
@@ -232,7 +233,7 @@ def test_transformers_under_kvbound_hf_gives_kvbounds_perplexity(smollm, hf_smol
     model, tok = smollm
     ids = tok.encode((shared_data / "wikipedia" / "Aristotle.txt").read_text())[:192]
     prefill = 128  # the budget: every eviction happens token by token, as in a decode
-    policies = {name: parse_policy(name, prefill) for name in ("h2o-heavy",)}  # scored eviction: the hard case
+    policies = {name: parse_policy(name, prefill) for name in ("h2o-heavy", "observed-merge")}  # scored: the hard case
     ours = perplexity(model, [ids], {"baseline": (parse_policy("full"), None),
                                      **{n: (p, None) for n, p in policies.items()}}, CacheOptions(), prefill,
                       progress=False)

@@ -16,8 +16,7 @@ from ..errors import KvboundError
 
 
 def refuse_merge(policy, where: str):
-    """Where merging does not run (mixed widths, transformers' cache), a merging policy is refused, never run as plain
-    eviction."""
+    """Where merging does not run (mixed widths), a merging policy is refused, never run as plain eviction."""
     if policy.merge:
         raise KvboundError(f"merge={policy.merge}: {where} does not merge evicted tokens yet (drop merge=)")
 
@@ -46,19 +45,20 @@ def merge_into_kept(k, v, count, weight, dropped, target_ok):
     (as attention reads them) into the most similar candidate that `target_ok` [B, M, H] allows; a token with none
     allowed is dropped. count, weight [B, M, H]. Returns k, v and count after the merge, each evicted token's target
     [B, N, H] (meaningful where `merged` [B, N, H]), and which candidates took a token, `took` [B, M, H]."""
-    d = k.shape[-1]
-    at = dropped[..., None].expand(-1, -1, -1, d)
+    def at(x, idx):  # idx [B, N, H] as indices into x's tokens, for every channel of x
+        return idx[..., None].expand(-1, -1, -1, x.shape[-1])
     unit = F.normalize(k.float(), dim=-1)
-    sim = torch.einsum("bnhd,bmhd->bnmh", unit.gather(1, at), unit).masked_fill(~target_ok[:, None], float("-inf"))
+    sim = torch.einsum("bnhd,bmhd->bnmh", unit.gather(1, at(k, dropped)), unit).masked_fill(~target_ok[:, None],
+                                                                                           float("-inf"))
     best, target = sim.max(2)
     merged = best > float("-inf")
     w_drop = torch.where(merged, weight.gather(1, dropped), 0.0)
     den = weight.float().scatter_add(1, target, w_drop)
     took = torch.zeros_like(count).scatter_add(1, target, merged.to(count.dtype)) > 0
 
-    def mix(x):
-        num = (x.float() * weight[..., None]).scatter_add(1, target[..., None].expand(-1, -1, -1, d),
-                                                          x.gather(1, at).float() * w_drop[..., None])
+    def mix(x):  # K or V (their widths may differ: MLA's)
+        num = (x.float() * weight[..., None]).scatter_add(1, at(x, target), x.gather(1, at(x, dropped)).float()
+                                                          * w_drop[..., None])
         return torch.where(took[..., None], (num / den[..., None]).to(x.dtype), x)
     count = count.scatter_add(1, target, torch.where(merged, count.gather(1, dropped), 0.0))
     return mix(k), mix(v), count, target, merged, took

@@ -3,9 +3,9 @@
 `install_kv_eviction(model, ...)` registers an attention function ("kvbound") through transformers'
 `AttentionInterface`: it computes the attention output with SDPA and, for policies that score by attention,
 the exact probabilities each cached key received (summed over the query heads that share its cached head and
-over the step's queries), then lets the cache layer evict. Each `DynamicLayer` the model meets becomes an
-`EvictingLayer` (same tensors, plus positions, scores and the policy): every sequence of a batch and every
-cached head keeps its own tokens, left padding included. Positions keep counting the tokens processed: the
+over the step's queries), then lets the cache layer evict (or merge, `cache.merge`). Each `DynamicLayer` the
+model meets becomes an `EvictingLayer` (same tensors, plus positions, scores, merged counts and the policy):
+every sequence of a batch and every cached head keeps its own tokens, left padding included. Positions keep counting the tokens processed: the
 layer reports its logical length, so transformers never derives RoPE positions from the physical one.
 """
 from __future__ import annotations
@@ -19,9 +19,9 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..cache.merge import refuse_merge
+from ..cache.merge import attention_bias
 from ..cache.policies import H2OPolicy, Policy, parse_policy
-from ..cache.steps import fresh_scores, kept_order, piece_fold, policy_fold, rescored
+from ..cache.steps import fresh_scores, kept_order, merge_dropped, piece_fold, policy_fold, rescored
 from ..errors import KvboundError
 
 ATTENTION = "kvbound"
@@ -93,13 +93,15 @@ class KVBoundCache(DynamicCache):
 # --- the cache layer ------------------------------------------------------------------------------------
 class EvictingLayer(DynamicLayer):
     """A DynamicLayer that keeps at most policy.budget + evict_every - 1 tokens per sequence and cached head.
-    `pos` and `score` are [B, L, H] in kvbound's layout (stream positions, -1 for left padding)."""
+    `pos`, `score` and, for a merging policy, `count` (the tokens each held one stands for, `cache.merge`) are
+    [B, L, H] in kvbound's layout (stream positions, -1 for left padding)."""
     policy: Policy
 
     @classmethod
     def convert(cls, layer: DynamicLayer, policy: Policy):
         layer.__class__ = cls
-        layer.policy, layer.pos, layer.score, layer.seen, layer.logical = policy, None, None, None, 0
+        layer.policy, layer.pos, layer.score, layer.count, layer.seen, layer.logical = policy, None, None, None, None, 0
+        layer.merged = False  # whether a count has grown past 1 (attention then adds log counts)
         return layer
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -116,8 +118,8 @@ class EvictingLayer(DynamicLayer):
 
     def reset(self):
         super().reset()
-        self.pos = self.score = self.seen = None
-        self.logical = 0
+        self.pos = self.score = self.count = self.seen = None
+        self.logical, self.merged = 0, False
 
     def reset_scores(self):
         if self.score is not None:
@@ -128,12 +130,13 @@ class EvictingLayer(DynamicLayer):
 
     def batch_repeat_interleave(self, repeats: int):
         super().batch_repeat_interleave(repeats)
-        self.pos, self.score, self.seen = (None if x is None else x.repeat_interleave(repeats, 0)
-                                           for x in (self.pos, self.score, self.seen))
+        self.pos, self.score, self.count, self.seen = (None if x is None else x.repeat_interleave(repeats, 0)
+                                                       for x in (self.pos, self.score, self.count, self.seen))
 
     def batch_select_indices(self, indices):
         super().batch_select_indices(indices)
-        self.pos, self.score, self.seen = (None if x is None else x[indices] for x in (self.pos, self.score, self.seen))
+        self.pos, self.score, self.count, self.seen = (None if x is None else x[indices]
+                                                       for x in (self.pos, self.score, self.count, self.seen))
 
     # called by the attention function, after update() appended the step's t tokens
     def attend(self, query, key, value, attention_mask, scaling):
@@ -142,8 +145,9 @@ class EvictingLayer(DynamicLayer):
         t, held = query.shape[2], self.keys.shape[-2]
         first = self.pos is None
         valid = self._admit(t, attention_mask if first else None)  # [B, L]: not left padding
-        out = _attention(query, key, value, None if bool(valid.all()) else valid, scaling)
-        self._score(query, key, valid, scaling, t)
+        bias = attention_bias(self.count) if self.merged else None  # [B, L, H]: merged keys' log counts
+        out = _attention(query, key, value, None if bool(valid.all()) else valid, scaling, bias)
+        self._score(query, key, valid, scaling, t, bias)
         if held > self.policy.budget + self.policy.evict_every - 1:
             self._evict(valid)
         return out.transpose(1, 2).contiguous()
@@ -161,15 +165,18 @@ class EvictingLayer(DynamicLayer):
             self.seen = real.long().sum(1)
             self.pos = new[:, :, None].expand(-1, -1, heads).to(torch.int32).contiguous()
             self.score = torch.zeros(self.pos.shape, device=dev) if self.policy.score is not None else None
+            self.count = torch.ones(self.pos.shape, device=dev) if self.policy.merge else None
         else:
             new = self.seen[:, None] + torch.arange(t, device=dev)[None, :]
             self.seen = self.seen + t
             self.pos = torch.cat([self.pos, new[:, :, None].expand(-1, -1, heads).to(torch.int32)], 1)
             if self.score is not None:
                 self.score = torch.cat([self.score, self.score.new_zeros(b, t, heads)], 1)
+            if self.count is not None:
+                self.count = torch.cat([self.count, self.count.new_ones(b, t, heads)], 1)
         return self.pos[:, :, 0] >= 0
 
-    def _score(self, query, key, valid, scaling, t):
+    def _score(self, query, key, valid, scaling, t, bias):
         """Fold the step's probabilities (or the new keys' own scores) into the held tokens' scores."""
         if self.score is None:
             return
@@ -181,15 +188,19 @@ class EvictingLayer(DynamicLayer):
             self.score = rescored(p, self.score, self.keys.transpose(1, 2), held)
         if p.fold is None:
             return
-        step = _key_probs(query, key, valid, scaling, self.keys.shape[1], p.score_window if t > 1 else None)
+        step = _key_probs(query, key, valid, scaling, self.keys.shape[1], p.score_window if t > 1 else None, bias)
         folded = policy_fold(p, self.score, step) if t == 1 else piece_fold(p, self.score, step, self.pos)
         self.score = torch.where(valid[:, :, None], folded, self.score)
 
     def _evict(self, valid):
-        """Down to the budget: the policy's choice per sequence and cached head, left padding going first."""
+        """Down to the budget: the policy's choice per sequence and cached head, left padding going first. A
+        merging policy first averages each evicted token into its most similar kept one (`cache.merge`)."""
         p, b = self.policy, self.policy.budget
         if bool(valid.all()):
-            order = kept_order(p, self.pos, self.score)  # [B, budget, H], stream order
+            keep = p.keep_mask(self.pos, self.score)
+            if self.count is not None:
+                self._merge(keep)
+            order = kept_order(p, self.pos, self.score, keep)  # [B, budget, H], stream order
         else:
             order = torch.stack([self._row_order(valid[r], r) for r in range(valid.shape[0])])
         idx = order.transpose(1, 2)  # [B, H, budget]
@@ -198,7 +209,27 @@ class EvictingLayer(DynamicLayer):
         self.pos = self.pos.gather(1, order)
         if self.score is not None:
             self.score = self.score.gather(1, order)
+        if self.count is not None:
+            self.count = self.count.gather(1, order)
         assert self.keys.shape[2] == b
+
+    def _merge(self, keep, r=None, held=None):
+        """The held tokens that `keep` [B, L, H] drops, merged into the kept ones (`cache.merge`); with r, only
+        sequence r's tokens at `held` (keep [len(held), H]), in place."""
+        p = self.policy
+        if r is None:
+            k, v, self.count, _ = merge_dropped(p, keep, self.keys.transpose(1, 2), self.values.transpose(1, 2),
+                                                self.pos, self.score, self.count)
+            self.keys, self.values = k.transpose(1, 2), v.transpose(1, 2)
+        else:
+            def row(x):
+                return None if x is None else x[r, held][None]
+            k, v, count, _ = merge_dropped(p, keep[None], self.keys[r][:, held].transpose(0, 1)[None],
+                                           self.values[r][:, held].transpose(0, 1)[None], row(self.pos),
+                                           row(self.score), row(self.count))
+            self.keys[r][:, held], self.values[r][:, held] = k[0].transpose(0, 1), v[0].transpose(0, 1)
+            self.count[r, held] = count[0]
+        self.merged = True
 
     def _row_order(self, real, r) -> torch.Tensor:
         """One sequence with left padding: the policy chooses among its real tokens; while it has no more
@@ -209,8 +240,11 @@ class EvictingLayer(DynamicLayer):
         if len(reals) <= p.budget:
             keep = torch.cat([pads[len(pads) - (p.budget - len(reals)):], reals]).sort().values
             return keep[:, None].expand(-1, heads)
-        sub = kept_order(p, self.pos[r, reals], None if self.score is None else self.score[r, reals])
-        return reals[sub]
+        score = None if self.score is None else self.score[r, reals]
+        keep = p.keep_mask(self.pos[r, reals], score)
+        if self.count is not None:
+            self._merge(keep, r, reals)
+        return reals[kept_order(p, self.pos[r, reals], score, keep)]
 
 
 def _causal(t: int, held: int, start: int, rows: int, device) -> torch.Tensor:
@@ -219,13 +253,21 @@ def _causal(t: int, held: int, start: int, rows: int, device) -> torch.Tensor:
                                                                       device=device)[:, None]
 
 
-def _attention(query, key, value, valid, scaling):
+def _attention(query, key, value, valid, scaling, bias=None):
     """SDPA over the held keys, the step's t queries last. Without left padding (valid None) the causal mask
     stays implicit, so the fused kernels serve it; with padding, a pad query sees itself (no row fully masked,
-    where SDPA would return NaN)."""
+    where SDPA would return NaN). bias [B, L, H]: each held key's logit bias in its cached head (merged keys)."""
     t, held, dev = query.shape[2], key.shape[2], query.device
     gqa = query.shape[1] != key.shape[1]
     key, value = key.to(query.dtype), value.to(query.dtype)
+    if bias is not None:
+        allowed = _causal(t, held, 0, t, dev)
+        if valid is not None:
+            itself = torch.arange(held, device=dev)[None, :] == torch.arange(held - t, held, device=dev)[:, None]
+            allowed = (valid[:, None, None, :] | itself) & allowed
+        mask = _per_query_head(bias, query.shape[1])[:, :, None, :].masked_fill(~allowed, float("-inf"))
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask.to(query.dtype), scale=scaling,
+                                              enable_gqa=gqa)
     if valid is None:
         if t == 1:
             return F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=gqa)
@@ -239,9 +281,15 @@ def _attention(query, key, value, valid, scaling):
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
 
 
-def _key_probs(query, key, valid, scaling, cached_heads, last) -> torch.Tensor:
+def _per_query_head(bias, heads: int) -> torch.Tensor:
+    """A cached head's bias [B, L, H] for each of `heads` query (or expanded key) heads that read it: [B, heads, L]."""
+    return bias.transpose(1, 2).repeat_interleave(heads // bias.shape[2], 1)
+
+
+def _key_probs(query, key, valid, scaling, cached_heads, last, bias=None) -> torch.Tensor:
     """[B, L, H]: each held key's attention probability summed over the query heads of its cached head and
-    over the step's real queries (the last `last` of them, if given), in float32, in blocks of queries."""
+    over the step's real queries (the last `last` of them, if given), in float32, in blocks of queries, with
+    each key's logit `bias` [B, L, H] (merged keys)."""
     b, hq, t, d = query.shape
     hk, held = key.shape[1], key.shape[2]
     g = hq // hk
@@ -252,6 +300,8 @@ def _key_probs(query, key, valid, scaling, cached_heads, last) -> torch.Tensor:
         q = query[:, :, start:start + QUERY_BLOCK].float()
         tq = q.shape[2]
         logits = (q.reshape(b, hk, g * tq, d) @ k).view(b, hk, g, tq, held) * scaling
+        if bias is not None:
+            logits += _per_query_head(bias, hk).float()[:, :, None, None, :]
         allowed = valid[:, None, None, None, :] & _causal(t, held, start, tq, query.device)
         total += logits.masked_fill_(~allowed, float("-inf")).softmax(-1).nan_to_num_(0.0).sum((2, 3))
     return total.view(b, cached_heads, hk // cached_heads, held).sum(2).transpose(1, 2)
@@ -318,7 +368,6 @@ def _policy(policy, budget, n_sink, n_recent, evict_every, granularity, score) -
         raise KvboundError(f"{chosen.name} gives heads and layers budgets of their own, which transformers' cache "
                            "(one length for all heads of a layer) does not hold; run it on kvbound's own cache "
                            "(kvbound generate, kvbound eval)")
-    refuse_merge(chosen, "transformers' cache")
     return chosen
 
 
