@@ -3,9 +3,11 @@
 Random weights in Llama-3.2-1B's shape (bf16, CUDA), one prompt of random token ids per context length,
 greedy. For each context and both ways: decode tokens/s (a generate() of --new-tokens minus one of 1 token,
 so the prefill cancels), peak memory above the weights during generate(), and the KV bytes the cache holds
-at the end. The patched model runs h2o with 4 sinks, --budget heavy hitters and --budget recent tokens.
+at the end. The patched model runs each of --policies: h2o with 4 sinks, --budget heavy hitters and --budget
+recent tokens, or a named policy (observed, observed-merge, ...) over the same 4 + 2 x --budget tokens.
 
 PYTHONPATH=src python benchmarks/hf_generate.py --out $OUT [--contexts 4096,8192,16384] [--budget 510]
+    [--policies h2o,observed,observed-merge]
 Prints a table last; writes hf_generate_<shape>.json under --out.
 """
 from __future__ import annotations
@@ -56,6 +58,7 @@ def main():
     ap.add_argument("--contexts", default="4096,8192,16384")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--budget", type=int, default=510, help="heavy hitters (and as many recent tokens)")
+    ap.add_argument("--policies", default="h2o", help="patched runs: h2o or named policies, comma-separated")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -69,22 +72,23 @@ def main():
     for ctx in contexts:
         ids = torch.randint(1, cfg.vocab_size, (1, ctx), device=args.device)
         plain = measure(model, ids, args.new_tokens, args.device)
-        kh.install_kv_eviction(model, budget=args.budget, n_sink=4, n_recent=args.budget)
-        bounded = measure(model, ids, args.new_tokens, args.device)
-        kh.remove_kv_eviction(model)
-        rows.append({"context": ctx, "unpatched": plain, "kvbound": bounded})
-        print(ctx, plain, bounded, flush=True)
+        for policy in args.policies.split(","):
+            kh.install_kv_eviction(model, policy, budget=args.budget, n_sink=4, n_recent=args.budget)
+            bounded = measure(model, ids, args.new_tokens, args.device)
+            kh.remove_kv_eviction(model)
+            rows.append({"context": ctx, "policy": policy, "unpatched": plain, "kvbound": bounded})
+            print(ctx, policy, plain, bounded, flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"hf_generate_{args.shape}.json"), "w") as f:
         json.dump({"config": vars(args), "rows": rows}, f, indent=2)
     mib = 2 ** 20
-    print(f"\n{args.shape} shape, random weights, {dtype}, {args.device}; h2o 4 + {args.budget} + {args.budget} tokens; "
+    print(f"\n{args.shape} shape, random weights, {dtype}, {args.device}; 4 + {args.budget} + {args.budget} tokens; "
           f"{args.new_tokens} new tokens, greedy")
-    print(f"{'context':>8} {'tok/s plain':>12} {'tok/s kvbound':>14} {'x':>6} {'peak MiB plain':>15} "
+    print(f"{'context':>8} {'policy':>15} {'tok/s plain':>12} {'tok/s kvbound':>14} {'x':>6} {'peak MiB plain':>15} "
           f"{'peak MiB kvbound':>17} {'KV MiB plain':>13} {'KV MiB kvbound':>15}")
     for r in rows:
         p, b = r["unpatched"], r["kvbound"]
-        print(f"{r['context']:>8} {p['decode_tok_s']:>12.1f} {b['decode_tok_s']:>14.1f} "
+        print(f"{r['context']:>8} {r['policy']:>15} {p['decode_tok_s']:>12.1f} {b['decode_tok_s']:>14.1f} "
               f"{b['decode_tok_s'] / p['decode_tok_s']:>6.2f} {p['peak_bytes'] / mib:>15.0f} "
               f"{b['peak_bytes'] / mib:>17.0f} {p['kv_bytes_held'] / mib:>13.1f} {b['kv_bytes_held'] / mib:>15.1f}")
 

@@ -483,6 +483,24 @@ def test_merged_counts_account_for_every_token():
     assert cache.count[0].max() > 2
 
 
+def test_merge_similarities_in_blocks_equal_one_block(monkeypatch):
+    """A long piece's evicted tokens find their targets a block of similarities at a time (`merge.SIMILARITIES`):
+    the same merge as all at once, K and V each at its own width."""
+    from kvbound.cache import merge
+    gen = torch.Generator().manual_seed(3)
+    b, m, h, n = 2, 40, 3, 17
+    k, v = torch.randn(b, m, h, 8, generator=gen), torch.randn(b, m, h, 5, generator=gen)
+    count, weight = torch.randint(1, 4, (b, m, h), generator=gen).float(), torch.rand(b, m, h, generator=gen)
+    dropped = torch.stack([torch.randperm(m, generator=gen)[:n] for _ in range(b * h)]).view(b, h, n).transpose(1, 2)
+    ok = torch.ones(b, m, h, dtype=torch.bool).scatter(1, dropped, False)
+    ok[:, :2] = False  # the sinks
+    whole = merge.merge_into_kept(k, v, count, weight, dropped, ok)
+    monkeypatch.setattr(merge, "SIMILARITIES", 2 * b * m * h)  # blocks of two evicted tokens
+    for got, want in zip(merge.merge_into_kept(k, v, count, weight, dropped, ok), whole):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert whole[5].any() and whole[1].shape == v.shape
+
+
 @pytest.mark.parametrize("mode", [None, "cumulative", "normalized"])
 def test_log_count_bias_equals_attention_over_copies(mode):
     """A key standing for c tokens with log(c) in its logit draws what c copies of it would: the same output, and its

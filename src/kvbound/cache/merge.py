@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from ..errors import KvboundError
 
+SIMILARITIES = 1 << 24  # (evicted, kept) similarities computed at once: a long piece's scratch stays at 64 MiB
+
 
 def refuse_merge(policy, where: str):
     """Where merging does not run (mixed widths), a merging policy is refused, never run as plain eviction."""
@@ -40,6 +42,13 @@ def merge_weight(policy, pos: torch.Tensor, score: torch.Tensor | None, count: t
     return count
 
 
+def _most_similar(unit, dropped, target_ok):
+    """Each of `dropped` [B, N, H]'s highest cosine similarity among the candidates `target_ok` allows, and which."""
+    at = dropped[..., None].expand(-1, -1, -1, unit.shape[-1])
+    sim = torch.einsum("bnhd,bmhd->bnmh", unit.gather(1, at), unit)
+    return sim.masked_fill_(~target_ok[:, None], float("-inf")).max(2)
+
+
 def merge_into_kept(k, v, count, weight, dropped, target_ok):
     """Merge the tokens at indices `dropped` [B, N, H] (each head's N evicted ones) of candidates k, v [B, M, H, D]
     (as attention reads them) into the most similar candidate that `target_ok` [B, M, H] allows; a token with none
@@ -48,9 +57,9 @@ def merge_into_kept(k, v, count, weight, dropped, target_ok):
     def at(x, idx):  # idx [B, N, H] as indices into x's tokens, for every channel of x
         return idx[..., None].expand(-1, -1, -1, x.shape[-1])
     unit = F.normalize(k.float(), dim=-1)
-    sim = torch.einsum("bnhd,bmhd->bnmh", unit.gather(1, at(k, dropped)), unit).masked_fill(~target_ok[:, None],
-                                                                                           float("-inf"))
-    best, target = sim.max(2)
+    step = max(1, SIMILARITIES // target_ok.numel())
+    best, target = (torch.cat(x, 1) for x in zip(*(_most_similar(unit, dropped[:, i:i + step], target_ok)
+                                                     for i in range(0, max(dropped.shape[1], 1), step))))
     merged = best > float("-inf")
     w_drop = torch.where(merged, weight.gather(1, dropped), 0.0)
     den = weight.float().scatter_add(1, target, w_drop)
