@@ -4,6 +4,7 @@ import re
 import shlex
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -91,15 +92,29 @@ def test_docs_show_commands():
             parse_strategies(split_strategies(words[words.index("--strategies") + 1]), 64, CacheOptions())
 
 
+@pytest.fixture(scope="module")
+def command_runs(request, tmp_path_factory) -> dict:
+    """Each selected documented command's small form and its finished process, two running at once: on CI's two
+    cores one command's imports and Python overlap the other's arithmetic (a third less time than in turn)."""
+    lines = [item.callspec.params["line"] for item in request.session.items
+             if item.originalname == "test_documented_command_runs"]
+
+    def run(line):
+        tmp = tmp_path_factory.mktemp("doc")
+        args, stdin = shrink(line, tmp)
+        return args, subprocess.run([sys.executable, "-m", "kvbound", *args], input=stdin, capture_output=True,
+                                    text=True, timeout=600, cwd=tmp)
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(lines, pool.map(run, lines)))
+
+
 @pytest.mark.parametrize("doc, line", COMMANDS, ids=[c[:60] for _, c in COMMANDS])
-def test_documented_command_runs(doc, line, tmp_path):
+def test_documented_command_runs(doc, line, command_runs):
     from kvbound.eval.strategies import CacheOptions, parse_strategies
     words = shlex.split(line)
     if "--strategies" in words:
         parse_strategies(split_strategies(words[words.index("--strategies") + 1]), 64, CacheOptions())
-    args, stdin = shrink(line, tmp_path)
-    r = subprocess.run([sys.executable, "-m", "kvbound", *args], input=stdin, capture_output=True, text=True,
-                       timeout=600, cwd=tmp_path)
+    args, r = command_runs[line]
     assert r.returncode == 0, f"{doc}: {line}\n{r.stderr[-2000:]}"
     assert "Traceback" not in r.stderr
     if args[0] in ("generate", "chat"):
