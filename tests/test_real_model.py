@@ -73,7 +73,7 @@ class CacheLengthPositions(KVCache):
 
 def test_rope_offset_counts_tokens_not_cache_length(smollm, shared_data):
     model, tok = smollm
-    ids = tok.encode((shared_data / "wikipedia" / "Aristotle.txt").read_text())[:192]
+    ids = tok.encode((shared_data / "wikipedia" / "Aristotle.txt").read_text())[:160]
     pol = WindowPolicy(budget=48, sink=4)
     caches = [KVCache(model.config, pol), CacheLengthPositions(model.config, pol)]
     multi = MultiCache(caches)
@@ -223,7 +223,7 @@ def test_stream_decoder_pieces_add_up_to_the_whole_decode(smollm):
 
 def test_transformers_under_kvbound_hf_gives_kvbounds_perplexity(smollm, hf_smollm, shared_data):
     """SmolLM2 read by transformers from the shipped GGUF, bounded by `kvbound.hf.install_kv_eviction`: its
-    token-by-token perplexity under h2o-heavy and observed-merge (budget 128, 192 tokens) equals `kvbound eval
+    token-by-token perplexity under h2o-heavy and observed-merge (budget 128, 160 tokens) equals `kvbound eval
     ppl`'s."""
     transformers = pytest.importorskip("transformers")
     import kvbound.hf as kh
@@ -231,7 +231,7 @@ def test_transformers_under_kvbound_hf_gives_kvbounds_perplexity(smollm, hf_smol
     from kvbound.eval.perplexity import perplexity
     from kvbound.eval.strategies import CacheOptions
     model, tok = smollm
-    ids = tok.encode((shared_data / "wikipedia" / "Aristotle.txt").read_text())[:192]
+    ids = tok.encode((shared_data / "wikipedia" / "Aristotle.txt").read_text())[:160]
     prefill = 128  # the budget: every eviction happens token by token, as in a decode
     policies = {name: parse_policy(name, prefill) for name in ("h2o-heavy", "observed-merge")}  # scored: the hard case
     ours = perplexity(model, [ids], {"baseline": (parse_policy("full"), None),
