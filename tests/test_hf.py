@@ -107,7 +107,8 @@ def counts_by_hf(cache):
                                   "h2o:sink=2,heavy=6,recent=6,granularity=layer,evict_every=3",
                                   "window:budget=14,sink=2", "tova:sink=2,heavy=12", "knorm:sink=2,heavy=6,recent=6",
                                   "snapkv:sink=2,heavy=6,recent=6,window=4,kernel=3",
-                                  "keydiff:sink=2,heavy=6,recent=6", "h2o:sink=2,heavy=6,recent=6,score=observed,merge=rank",
+                                  "keydiff:sink=2,heavy=6,recent=6",
+                                  "h2o:sink=2,heavy=6,recent=6,score=observed,merge=rank",
                                   "h2o:sink=2,heavy=6,recent=6,granularity=layer,merge=count",
                                   "knorm:sink=2,heavy=6,recent=6,merge=count"])
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
@@ -139,7 +140,8 @@ def test_kept_tokens_at_every_step_and_outputs_equal_kvbounds_own_cache(name, sp
     assert greedy(m, ids, 16)[0, 24:].tolist() == toks
 
 
-@pytest.mark.parametrize("name,policy", [("llama", "h2o"), ("llama", "observed-merge"), ("deepseek_v3", "observed-merge")])
+@pytest.mark.parametrize("name,policy", [("llama", "h2o"), ("llama", "observed-merge"),
+                                         ("deepseek_v3", "observed-merge")])
 def test_left_padded_batch_gives_each_sequence_what_it_gets_alone(name, policy):
     """Left padding is never kept over a real token, nor merged into one (DeepSeek's values are narrower than its
     keys: merging averages each at its own width)."""

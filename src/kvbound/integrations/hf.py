@@ -5,8 +5,9 @@
 the exact probabilities each cached key received (summed over the query heads that share its cached head and
 over the step's queries), then lets the cache layer evict (or merge, `cache.merge`). Each `DynamicLayer` the
 model meets becomes an `EvictingLayer` (same tensors, plus positions, scores, merged counts and the policy):
-every sequence of a batch and every cached head keeps its own tokens, left padding included. Positions keep counting the tokens processed: the
-layer reports its logical length, so transformers never derives RoPE positions from the physical one.
+every sequence of a batch and every cached head keeps its own tokens, left padding included. Positions keep
+counting the tokens processed: the layer reports its logical length, so transformers never derives RoPE
+positions from the physical one.
 """
 from __future__ import annotations
 
