@@ -104,7 +104,7 @@ def test_merging_policies_batched_and_preempted_equal_each_sequence_alone(model)
     """Merging (`merge=`) through the engine's batched groups (chunks past the budget, fills, evicting decodes) and
     through preemption, which swaps the merged counts out and back: each sequence's tokens as its own cache gives."""
     specs = ["h2o:sink=2,heavy=10,recent=12,score=observed,merge=rank", "keydiff:sink=2,heavy=12,recent=10,merge=count",
-             "tova:sink=2,heavy=22,merge=rank"]
+             "tova:sink=2,heavy=22,merge=rank", "h2o:sink=2,heavy=10,recent=12,score=observed,merge=rank,evict_every=4"]
     # full caches first, which grow: the newest sequences, the merging ones, are the ones preempted
     reqs = [(prompt(70, 30), None), (prompt(71, 36), None)]
     reqs += [(prompt(60 + i, 20 + 9 * i), specs[i % len(specs)]) for i in range(6)]
@@ -910,8 +910,9 @@ def test_merging_over_packed_blocks_gives_the_single_sequence_quantized_outputs(
     """Merging over packed blocks: a merged key is a new value, packed once where it is written (the merge step of a
     decode, the kept candidates of a piece past the budget), the others keep their bytes; the engine's batched groups
     give each sequence's own packed cache's tokens."""
-    specs = ["h2o:sink=2,heavy=10,recent=12,score=observed,merge=rank", "knorm:sink=2,heavy=12,recent=10,merge=count"]
-    reqs = [(prompt(80 + i, 20 + 11 * i), specs[i % 2]) for i in range(4)]
+    specs = ["h2o:sink=2,heavy=10,recent=12,score=observed,merge=rank", "knorm:sink=2,heavy=12,recent=10,merge=count",
+             "h2o:sink=2,heavy=10,recent=12,merge=count,evict_every=3"]
+    reqs = [(prompt(80 + i, 20 + 11 * i), specs[i % 3]) for i in range(6)]
     got, _ = run_engine(model32, reqs, shared_policies=True, num_blocks=256, kv_bits=bits, kv_group_size=32)
     for (ids, spec), out in zip(reqs, got):
         assert out == alone_quantized(model32, ids, parse_policy(spec), GREEDY, 16, bits), spec
@@ -1116,8 +1117,9 @@ def test_merging_over_packed_pools_on_cuda_batched_equal_alone(model32, bits):
     gpu = model32.cuda()
     try:
         specs = ["h2o:sink=2,heavy=10,recent=12,score=observed,merge=rank",
-                 "knorm:sink=2,heavy=12,recent=10,merge=count"]
-        reqs = [(prompt(80 + i, 20 + 11 * i), specs[i % 2]) for i in range(4)]
+                 "knorm:sink=2,heavy=12,recent=10,merge=count",
+                 "h2o:sink=2,heavy=10,recent=12,merge=count,evict_every=3"]
+        reqs = [(prompt(80 + i, 20 + 11 * i), specs[i % 3]) for i in range(6)]
         got, _ = run_engine(gpu, reqs, shared_policies=True, num_blocks=256, kv_bits=bits, kv_group_size=32)
         for (ids, spec), out in zip(reqs, got):
             assert out == run_engine(gpu, [(ids, spec)], num_blocks=256, kv_bits=bits, kv_group_size=32)[0][0], spec

@@ -110,7 +110,8 @@ def counts_by_hf(cache):
                                   "keydiff:sink=2,heavy=6,recent=6",
                                   "h2o:sink=2,heavy=6,recent=6,score=observed,merge=rank",
                                   "h2o:sink=2,heavy=6,recent=6,granularity=layer,merge=count",
-                                  "knorm:sink=2,heavy=6,recent=6,merge=count"])
+                                  "knorm:sink=2,heavy=6,recent=6,merge=count",
+                                  "h2o:sink=2,heavy=6,recent=6,score=observed,merge=rank,evict_every=3"])
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_kept_tokens_at_every_step_and_outputs_equal_kvbounds_own_cache(name, spec):
     """The same policy fed the same attention, step by step: kvbound's own model and KVCache on the same

@@ -181,6 +181,9 @@ for gran, pinned in itertools.product(["kv-head", "layer"], [(), ((6, 9),)]):  #
                  KeyDiffPolicy(sink=2, heavy=6, recent=3, granularity=gran, pinned=pinned, merge="count"),
                  SnapKVPolicy(sink=1, heavy=7, recent=4, window=3, kernel=3, granularity=gran, pinned=pinned,
                               merge="rank")]
+POLICIES += [H2OPolicy(sink=2, heavy=5, recent=5, score="observed", evict_every=4, merge="rank"),  # merging in bulk
+             H2OPolicy(sink=2, heavy=5, recent=5, granularity="layer", evict_every=3, pinned=((6, 9),), merge="count"),
+             KeyDiffPolicy(sink=2, heavy=6, recent=3, evict_every=4, merge="count")]
 
 
 def _steps(seed, lengths=(5, 1, 1, 7, 1, 1, 1, 3, 1, 1, 1, 1, 9, 1, 1, 1, 1, 1, 2, 1, 1, 1)):
@@ -455,14 +458,15 @@ def test_shared_budget_errors():
 
 
 def test_merge_specs_and_refusals():
-    """merge= in specs and the named observed-merge; a bad value, a rank without attention, adaptive budgets, several
-    evictions a step, packed K/V and the engine each get one line naming what is wrong."""
+    """merge= in specs and the named observed-merge; a bad value, a rank without attention, adaptive budgets and mixed
+    widths each get one line naming what is wrong."""
     assert parse_policy("observed-merge", 64) == replace(parse_policy("observed", 64), merge="rank")
     assert parse_policy("h2o:merge=count", 64).merge == "count"
+    assert parse_policy("h2o:merge=count,evict_every=4", 64).evict_every == 4
     assert parse_policy("h2o:merge=none", 64).merge is None
     assert "merge=rank" in parse_policy("snapkv:merge=rank", 64).describe()
     for spec, msg in (("h2o:merge=mean", "unknown merge 'mean'"), ("knorm:merge=rank", "use merge=count"),
-                      ("h2o:merge=rank,alpha=0.2", "evict_every=1"), ("h2o:merge=count,evict_every=2", "evict_every=1"),
+                      ("h2o:merge=rank,alpha=0.2", "equal budgets"),
                       ("window:merge=rank", "unknown option 'merge'")):
         with pytest.raises(KvboundError, match=msg):
             parse_policy(spec, 64)

@@ -411,9 +411,18 @@ class KVCache:
         self.pos[layer, b] = -1
 
     def _compact(self, layer):
-        """evict_every > 1: evict down to `budget` among slots [0, n), refilling holes from the tail."""
+        """evict_every > 1: evict down to `budget` among slots [0, n), refilling holes from the tail; a merging
+        policy's evicted tokens first merge into the kept ones (`merge`), whose new K/V are written once."""
         n, b = self.n[layer], self.budget
         keep = self.policy.keep_mask(self.pos[layer, :n], None if self.score is None else self.score[layer, :n])
+        if self.count is not None:
+            k, v = read_kv(self.store.storage, layer, self.store.slot_table(self.capacity)[None, :n].long())
+            score = None if self.score is None else self.score[layer, :n][None]
+            k, v, count, took = merge_dropped(self.policy, keep[None], k, v, self.pos[layer, :n][None], score,
+                                              self.count[layer, :n][None])
+            slot, head = took[0].nonzero().unbind(1)
+            self.store.write(layer, slot[:, None], k[0, slot, head][:, None], v[0, slot, head][:, None], head[:, None])
+            self.count[layer, :n] = count[0]
         for head in range(keep.shape[1]):
             movers = keep[b:, head].nonzero().flatten() + b
             self._move(layer, torch.full_like(movers, head), movers, (~keep[:b, head]).nonzero().flatten())

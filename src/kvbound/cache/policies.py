@@ -376,9 +376,8 @@ class H2OPolicy(Policy):
         if self.merge == "rank" and self.rank_source.startswith("key"):
             raise KvboundError(f"{self.name}: merge=rank weighs tokens by attention, which {self.name} does not "
                                "gather: use merge=count")
-        if self.adapts or self.evict_every != 1:
-            raise KvboundError(f"{self.name}: merge runs with one eviction a step (evict_every=1) and equal budgets "
-                               "(no alpha or beta)")
+        if self.adapts:
+            raise KvboundError(f"{self.name}: merge runs with equal budgets (no alpha or beta)")
 
     @property
     def budget(self) -> int:

@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..cache.merge import attention_bias
 from ..cache.stacked import StackedMeta, place_slots
 from ..cache.steps import (chunk_attend, evict_decode, keep_and_rewrite, piece_attention, shared_decode,
                            shared_piece, table_attention)
@@ -269,15 +270,17 @@ class FillGroup:
         self.pool.write(layer, self.table[:, n:n + t].flatten(), k, v)
         pos = m.pos[:, layer]
         pos[rows, n:n + t] = positions.view(bsz, t, 1).to(pos.dtype)
-        if m.count is not None:  # a cache with room has evicted nothing yet: every token stands for itself
-            m.count[:, layer][rows, n:n + t] = 1.0
+        count = None if m.count is None else m.count[:, layer]
+        if count is not None:  # each new token stands for itself; kept ones of a cache that evicts every e steps
+            count[rows, n:n + t] = 1.0  # may stand for more, which attention weighs (`merge`)
         kc, vc = self.pool.gather(layer, self.table)
         if m.ring is not None:  # the cached tokens as the window holds them, the piece's own at mixed precision
             new = (k.view(bsz, t, *k.shape[1:]), v.view(bsz, t, *v.shape[1:]))
             kc, vc = m.ring.with_piece(layer, rows, kc[:, :n], vc[:, :n], pos, positions.view(bsz, t)[:, 0], *new)
         score = None if m.score is None else m.score[:, layer]
         out, scores = piece_attention(q.unflatten(0, (bsz, t)), kc, vc, m.policy,
-                                      None if score is None else score[rows, :n], pos[rows, :n + t])
+                                      None if score is None else score[rows, :n], pos[rows, :n + t],
+                                      attention_bias(None if count is None else count[rows, :n + t]))
         if score is not None:
             score[rows, :n + t] = scores
         if m.ring is not None:
