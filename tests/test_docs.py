@@ -18,7 +18,7 @@ SMALL = {"--max-tokens": "4", "--samples": "1", "--seq-len": "48", "--budget": "
          "--input-len": "16", "--output-len": "4", "--rate": "4", "--duration": "1", "--device": "cpu",
          "--tasks": "niah_single", "--model": None, "--text": None}  # None: dropped (the default model and the package's text)
 ENSURE = {"generate": ["--max-tokens"], "chat": ["--max-tokens"], "ppl": ["--samples", "--seq-len"],
-          "sweep": ["--samples", "--seq-len"], "needle": ["--depths", "--budget-frac"],
+          "sweep": ["--samples", "--seq-len"], "needle": ["--depths", "--budget-frac", "--max-tokens"],
           "ruler": ["--samples", "--budget-frac", "--max-tokens", "--tasks"]}  # small even where not shown
 
 
