@@ -1,4 +1,10 @@
 """kvbound.hf: eviction inside transformers' own generate(), against the unpatched model and kvbound's cache."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -240,6 +246,21 @@ def test_readme_example_runs(tmp_path):
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>").save_pretrained(tmp_path)
     exec(compile(code.replace('"HuggingFaceTB/SmolLM2-135M-Instruct"', repr(str(tmp_path))), "README", "exec"), {})
+
+
+def test_hf_generate_benchmark_gives_a_row_per_context_and_policy(tmp_path):
+    """benchmarks/hf_generate.py at a tiny shape on the CPU: each --policies entry runs beside the unpatched model,
+    and each holds its bound (the unpatched cache: the prompt and the new tokens fed back, all but the last)."""
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "hf_generate.py"), "--shape", "tiny", "--device",
+                        "cpu", "--contexts", "48", "--budget", "8", "--new-tokens", "4", "--policies",
+                        "h2o,observed-merge", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(root / "src")})
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads((tmp_path / "hf_generate_tiny.json").read_text())["rows"]
+    assert [(x["context"], x["policy"]) for x in rows] == [(48, "h2o"), (48, "observed-merge")]
+    assert all(x["kvbound"]["held_tokens"] == 4 + 8 + 8 and x["unpatched"]["held_tokens"] == 48 + 3 for x in rows)
+    assert "observed-merge" in r.stdout.splitlines()[-1]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two GPUs (a CPU entry in a device_map is offload: it "
