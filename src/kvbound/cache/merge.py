@@ -58,8 +58,8 @@ def merge_into_kept(k, v, count, weight, dropped, target_ok):
         return idx[..., None].expand(-1, -1, -1, x.shape[-1])
     unit = F.normalize(k.float(), dim=-1)
     step = max(1, SIMILARITIES // target_ok.numel())
-    best, target = (torch.cat(x, 1) for x in zip(*(_most_similar(unit, dropped[:, i:i + step], target_ok)
-                                                     for i in range(0, max(dropped.shape[1], 1), step))))
+    blocks = [_most_similar(unit, dropped[:, i:i + step], target_ok) for i in range(0, max(dropped.shape[1], 1), step)]
+    best, target = (torch.cat(x, 1) for x in zip(*blocks))
     merged = best > float("-inf")
     w_drop = torch.where(merged, weight.gather(1, dropped), 0.0)
     den = weight.float().scatter_add(1, target, w_drop)

@@ -102,7 +102,6 @@ class EvictingLayer(DynamicLayer):
     def convert(cls, layer: DynamicLayer, policy: Policy):
         layer.__class__ = cls
         layer.policy, layer.pos, layer.score, layer.count, layer.seen, layer.logical = policy, None, None, None, None, 0
-        layer.merged = False  # whether a count has grown past 1 (attention then adds log counts)
         return layer
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -120,7 +119,7 @@ class EvictingLayer(DynamicLayer):
     def reset(self):
         super().reset()
         self.pos = self.score = self.count = self.seen = None
-        self.logical, self.merged = 0, False
+        self.logical = 0
 
     def reset_scores(self):
         if self.score is not None:
@@ -146,7 +145,8 @@ class EvictingLayer(DynamicLayer):
         t, held = query.shape[2], self.keys.shape[-2]
         first = self.pos is None
         valid = self._admit(t, attention_mask if first else None)  # [B, L]: not left padding
-        bias = attention_bias(self.count) if self.merged else None  # [B, L, H]: merged keys' log counts
+        evicted = held < self.logical  # only then may a count have grown past 1
+        bias = attention_bias(self.count) if evicted else None  # [B, L, H]: merged keys' log counts
         out = _attention(query, key, value, None if bool(valid.all()) else valid, scaling, bias)
         self._score(query, key, valid, scaling, t, bias)
         if held > self.policy.budget + self.policy.evict_every - 1:
@@ -230,7 +230,6 @@ class EvictingLayer(DynamicLayer):
                                            row(self.score), row(self.count))
             self.keys[r][:, held], self.values[r][:, held] = k[0].transpose(0, 1), v[0].transpose(0, 1)
             self.count[r, held] = count[0]
-        self.merged = True
 
     def _row_order(self, real, r) -> torch.Tensor:
         """One sequence with left padding: the policy chooses among its real tokens; while it has no more
