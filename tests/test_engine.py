@@ -569,14 +569,22 @@ def test_every_decode_of_a_bounded_cache_joins_the_evict_group(model, monkeypatc
 @pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=9,recent=9,evict_every=3", "window:budget=20,sink=2,evict_every=5",
                                   "keydiff:sink=2,heavy=9,recent=9,evict_every=4"])
 def test_decodes_of_caches_evicting_every_few_steps_batch(model, monkeypatch, spec):
-    """A cache that evicts every e steps holds stacked rows too: its decodes with room batch as one-token "fill"
-    pieces, and the decode that fills it evicts down to the budget as a one-token "chunk" piece: none runs its own
-    `attend`. Outputs equal each sequence alone, below the budget and past it."""
+    """A cache that evicts every e steps holds stacked rows too: its decodes with room join the "evict" group,
+    evicting nothing, and the decode that fills it evicts down to the budget as a one-token "chunk" piece: none runs
+    its own `attend`, and no decode runs as a "fill" piece (their steps are the kinds a CUDA graph holds). Outputs
+    equal each sequence alone, below the budget and past it."""
+    from kvbound.engine.runner import ChunkGroup, EvictGroup, FillGroup
     own = recorded_own_decodes(monkeypatch)
+    sizes = {group: [] for group in (ChunkGroup, EvictGroup, FillGroup)}
+    for group, rows in sizes.items():
+        attend = group.attend
+        monkeypatch.setattr(group, "attend", lambda self, layer, q, *a, attend=attend, rows=rows:
+                            rows.append(q.shape[0] // self.rows.shape[0]) or attend(self, layer, q, *a))
     pol = parse_policy(spec)
     reqs = [prompt(80 + i, n) for i, n in enumerate((5, 19, 30, 41))]
     outs = LLM(model, num_blocks=128, block_size=8, prefill_chunk=16).generate(reqs, GREEDY, pol, use_tqdm=False)
-    assert own == []
+    assert own == [] and 1 not in sizes[FillGroup]
+    assert sizes[EvictGroup] and 1 in sizes[ChunkGroup]
     for ids, out in zip(reqs, outs):
         assert out.outputs[0].token_ids == alone(model, ids, pol, GREEDY, 16)
 
@@ -1261,6 +1269,46 @@ def test_decodes_of_several_policies_replay_one_graph_and_equal_eager(model32, b
 
 
 # --- virtual storage (kv_storage="virtual") ---------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+@pytest.mark.parametrize("bits", [None, 8])
+def test_decodes_of_caches_evicting_every_few_steps_replay_graphs_and_equal_eager(model32, bits, monkeypatch):
+    """Caches that evict every e steps decode in CUDA graphs: their decodes with room in the evict group's, the
+    decode that fills the room in a one-token chunk group's, both in one graph when the sequences are out of step
+    (a policy's two groups each read buffers of their own). Every step of decodes alone replays a graph (as the
+    default policy, its chunk graphs are captured up front); greedy tokens equal eager steps' and each sequence's
+    own cache's, with and without merging."""
+    from kvbound.engine.cuda_graphs import DecodeGraphs
+    replayed, run = [], DecodeGraphs.run
+
+    def recorded(self, batch, keys, fill=None):
+        logits = run(self, batch, keys, fill)
+        if all(t == 1 and s.to_feed() == 1 for s, t in batch):
+            replayed.append(None if logits is None else self.last)
+        return logits
+    monkeypatch.setattr(DecodeGraphs, "run", recorded)
+    specs = ["h2o:sink=2,heavy=9,recent=9,evict_every=4", "h2o:sink=2,heavy=10,recent=12,score=observed,merge=rank,"
+             "evict_every=3", "window:budget=20,sink=2,evict_every=5"]
+    reqs = [(prompt(110 + i, 14 + 7 * i), specs[i % 3]) for i in range(9)]
+    gpu = model32.cuda()
+    try:
+        for spec in specs:
+            mine = [(ids, s) for ids, s in reqs if s == spec]
+            got, engine = run_engine(gpu, mine, shared_policies=True, num_blocks=256, kv_bits=bits,
+                                     kv_group_size=32, policy=parse_policy(spec))
+            assert None not in replayed, spec
+            assert any(key.kind == "chunk" for key, _, _ in engine.graphs.parts()), spec
+            assert any({"chunk", "evict"} <= {key.kind for key, _, _ in parts} for parts in replayed), spec
+            replayed.clear()
+            eager, _ = run_engine(gpu, mine, shared_policies=True, num_blocks=256, kv_bits=bits, kv_group_size=32,
+                                  cuda_graphs=False)
+            assert got == eager, spec
+            for (ids, _), out in zip(mine, got):
+                cache = KVCache(gpu.config, parse_policy(spec), device="cuda", kv_bits=bits, kv_group_size=32)
+                assert out == list(generate_ids(gpu, ids, GREEDY, cache, (), 16)), spec
+    finally:
+        model32.cpu()
 
 
 def held_pages(pool):

@@ -149,9 +149,9 @@ class KVCache:
         """Which batched step of the engine a step of t tokens of this cache can join: "prefill" (a prefill
         piece of an unbounded cache), "append" (an unbounded decode), "evict" (a steady bounded decode on
         stacked rows), "chunk" (a prefill piece past a bounded cache's room, which keeps `budget` of its tokens and
-        the piece's, on stacked rows), "fill" (a prefill piece of a bounded cache with room for it, or a decode with
-        room of one that evicts every e steps, on stacked rows), or None (this cache's own `attend`). A cache that
-        evicts every e steps joins the batched groups at every step."""
+        the piece's, on stacked rows), "fill" (a prefill piece of a bounded cache with room for it, on stacked rows),
+        or None (this cache's own `attend`). A cache that evicts every e steps decodes in the "evict" group while it
+        has room (it evicts nothing there), and its decode that fills the room is a one-token "chunk"."""
         if not self.bounded:
             if t == 1:
                 return "append"
@@ -159,7 +159,9 @@ class KVCache:
         if self.stacked is None:
             return None
         if self.has_spare[0]:
-            return "evict" if t == 1 else None
+            if t > 1:
+                return None
+            return "chunk" if self.policy.evict_every > 1 and self.n[0] + 1 == self.policy.capacity else "evict"
         if self.n[0] + t < self.policy.capacity:
             return "fill"
         # a piece that exactly fills the room is written, then evicts one (`attend`); a cache that evicts every e
@@ -201,8 +203,9 @@ class KVCache:
         """Before a decode in the paged engine: a bounded cache with no spare slot yet (its prompt just ended, at its
         budget or below) takes the empty slot after its tokens as every head's spare, the slot its own `attend`
         would write into, so that its decodes join the batched "evict" group. Below the budget they evict nothing
-        (`steps.evict_decode`) until the cache is full."""
-        if self.stacked is not None and not self.has_spare[0] and self.policy.evict_every == 1:
+        (`steps.evict_decode`) until the cache is full; a cache that evicts every e steps keeps its next free slot as
+        the spare (`decoded`, `runner.ChunkGroup`)."""
+        if self.stacked is not None and not self.has_spare[0]:
             self.spare.fill_(self.n[0])
             self.has_spare = [True] * len(self.has_spare)
 
@@ -212,9 +215,14 @@ class KVCache:
 
     def decoded(self):
         """Bookkeeping after a batched "evict" step: the new token took the spare slot, and a cache below its
-        budget evicted nothing, so it holds one more."""
-        self.n = [min(self.n[0] + 1, self.budget)] * len(self.n)
+        budget (or with room, evicting every e steps) evicted nothing, so it holds one more."""
+        self.n = [self._held_after_decode(self.n[0])] * len(self.n)
         self.advance(1)
+
+    def _held_after_decode(self, n: int) -> int:
+        """Tokens held after a decode into the spare slot: at evict_every = 1 a full cache evicts one; a cache
+        that evicts every e steps has room for it (its decode that fills the room is a chunk)."""
+        return min(n + 1, self.budget) if self.policy.evict_every == 1 else n + 1
 
     def writable_from(self) -> int:
         """The first local slot the next step may write: past the protected prefix of a bounded cache,
@@ -293,12 +301,13 @@ class KVCache:
         if self.has_spare[layer] and t > 1:
             self._densify(layer)
         storage, meta, ring = self.store.storage, self._layer_meta(layer), self.ring
-        if self.has_spare[layer]:  # a decode into the spare slot: the evicted token's, or the next free one
+        if self.has_spare[layer] and (self.policy.evict_every == 1 or n + 1 < self.capacity):
+            # a decode into the spare slot: the evicted token's, or the next free one
             table = self.store.slot_table(self.capacity)[None]
             lens = torch.full((1,), n + 1, dtype=torch.int32, device=q.device)
             out = evict_decode(q, k, v, storage, layer, table, lens, self.one_row, positions, *meta, self.policy,
                                ring=ring, count=self._count(layer))
-            self.n[layer] = min(n + 1, self.budget)
+            self.n[layer] = self._held_after_decode(n)
         elif n + t <= self.capacity:  # room: the new tokens take slots [n, n + t) in every head
             self.store.write_range(layer, n, k, v)
             self.pos[layer, n:n + t] = positions[:, None].to(self.pos.dtype)
@@ -317,6 +326,8 @@ class KVCache:
                     self.has_spare[layer], self.n[layer] = True, self.budget
                 else:
                     self._compact(layer)
+                    if self.has_spare[layer]:  # evicting every e steps, the spare is the next free slot
+                        self.spare[layer].fill_(self.budget)
         else:  # a prefill chunk longer than the room left
             table = self.store.slot_table(self.capacity)[None]
             pos, _, score = meta
@@ -399,9 +410,9 @@ class KVCache:
 
     def _densify(self, layer):
         """Before a multi-token step: move each head's token in the last slot into its spare slot (a cache below
-        its budget holds slots [0, n) already: its spare is the next free one)."""
+        its budget, or one that evicts every e steps, holds slots [0, n) already: its spare is the next free one)."""
         self.has_spare[layer] = False
-        if self.n[layer] < self.budget:
+        if self.n[layer] < self.budget or self.policy.evict_every > 1:
             return
         b, spare = self.budget, self.spare[layer]
         heads = torch.arange(spare.shape[0], device=spare.device)

@@ -12,9 +12,9 @@ import torch
 def stackable(policy) -> bool:
     """Bounded policies whose steps run batched on stacked rows: one eviction per step (heads may share a layer's
     budget, AdaKV's rows also holding an owner per place; layers may keep different budgets, PyramidKV's, reading
-    rows of other layers through `layer_places`), or, evicting every e steps, their decodes as one-token pieces
-    ("fill" with room, "chunk" when they evict; heads and layers of one budget: `AdaptiveKVCache` evicts every
-    step)."""
+    rows of other layers through `layer_places`), or, evicting every e steps, their decodes with room as evictions
+    of nothing and the one that fills the room as a one-token "chunk" (heads and layers of one budget:
+    `AdaptiveKVCache` evicts every step)."""
     return policy.bounded and (policy.evict_every == 1 or not policy.adapts)
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch
 
 from ..staging import to_device
-from .runner import (AppendGroup, EvictGroup, GroupKey, SharedGroup, Spans, append_rows, append_tables, bounded_tables,
-                     decode_lens, group_spans)
+from .runner import (AppendGroup, ChunkGroup, EvictGroup, GroupKey, SharedGroup, Spans, append_rows, append_tables,
+                     bounded_tables, decode_lens, group_spans)
 
-KINDS = ("append", "evict", "shared")  # the group kinds a graph can hold
+KINDS = ("append", "evict", "shared", "chunk")  # the group kinds a graph can hold ("chunk": one token a row)
 MAX_GROUPS = 16  # a step of more groups than this runs eagerly
 MAX_SEVERAL = 64  # graphs of several groups kept at once; the one replayed least recently goes first
 
@@ -15,7 +15,8 @@ MAX_SEVERAL = 64  # graphs of several groups kept at once; the one replayed leas
 class DecodeGraphs:
     """CUDA graphs of whole decode steps, keyed by their parts: (group, batch size[, table width]) for each group of
     the step, in its order. A group's rows all append (unbounded caches), or all evict under one policy (or share
-    places, AdaKV); a step of up to MAX_GROUPS groups (policies served side by side, full caches beside bounded
+    places, AdaKV; or fill the room of caches evicting every e steps, which keep their budget: one-token "chunk"
+    groups); a step of up to MAX_GROUPS groups (policies served side by side, full caches beside bounded
     ones) replays one graph, whose groups attend over consecutive rows at once, each on a CUDA stream of its own
     (`runner.Spans`). Batch sizes are 1, 2, 4, ... up to max_seqs per group; each group is padded to the next size
     with rows that write and read one scratch slot (and a scratch metadata row). Append graphs come in table widths
@@ -43,7 +44,7 @@ class DecodeGraphs:
         self.new = torch.full((top,), self.scratch, dtype=torch.long, device=dev)
         self.lens = torch.ones(top, dtype=torch.int32, device=dev)
         self.table = torch.full((top, self.widths[-1] * bs), self.scratch, dtype=torch.int32, device=dev)
-        self.evict_buffers = {}  # StackedMeta -> (rows, table)
+        self.evict_buffers = {}  # (StackedMeta, kind) -> (rows, table, lens)
         self.generations = {}  # StackedMeta -> its generation when its graphs were captured (rows grow)
         self.graphs, self.logits, self.attn = {}, {}, {}
         self.several = {}  # the graphs of several groups, least recently replayed first (a dict keeps order)
@@ -62,21 +63,23 @@ class DecodeGraphs:
         if key.kind == "append":
             return AppendGroup(self.pool, self.new[:size], self.lens[:size],
                                self.table[:size, :width * self.pool.block_size])
-        rows, table, lens = self.evict_buffers[key.meta]
+        rows, table, lens = self.evict_buffers[key.meta, key.kind]
+        if key.kind == "chunk":
+            return ChunkGroup(self.pool, key.meta, rows[:size], table[:size], key.n)
         group = SharedGroup if key.kind == "shared" else EvictGroup
         return group(self.pool, key.meta, rows[:size], table[:size], lens[:size])
 
-    def _buffers(self, meta):
-        """The rows, slot tables and slots held that an evict (or shared) group of this policy's metadata reads,
-        made once."""
-        if meta not in self.evict_buffers:
+    def _buffers(self, meta, kind):
+        """The rows, slot tables and slots held that an evict (shared, chunk) group of this policy's metadata reads,
+        made once for each kind (one step may hold a policy's evict and chunk groups)."""
+        if (meta, kind) not in self.evict_buffers:
             dev, top, width = self.ids.device, self.sizes[-1], meta.pos.shape[2]
             self.generations[meta] = meta.generation
-            self.evict_buffers[meta] = (
+            self.evict_buffers[meta, kind] = (
                 torch.full((top,), meta.scratch_row, dtype=torch.long, device=dev),
                 torch.full((top, width), self.scratch, dtype=torch.int32, device=dev),
                 torch.full((top,), width, dtype=torch.int32, device=dev))
-        return self.evict_buffers[meta]
+        return self.evict_buffers[meta, kind]
 
     def _capture(self, parts):
         """Capture the graph of `parts`. Its warm-up runs execute, so every group's rows point at the scratch slot
@@ -86,7 +89,7 @@ class DecodeGraphs:
             if key.kind == "append":
                 self.new[:size], self.lens[:size], self.table[:size, 0] = self.scratch, 1, self.scratch
             else:
-                rows, table, lens = self._buffers(key.meta)
+                rows, table, lens = self._buffers(key.meta, key.kind)
                 rows[:size], table[:size], lens[:size] = key.meta.scratch_row, self.scratch, table.shape[1]
             spans.append((start, start + size, self._group(key, size, width)))
             start += size
@@ -125,17 +128,19 @@ class DecodeGraphs:
             self.last = None
 
     def capture_evict(self, meta, sizes=None, kind="evict"):
-        """Capture the single-group evict graphs (or "shared": AdaKV's) of one policy's stacked metadata (all batch
-        sizes by default)."""
+        """Capture the single-group evict graphs (or "shared": AdaKV's; or "chunk": the decodes that fill the room of
+        caches evicting every e steps) of one policy's stacked metadata (all batch sizes by default)."""
+        key = GroupKey(kind, meta, 1, meta.width - 1 if kind == "chunk" else 0)
         for size in sorted(sizes or self.sizes, reverse=True):
-            self._capture(((GroupKey(kind, meta), size, None),))
+            self._capture(((key, size, None),))
 
     def drop(self, meta):
         """Forget the graphs with a group of a policy's stacked metadata and its buffers (no cache uses it any
         more, or its rows grew into new tensors), once a step in flight that may replay them is done; their memory
         in the graphs' pool goes to later captures."""
         torch.cuda.current_stream().synchronize()
-        self.evict_buffers.pop(meta, None)
+        for kind in KINDS:
+            self.evict_buffers.pop((meta, kind), None)
         self.generations.pop(meta, None)
         self._forget([parts for parts in self.graphs if any(key.meta is meta for key, _, _ in parts)])
 
@@ -158,7 +163,9 @@ class DecodeGraphs:
         bookkeeping (`runner.finish_step`). fill: (rows on the device, () -> tokens there), the input ids of
         rows whose token is still on the device (the engine's run-ahead), taken last."""
         spans = group_spans(keys)  # one span per group, since `StepBatch.order` sorted them
-        if len(spans) > MAX_GROUPS or any(key is None or key.kind not in KINDS for key, _, _ in spans):
+        if len(spans) > MAX_GROUPS or any(key is None or key.kind not in KINDS or key.t != 1 for key, _, _ in spans):
+            return None
+        if len({(key.meta, key.kind) for key, _, _ in spans}) < len(spans):  # groups that would share buffers
             return None
         seqs = [s for s, _ in batch]
         parts, appends = [], {}
@@ -212,7 +219,7 @@ class DecodeGraphs:
             else:
                 self.table[:b, :need * self.pool.block_size] = append_tables(self.pool, seqs, need)
             return
-        rows, table, lens = self.evict_buffers[key.meta]
+        rows, table, lens = self.evict_buffers[key.meta, key.kind]
         rows[:b], rows[b:size], table[b:size] = values[:b], key.meta.scratch_row, self.scratch
         lens[:b], lens[b:size] = values[b:].to(torch.int32), table.shape[1]
         table[:b] = bounded_tables(self.pool, seqs, table.shape[1])

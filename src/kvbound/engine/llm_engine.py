@@ -200,10 +200,13 @@ class LLMEngine:
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.pool, max_num_seqs, graph_max_len, cfg.max_position_embeddings)
-            # its evict graphs (AdaKV's "shared" ones), pre-warmed
-            if stackable(self.default_policy) and self.default_policy.evict_every == 1:
-                self.graphs.capture_evict(self.caches.stacked_meta(self.default_policy, grow=False),
-                                          kind="shared" if self.default_policy.adapts else "evict")
+            # its evict graphs (AdaKV's "shared" ones; and the chunk graphs of a cache evicting every e steps),
+            # pre-warmed
+            if stackable(self.default_policy):
+                meta = self.caches.stacked_meta(self.default_policy, grow=False)
+                self.graphs.capture_evict(meta, kind="shared" if self.default_policy.adapts else "evict")
+                if self.default_policy.evict_every > 1:
+                    self.graphs.capture_evict(meta, kind="chunk")
 
     def describe_pool(self) -> str:
         """The KV pool in one line: tokens it holds, at which width, in how many bytes."""

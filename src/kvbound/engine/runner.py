@@ -7,13 +7,15 @@ size, through the same steps a single cache runs (`cache.steps`), over the share
   - "evict": decodes of bounded caches that share one policy, each head's spare slot free (`KVCache.take_spare`).
     The new token is written into the spare slot, attention exports its scores into the sequences' stacked
     metadata (`cache.stacked.StackedMeta`), and one batched victim choice picks each head's next spare slot:
-    slot replacement for the whole batch, with no per-sequence work. A cache still below its budget attends over
-    the slots it holds and takes its next free slot as the spare instead of evicting.
+    slot replacement for the whole batch, with no per-sequence work. A cache still below its budget (or with room,
+    evicting every e steps) attends over the slots it holds and takes its next free slot as the spare instead of
+    evicting.
   - "prefill": prefill pieces of unbounded caches, first or later, of any lengths: K/V into their slots, then
     one varlen causal attention over every piece (FlashAttention on CUDA), each after its cached tokens.
   - "chunk": prefill pieces of one length past the room of bounded caches that hold as many tokens and share a
-    policy (a full cache's later pieces, or an empty one's first): one batched attention with scores, one
-    batched keep choice, kept tokens rewritten in place.
+    policy (a full cache's later pieces, or an empty one's first; the decode that fills the room of a cache
+    evicting every e steps): one batched attention with scores, one batched keep choice, kept tokens rewritten in
+    place.
   - "fill": prefill pieces of bounded caches that still have room for them (nothing is evicted), of one
     length after as many held tokens, sharing a policy: K/V and positions into their slots, one batched
     attention with scores.
@@ -238,8 +240,9 @@ def _packed_slots(table: torch.Tensor, start: torch.Tensor, lens: list[int], cu:
 
 
 class ChunkGroup:
-    """Prefill pieces of t tokens past the room of bounded caches holding n tokens each (no spare slot) that
-    share one policy: `cache.steps.chunk_attend` then `keep_and_rewrite` for all of them at once."""
+    """Prefill pieces of t tokens past the room of bounded caches holding n tokens each that share one policy
+    (or the decodes that fill the room of caches evicting every e steps): `cache.steps.chunk_attend` then
+    `keep_and_rewrite` for all of them at once. Also a group of a captured decode graph (t = 1)."""
 
     def __init__(self, pool, meta, rows, table, n):
         self.pool, self.meta, self.rows, self.table, self.n = pool, meta, rows, table, n
@@ -252,6 +255,8 @@ class ChunkGroup:
                                   ring=m.ring, count=count)
         new = (k.unflatten(0, (self.rows.shape[0], -1)), v.unflatten(0, (self.rows.shape[0], -1)))
         keep_and_rewrite(self.pool, layer, self.table, n, self.rows, pos, score, m.policy, *cand, new=new, count=count)
+        # the slot after the budget is a decode's spare that follows (a cache evicting every e steps keeps it)
+        m.spare[self.rows, layer] = m.spare.new_full((), m.policy.budget)  # a device scalar: graphs copy no host data
         if m.ring is not None:
             m.ring.write(layer, self.rows, positions.view(self.rows.shape[0], -1), *new)
         return out
