@@ -633,7 +633,8 @@ def test_shared_places_over_packed_blocks_batch_as_they_run_alone(model32, bits)
         assert run(reqs) == [run([ids])[0] for ids in reqs], spec
 
 
-@pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=10,recent=12", "keydiff:sink=2,heavy=12,recent=10,alpha=0.2"])
+@pytest.mark.parametrize("spec", ["h2o:sink=2,heavy=10,recent=12", "keydiff:sink=2,heavy=12,recent=10,alpha=0.2",
+                                  "h2o:sink=2,heavy=9,recent=9,score=observed,merge=rank,evict_every=3"])
 def test_forks_of_a_bounded_request_decode_in_the_batched_group(model, monkeypatch, spec):
     """n > 1 completions of a bounded request: each fork takes a stacked row of its own, a copy of its parent's,
     so its decodes batch with the others' (never its cache's own `attend`). Each completion equals a single
@@ -659,7 +660,8 @@ def test_forks_of_bounded_requests_on_cuda_equal_alone(model):
     completions of a bounded request, below its budget and past it, each equal to the sequence alone."""
     gpu = model.cuda()
     try:
-        for spec in ("h2o:sink=2,heavy=10,recent=12", "keydiff:sink=2,heavy=12,recent=10,alpha=0.2"):
+        for spec in ("h2o:sink=2,heavy=10,recent=12", "keydiff:sink=2,heavy=12,recent=10,alpha=0.2",
+                     "h2o:sink=2,heavy=9,recent=9,score=observed,merge=rank,evict_every=3"):
             pol = parse_policy(spec)
             llm = LLM(gpu, num_blocks=128, block_size=8, prefill_chunk=16)
             for n in (9, 40):
