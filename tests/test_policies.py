@@ -465,6 +465,11 @@ def test_merge_specs_and_refusals():
     assert parse_policy("h2o:merge=count,evict_every=4", 64).evict_every == 4
     assert parse_policy("h2o:merge=none", 64).merge is None
     assert "merge=rank" in parse_policy("snapkv:merge=rank", 64).describe()
+    # the description a user reads (generate's stderr, the server's kv field) names every setting that changes what
+    # is kept
+    assert "evict_every=4" in parse_policy("h2o:merge=count,evict_every=4", 64).describe()
+    assert "evict_every=5" in parse_policy("window:budget=20,evict_every=5").describe()
+    assert "evict_every" not in parse_policy("h2o", 64).describe()
     for spec, msg in (("h2o:merge=mean", "unknown merge 'mean'"), ("knorm:merge=rank", "use merge=count"),
                       ("h2o:merge=rank,alpha=0.2", "equal budgets"),
                       ("window:merge=rank", "unknown option 'merge'")):

@@ -311,7 +311,8 @@ class WindowPolicy(Policy):
         return lowest(pos, pos, _protected_base(pos, self.sink, self.pinned))
 
     def describe(self) -> str:
-        return f"window(budget={self.budget},sink={self.sink})"
+        every = f",evict_every={self.evict_every}" if self.evict_every > 1 else ""
+        return f"window(budget={self.budget},sink={self.sink}{every})"
 
 
 @dataclass(frozen=True)
@@ -423,6 +424,7 @@ class H2OPolicy(Policy):
     def describe(self) -> str:
         adaptive = "".join(f",{k}={getattr(self, k)}" for k in ("alpha", "beta", "merge")
                            if getattr(self, k) is not None)
+        adaptive += f",evict_every={self.evict_every}" if self.evict_every > 1 else ""
         return (f"{self.name}(sink={self.sink},heavy={self.heavy},recent={self.recent},score={self.score},"
                 f"granularity={self.granularity}{adaptive})")
 
