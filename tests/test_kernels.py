@@ -1176,3 +1176,98 @@ def test_merge_kernel_matches_the_pytorch_merge(weight, width):
     torch.testing.assert_close(v.cpu(), ref.v[0])
     torch.testing.assert_close(got.cpu(), want)
     assert (want != count).any() and torch.equal(want[0], count[0])  # merged; the row below its budget was not
+
+
+def _room_filling_state(policy, seed, bits=None, rows=4, batch=(2, 0, 3), layers=2, heads=2, d=32):
+    """Stacked rows of caches evicting every e steps, each holding budget + e - 1 tokens in slots [0, cap - 1) (the
+    sinks first, as a cache holds them, and the newest among the rest), its last slot free: the state a decode that
+    fills the room meets. A pool (packed with `bits`) and the step's inputs."""
+    from kvbound.cache.block_pool import BlockPool
+    from kvbound.cache.stacked import StackedMeta
+    gen = torch.Generator().manual_seed(seed)
+    meta = StackedMeta(policy, layers, heads, rows, "cpu")
+    cap = meta.width
+    now = [cap + 90 + 13 * i for i in range(len(batch))]
+    for i, r in enumerate(batch):
+        for layer in range(layers):
+            for h in range(heads):
+                sinks = policy.protected_prefix
+                older = torch.randperm(now[i] - 1 - sinks, generator=gen)[:cap - 1 - sinks] + sinks
+                older[0] = now[i] - 1  # so protection matters
+                older = older[torch.randperm(len(older), generator=gen)]
+                meta.pos[r, layer, :cap - 1, h] = torch.cat([torch.arange(sinks), older]).to(torch.int32)
+    meta.spare.fill_(cap - 1)
+    if meta.score is not None:
+        meta.score.copy_(torch.rand(meta.score.shape, generator=gen).round(decimals=1))  # ties happen
+    if policy.granularity == "layer":
+        for t in (meta.pos, meta.score) if meta.score is not None else (meta.pos,):
+            t.copy_(t[..., :1].expand_as(t))
+    slots = len(batch) * cap + 20
+    pool = BlockPool(layers, heads, d, slots, 1, kv_bits=bits, group_size=32)
+    for layer in range(layers):
+        pool.write(layer, torch.arange(slots), torch.randn(slots, heads, d, generator=gen),
+                   torch.randn(slots, heads, d, generator=gen))
+    table = torch.randperm(slots, generator=gen)[:len(batch) * cap].view(len(batch), cap).to(torch.int32)
+    step = dict(q=torch.randn(len(batch), 2 * heads, d, generator=gen), k=torch.randn(len(batch), heads, d, generator=gen),
+                v=torch.randn(len(batch), heads, d, generator=gen), positions=torch.tensor(now))
+    return meta, pool, table, torch.tensor(batch), step
+
+
+def _kept(pool, layer, table, pos, score, rows):
+    """Per batch row and head: each kept position's stored bytes and score, by position (slots may differ)."""
+    raw = [t[layer] for t in pool.raw]
+    kept = []
+    for b, r in enumerate(rows.tolist()):
+        for h in range(pos.shape[2]):
+            slots = (pos[r, :, h] >= 0).nonzero().flatten().tolist()
+            kept.append({int(pos[r, j, h]): ([x[int(table[b, j]), h].cpu() for x in raw],
+                                             None if score is None else float(score[r, j, h])) for j in slots})
+    return kept
+
+
+@pytest.mark.parametrize("spec,bits", [("h2o:sink=2,heavy=5,recent=3,evict_every=4", None),
+                                       ("window:budget=9,sink=2,evict_every=3", None),
+                                       ("h2o:sink=2,heavy=5,recent=3,score=observed,evict_every=5", None),
+                                       ("keydiff:sink=2,heavy=5,recent=3,evict_every=4", None),
+                                       ("knorm:sink=1,heavy=6,recent=2,granularity=layer,evict_every=3", None),
+                                       ("tova:sink=2,heavy=8,evict_every=4", None),
+                                       ("h2o:sink=2,heavy=150,recent=20,evict_every=8", None),
+                                       ("h2o:sink=2,heavy=5,recent=3,score=observed,evict_every=4", 8),
+                                       ("h2o:sink=2,heavy=5,recent=3,evict_every=3", 4),
+                                       ("keydiff:sink=2,heavy=5,recent=3,evict_every=4", "fp8")])
+def test_bulk_evict_decode_keeps_what_the_chunk_step_keeps(spec, bits):
+    """The decode that fills the room of caches evicting every e steps, as `steps.bulk_evict_decode` runs it (the
+    evict step, then `triton_compact`'s e - 1 further victims and the moves into their slots) against the chunk
+    step's PyTorch route (`chunk_attend`, `keep_and_rewrite`) on the same fresh state: the same output, and in every
+    head the same positions kept, each with its stored bytes (packed ones as they were) and score; the kept tokens in
+    slots [0, budget), and slot `budget` every head's spare. Ties in the scores decide by age on both routes."""
+    import copy
+    from kvbound.cache.policies import parse_policy
+    from kvbound.cache.steps import bulk_evict_decode
+    from kvbound.engine.runner import ChunkGroup
+    pol = parse_policy(spec)
+    meta, pool, table, rows, step = _room_filling_state(pol, len(spec) + len(str(bits)), bits)
+    layer, cap, b = 1, meta.width, pol.budget
+    ref_meta, ref_pool = copy.deepcopy(meta), copy.deepcopy(pool)
+    want = ChunkGroup(ref_pool, ref_meta, rows, table, cap - 1).attend(layer, step["q"], step["k"], step["v"],
+                                                                       step["positions"])
+    dev = lambda t: t.to(DEV)  # noqa: E731
+    if pool.packed is None:
+        pool.k, pool.v = dev(pool.k), dev(pool.v)
+    else:
+        pool.packed = pool.packed.mapped(dev)
+    pos, spare = dev(meta.pos[:, layer]), dev(meta.spare[:, layer])
+    score = None if meta.score is None else dev(meta.score[:, layer])
+    lens = torch.full((len(rows),), cap, dtype=torch.int32, device=DEV)
+    got = bulk_evict_decode(dev(step["q"]), dev(step["k"]), dev(step["v"]), pool, layer, dev(table), lens, dev(rows),
+                            dev(step["positions"]), pos, spare, score, pol)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+    assert (pos[rows.to(DEV), b:] == -1).all() and (pos[rows.to(DEV), :b] >= 0).all()
+    assert (spare[rows.to(DEV)] == b).all()
+    ref_score = None if ref_meta.score is None else ref_meta.score[:, layer]
+    wanted = _kept(ref_pool, layer, table, ref_meta.pos[:, layer], ref_score, rows)
+    for have, keep in zip(_kept(pool, layer, table, pos.cpu(), None if score is None else score.cpu(), rows), wanted):
+        assert have.keys() == keep.keys() and len(keep) == b
+        for p, (data, sc) in keep.items():
+            assert all(torch.equal(x, y) for x, y in zip(have[p][0], data)), p
+            assert sc is None or abs(have[p][1] - sc) < 1e-5, p

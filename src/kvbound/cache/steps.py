@@ -227,6 +227,25 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
     return out
 
 
+def bulk_decode_ok(policy, device, count, ring) -> bool:
+    """Whether the decode that fills the room of caches evicting every e steps can run `bulk_evict_decode`: on CUDA,
+    with a protection the kernels know, no merging and no mixed widths' residuals."""
+    return (device.type == "cuda" and policy.evict_every > 1 and policy.fused_protection() is not None
+            and count is None and ring is None)
+
+
+def bulk_evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spare, score, policy):
+    """The decode that fills the room of B caches evicting every e steps (local slots [0, lens[b] - 1) held, the
+    last one of the table each head's spare): `evict_decode` writes the new token, attends and evicts each head's
+    lowest-ranked token, then the e - 1 next go too and the kept tokens past the budget move into the evicted slots
+    below it, stored bytes as they are (`kernels.triton_compact`). Slots [0, budget) then hold what `chunk_attend`
+    and `keep_and_rewrite` keep, and slot `budget` is every head's spare. `bulk_decode_ok` says when it applies."""
+    from ..kernels.triton_compact import compact
+    out = evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spare, score, policy)
+    compact([t[layer] for t in storage.raw], table, pos, score, spare, rows, positions, policy.budget,
+            *policy.fused_protection(), policy.rank_source == "age")
+    return out
+
 def owner_attention(q, ks, vs, mask, policy, first: int = 0):
     """Queries q [B, T, Hq, D] over places ks, vs [B, E, D] that KV heads own (AdaKV), each query head seeing
     the places `mask` [B, T, Hq, E] allows (its KV head's, at positions up to its own): out [B, T, Hq, D], and

@@ -65,7 +65,7 @@ class DecodeGraphs:
                                self.table[:size, :width * self.pool.block_size])
         rows, table, lens = self.evict_buffers[key.meta, key.kind]
         if key.kind == "chunk":
-            return ChunkGroup(self.pool, key.meta, rows[:size], table[:size], key.n)
+            return ChunkGroup(self.pool, key.meta, rows[:size], table[:size], key.n, lens[:size])
         group = SharedGroup if key.kind == "shared" else EvictGroup
         return group(self.pool, key.meta, rows[:size], table[:size], lens[:size])
 

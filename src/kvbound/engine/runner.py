@@ -38,8 +38,8 @@ import torch
 
 from ..cache.merge import attention_bias
 from ..cache.stacked import StackedMeta, place_slots
-from ..cache.steps import (chunk_attend, evict_decode, keep_and_rewrite, piece_attention, shared_decode,
-                           shared_piece, table_attention)
+from ..cache.steps import (bulk_decode_ok, bulk_evict_decode, chunk_attend, evict_decode, keep_and_rewrite,
+                           piece_attention, shared_decode, shared_piece, table_attention)
 from ..kernels import flash_ok, varlen_causal_attention
 from ..staging import to_device
 
@@ -242,14 +242,21 @@ def _packed_slots(table: torch.Tensor, start: torch.Tensor, lens: list[int], cu:
 class ChunkGroup:
     """Prefill pieces of t tokens past the room of bounded caches holding n tokens each that share one policy
     (or the decodes that fill the room of caches evicting every e steps): `cache.steps.chunk_attend` then
-    `keep_and_rewrite` for all of them at once. Also a group of a captured decode graph (t = 1)."""
+    `keep_and_rewrite` for all of them at once. Also a group of a captured decode graph (t = 1).
+    lens: the decodes' [B] slots (`decode_lens`; the table that wide), given for one-token pieces: where
+    `steps.bulk_decode_ok`, they run the fused evict step and a compaction instead (`steps.bulk_evict_decode`)."""
 
-    def __init__(self, pool, meta, rows, table, n):
+    def __init__(self, pool, meta, rows, table, n, lens=None):
         self.pool, self.meta, self.rows, self.table, self.n = pool, meta, rows, table, n
+        bulk = lens is not None and bulk_decode_ok(meta.policy, pool.device, meta.count, meta.ring)
+        self.lens = lens if bulk else None
 
     def attend(self, layer, q, k, v, positions):
         m, n = self.meta, self.n
         pos, score = m.pos[:, layer], None if m.score is None else m.score[:, layer]
+        if self.lens is not None:
+            return bulk_evict_decode(q, k, v, self.pool, layer, self.table, self.lens, self.rows, positions, pos,
+                                     m.spare[:, layer], score, m.policy)
         count = None if m.count is None else m.count[:, layer]
         out, *cand = chunk_attend(q, k, v, self.pool, layer, self.table, n, self.rows, positions, pos, score, m.policy,
                                   ring=m.ring, count=count)
@@ -307,7 +314,11 @@ def make_group(pool, key: GroupKey, pieces):
     if key.kind == "fill":
         return FillGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.n + key.t).long(), key.n, key.t)
     if key.kind == "chunk":
-        # the caches' n tokens (past the budget in one that evicts every e steps), or the budget they keep
+        # the caches' n tokens (past the budget in one that evicts every e steps) and a decode's, or the budget
+        # they keep
+        if key.t == 1:  # the decodes that fill the room of caches evicting every e steps
+            lens = torch.tensor(decode_lens(seqs), dtype=torch.int32, device=dev)
+            return ChunkGroup(pool, key.meta, rows, bounded_tables(pool, seqs, key.n + 1), key.n, lens)
         width = max(key.meta.policy.budget, key.n)
         return ChunkGroup(pool, key.meta, rows, bounded_tables(pool, seqs, width).long(), key.n)
     if key.kind == "places":
