@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_decode import _victim_rank
+
 
 @triton.jit
 def _move_bytes(T, stride_s, stride_h, src, dst, h, ok, W: tl.constexpr, WP: tl.constexpr):
@@ -38,16 +40,11 @@ def _compact_kernel(Pos, Score, Spare, Rows, Positions, Table, T0, T1, T2, T3, T
     offs = tl.arange(0, CAP_PAD)
     inside = offs < CAP
     pos = tl.load(Pos + row * stride_pr + offs * stride_pj + h, mask=inside, other=-1)
-    # a policy without scores passes Pos again: float, so the moves below keep one type
+    # a policy without scores passes Pos again, ranked by position (float, so the moves below keep one type)
     score = tl.load(Score + row * stride_sr + offs * stride_sj + h, mask=inside, other=0).to(tl.float32)
-    if BY_SCORE:
-        key = score
-        if AGE:  # ObservedAttention: the summed attention over the queries that could see the key
-            key = score / tl.maximum(newest - pos + 1, 1).to(tl.float32)
-    else:
-        key = pos.to(tl.float32)
+    key = _victim_rank(score, pos, newest, prefix, recent, AGE)
     gone = inside & (pos < 0)
-    open_ = inside & (pos >= prefix) & (pos <= newest - recent)  # held and unprotected (free slots hold -1)
+    open_ = inside & (key < float("inf"))  # held and unprotected
     for _ in range(CAP - BUDGET - 1):
         k_min = tl.min(tl.where(open_, key, float("inf")), 0)
         p_min = tl.min(tl.where(open_ & (key == k_min), pos, 2147483647), 0)

@@ -623,6 +623,16 @@ def _lowest(key, pos, idx, valid, AXIS: tl.constexpr):
 
 
 @triton.jit
+def _victim_rank(key, pos, newest, prefix, recent, AGE: tl.constexpr):
+    """What a victim is chosen by, lowest first (`Policy.rank`), from `key` (the scores, or the positions of a policy
+    without them): itself, or over the key's age (AGE: ObservedAttention, the summed attention over the queries that
+    could see the key); inf for the protected, positions below `prefix` and the `recent` newest (and free slots)."""
+    if AGE:
+        key = key / tl.maximum(newest - pos + 1, 1).to(tl.float32)
+    return tl.where((pos < prefix) | (pos > newest - recent), float("inf"), key)
+
+
+@triton.jit
 def _fold_kernel(E, MBlk, PartM, PartL, Score, Rows, Pos, Positions, CtxLen, CandKey, CandPos, CandJ,
                  stride_eb, stride_eh, stride_xb, stride_xh, stride_mb, stride_mh, stride_sr, stride_sj,
                  stride_pr, stride_pj, ema_decay, prefix, recent,
@@ -684,13 +694,10 @@ def _fold_kernel(E, MBlk, PartM, PartL, Score, Rows, Pos, Positions, CtxLen, Can
             new = old * ema_decay + p * (1.0 - ema_decay)
         tl.store(sp, new, mask=mask)
     if VICTIM:  # this block's candidate per head; `_victim_kernel` picks among the blocks
+        key = pos.to(tl.float32)
         if BY_SCORE:
             key = new
-            if RANK == 1:  # ObservedAttention: the summed attention over the queries that could see the key
-                key = new / tl.maximum(newest - pos + 1, 1).to(tl.float32)
-        else:
-            key = pos.to(tl.float32)
-        key = tl.where((pos < prefix) | (pos > newest - recent), float("inf"), key)
+        key = _victim_rank(key, pos, newest, prefix, recent, BY_SCORE and RANK == 1)
         k_min, p_min, j_min = _lowest(key, pos, offs_n[None, :], mask, 1)
         c = (b * tl.num_programs(1) + tl.program_id(1)) * HKV_PAD + offs_h
         tl.store(CandKey + c, k_min)
