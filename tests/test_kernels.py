@@ -1199,6 +1199,8 @@ def _room_filling_state(policy, seed, bits=None, rows=4, batch=(2, 0, 3), layers
     meta.spare.fill_(cap - 1)
     if meta.score is not None:
         meta.score.copy_(torch.rand(meta.score.shape, generator=gen).round(decimals=1))  # ties happen
+    if meta.count is not None:  # merged keys, several tokens each
+        meta.count.copy_(torch.randint(1, 6, meta.count.shape, generator=gen).float())
     if policy.granularity == "layer":
         for t in (meta.pos, meta.score) if meta.score is not None else (meta.pos,):
             t.copy_(t[..., :1].expand_as(t))
@@ -1213,15 +1215,18 @@ def _room_filling_state(policy, seed, bits=None, rows=4, batch=(2, 0, 3), layers
     return meta, pool, table, torch.tensor(batch), step
 
 
-def _kept(pool, layer, table, pos, score, rows):
-    """Per batch row and head: each kept position's stored bytes and score, by position (slots may differ)."""
+def _kept(pool, layer, table, pos, score, count, rows):
+    """Per batch row and head: each kept position's K and V as stored (raw bytes, and as read back), score and count,
+    by position (slots may differ)."""
     raw = [t[layer] for t in pool.raw]
     kept = []
     for b, r in enumerate(rows.tolist()):
         for h in range(pos.shape[2]):
             slots = (pos[r, :, h] >= 0).nonzero().flatten().tolist()
-            kept.append({int(pos[r, j, h]): ([x[int(table[b, j]), h].cpu() for x in raw],
-                                             None if score is None else float(score[r, j, h])) for j in slots})
+            kept.append({int(pos[r, j, h]): (
+                [x[int(table[b, j]), h].cpu() for x in raw],
+                torch.cat(pool.gather(layer, table[b, j:j + 1].long().to(raw[0].device))).float()[:, h].cpu(),
+                *(None if m is None else float(m[r, j, h]) for m in (score, count))) for j in slots})
     return kept
 
 
@@ -1234,13 +1239,19 @@ def _kept(pool, layer, table, pos, score, rows):
                                        ("h2o:sink=2,heavy=150,recent=20,evict_every=8", None),
                                        ("h2o:sink=2,heavy=5,recent=3,score=observed,evict_every=4", 8),
                                        ("h2o:sink=2,heavy=5,recent=3,evict_every=3", 4),
-                                       ("keydiff:sink=2,heavy=5,recent=3,evict_every=4", "fp8")])
+                                       ("keydiff:sink=2,heavy=5,recent=3,evict_every=4", "fp8"),
+                                       ("h2o:sink=2,heavy=5,recent=3,score=observed,merge=rank,evict_every=4", None),
+                                       ("knorm:sink=2,heavy=6,recent=2,merge=count,evict_every=3", None),
+                                       ("h2o:sink=2,heavy=150,recent=20,merge=rank,evict_every=8", None),
+                                       ("h2o:sink=2,heavy=5,recent=3,merge=count,evict_every=4", 8)])
 def test_bulk_evict_decode_keeps_what_the_chunk_step_keeps(spec, bits):
     """The decode that fills the room of caches evicting every e steps, as `steps.bulk_evict_decode` runs it (the
     evict step, then `triton_compact`'s e - 1 further victims and the moves into their slots) against the chunk
     step's PyTorch route (`chunk_attend`, `keep_and_rewrite`) on the same fresh state: the same output, and in every
     head the same positions kept, each with its stored bytes (packed ones as they were) and score; the kept tokens in
-    slots [0, budget), and slot `budget` every head's spare. Ties in the scores decide by age on both routes."""
+    slots [0, budget), and slot `budget` every head's spare. Ties in the scores decide by age on both routes. Merging
+    policies merge the e evicted tokens at once: the same counts, and K/V up to the rounding of the averages (the
+    150-token row searches three blocks for each one's most similar key)."""
     import copy
     from kvbound.cache.policies import parse_policy
     from kvbound.cache.steps import bulk_evict_decode
@@ -1258,16 +1269,25 @@ def test_bulk_evict_decode_keeps_what_the_chunk_step_keeps(spec, bits):
         pool.packed = pool.packed.mapped(dev)
     pos, spare = dev(meta.pos[:, layer]), dev(meta.spare[:, layer])
     score = None if meta.score is None else dev(meta.score[:, layer])
+    count = None if meta.count is None else dev(meta.count.clone()[:, layer])  # laid out as pos
     lens = torch.full((len(rows),), cap, dtype=torch.int32, device=DEV)
     got = bulk_evict_decode(dev(step["q"]), dev(step["k"]), dev(step["v"]), pool, layer, dev(table), lens, dev(rows),
-                            dev(step["positions"]), pos, spare, score, pol)
+                            dev(step["positions"]), pos, spare, score, pol, count)
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
     assert (pos[rows.to(DEV), b:] == -1).all() and (pos[rows.to(DEV), :b] >= 0).all()
     assert (spare[rows.to(DEV)] == b).all()
-    ref_score = None if ref_meta.score is None else ref_meta.score[:, layer]
-    wanted = _kept(ref_pool, layer, table, ref_meta.pos[:, layer], ref_score, rows)
-    for have, keep in zip(_kept(pool, layer, table, pos.cpu(), None if score is None else score.cpu(), rows), wanted):
-        assert have.keys() == keep.keys() and len(keep) == b
-        for p, (data, sc) in keep.items():
-            assert all(torch.equal(x, y) for x, y in zip(have[p][0], data)), p
-            assert sc is None or abs(have[p][1] - sc) < 1e-5, p
+    ref = [None if m is None else m[:, layer] for m in (ref_meta.score, ref_meta.count)]
+    wanted = _kept(ref_pool, layer, table, ref_meta.pos[:, layer], *ref, rows)
+    have = _kept(pool, layer, table, pos.cpu(), *(None if m is None else m.cpu() for m in (score, count)), rows)
+    held = [meta.count[r, layer, :cap - 1, h].sum() + 1 for r in rows.tolist() for h in range(pos.shape[2])] \
+        if pol.merge else [None] * len(have)
+    for mine, keep, tokens in zip(have, wanted, held):
+        assert mine.keys() == keep.keys() and len(keep) == b
+        for p, (data, values, sc, cnt) in keep.items():
+            if not pol.merge:
+                assert all(torch.equal(x, y) for x, y in zip(mine[p][0], data)), p
+            else:  # a merged key is an average, which the kernel and PyTorch may round apart
+                torch.testing.assert_close(mine[p][1], values, atol=0.05 if bits else 1e-5, rtol=1e-5)
+            assert sc is None or abs(mine[p][2] - sc) < 1e-5, p
+            assert cnt is None or mine[p][3] == cnt, p
+        assert tokens is None or sum(c for *_, c in mine.values()) == tokens  # every evicted token merged

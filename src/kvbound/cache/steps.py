@@ -130,17 +130,18 @@ def table_attention(q, storage, layer, table, lens, policy=None, score=None, con
     return out
 
 
-def evict_one(pos, spare, score, rows, policy, lens=None, victim=None):
+def evict_one(pos, spare, score, rows, policy, lens=None, victim=None, keep_pos=False):
     """Every slot of rows `rows` is live: pick each head's victim (`policy.victim`, unless given [B, H]), mark its
     position free and make its slot the head's spare slot, which the next decoded token is written into. lens [B]:
     the live slots of each row; a row with fewer than pos.shape[1] evicts nothing, its next free slot becomes the
-    spare."""
+    spare. keep_pos: the victim keeps its position, for a merge that follows (`bulk_evict_decode`)."""
     if victim is None:
         victim = policy.victim(pos[rows], None if score is None else score[rows])
     if lens is not None:  # a free slot's position is -1 already
         victim = torch.where(lens[:, None] < pos.shape[1], lens[:, None].to(victim.dtype), victim)
     heads = torch.arange(victim.shape[1], device=victim.device)[None, :]
-    pos[rows[:, None], victim, heads] = pos.new_full((), -1)  # device scalars: graph capture allows no host copies
+    if not keep_pos:
+        pos[rows[:, None], victim, heads] = pos.new_full((), -1)  # device scalars: graph capture allows no host copies
     spare[rows] = victim
 
 
@@ -179,7 +180,7 @@ def evict_merged(storage, layer, table, rows, pos, spare, score, count, policy, 
 
 
 def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spare, score, policy, ring=None,
-                 count=None):
+                 count=None, merge=True):
     """Decode of B bounded caches whose local slots [0, lens[b]) hold their tokens and one free spare slot per head:
     each head's new token goes into its spare slot, attends over the lens[b] slots in place while this step's
     probabilities fold into the scores, and the head's victim's slot becomes the next spare. A cache still below
@@ -189,7 +190,8 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
     below.
     ring: the caches' mixed-width residuals (`quant.RecentResiduals`, rows `rows`); the new token's goes in first.
     count [R, cap, H]: the tokens each slot stands for, with a merging policy: each victim merges into its most
-    similar kept key (`evict_merged`; after the fused kernels, `kernels.triton_merge`)."""
+    similar kept key (`evict_merged`; after the fused kernels, `kernels.triton_merge`); merge=False leaves each
+    victim at its position in the spare slot, for `bulk_evict_decode`'s merge of several."""
     fused = policy.fused_protection()
     args = kernel_reads(storage, layer, q, policy)
     read = None if ring is None else WindowRead(ring, rows, positions, pos)
@@ -201,7 +203,7 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
                          policy.fold_decay, *fused, quant=args[2],
                          resid=None if read is None else read.kernel_args(layer), layer=by_layer(policy),
                          rank=policy.rank_source, count=count)
-        if count is not None:  # each victim, still at its position, merges, then leaves
+        if count is not None and merge:  # each victim, still at its position, merges, then leaves
             from ..kernels.triton_merge import merge_victims
             merge_victims(args[0], args[1], table, rows, pos, score, count, spare, lens, fused[0], merge_mode(policy),
                           newest=positions, free=True, quant=args[2])
@@ -223,27 +225,35 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
     if score is not None:
         keys = read_kv(storage, layer, table.long(), read)[0] if policy.rescores else None
         score[rows] = rescored(policy, step_score, keys, pos[rows])
-    evict_merged(storage, layer, table, rows, pos, spare, score, count, policy, lens)
+    if count is not None and not merge:
+        evict_one(pos, spare, score, rows, policy, lens, keep_pos=True)
+    else:
+        evict_merged(storage, layer, table, rows, pos, spare, score, count, policy, lens)
     return out
 
 
-def bulk_decode_ok(policy, device, count, ring) -> bool:
+def bulk_decode_ok(policy, storage, ring) -> bool:
     """Whether the decode that fills the room of caches evicting every e steps can run `bulk_evict_decode`: on CUDA,
-    with a protection the kernels know, no merging and no mixed widths' residuals."""
-    return (device.type == "cuda" and policy.evict_every > 1 and policy.fused_protection() is not None
-            and count is None and ring is None)
+    with a protection the kernels know and no mixed widths' residuals; a merging policy's heads a power of two in
+    size (the merge's tiles)."""
+    d = storage.head_dim
+    return (storage.device.type == "cuda" and policy.evict_every > 1 and policy.fused_protection() is not None
+            and ring is None and (not policy.merge or d & (d - 1) == 0))
 
 
-def bulk_evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spare, score, policy):
+def bulk_evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spare, score, policy, count=None):
     """The decode that fills the room of B caches evicting every e steps (local slots [0, lens[b] - 1) held, the
     last one of the table each head's spare): `evict_decode` writes the new token, attends and evicts each head's
-    lowest-ranked token, then the e - 1 next go too and the kept tokens past the budget move into the evicted slots
+    lowest-ranked token, then the e - 1 next go too, a merging policy's e merge into the kept keys at once (count
+    [R, cap, H]: the tokens each slot stands for), and the kept tokens past the budget move into the evicted slots
     below it, stored bytes as they are (`kernels.triton_compact`). Slots [0, budget) then hold what `chunk_attend`
     and `keep_and_rewrite` keep, and slot `budget` is every head's spare. `bulk_decode_ok` says when it applies."""
     from ..kernels.triton_compact import compact
-    out = evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spare, score, policy)
+    out = evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spare, score, policy, count=count,
+                       merge=False)
     compact([t[layer] for t in storage.raw], table, pos, score, spare, rows, positions, policy.budget,
-            *policy.fused_protection(), policy.rank_source == "age")
+            *policy.fused_protection(), policy.rank_source == "age", count=count,
+            merge=None if count is None else (storage.kernel_args(layer), merge_mode(policy)))
     return out
 
 def owner_attention(q, ks, vs, mask, policy, first: int = 0):

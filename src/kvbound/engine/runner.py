@@ -248,16 +248,16 @@ class ChunkGroup:
 
     def __init__(self, pool, meta, rows, table, n, lens=None):
         self.pool, self.meta, self.rows, self.table, self.n = pool, meta, rows, table, n
-        bulk = lens is not None and bulk_decode_ok(meta.policy, pool.device, meta.count, meta.ring)
+        bulk = lens is not None and bulk_decode_ok(meta.policy, pool, meta.ring)
         self.lens = lens if bulk else None
 
     def attend(self, layer, q, k, v, positions):
         m, n = self.meta, self.n
         pos, score = m.pos[:, layer], None if m.score is None else m.score[:, layer]
+        count = None if m.count is None else m.count[:, layer]
         if self.lens is not None:
             return bulk_evict_decode(q, k, v, self.pool, layer, self.table, self.lens, self.rows, positions, pos,
-                                     m.spare[:, layer], score, m.policy)
-        count = None if m.count is None else m.count[:, layer]
+                                     m.spare[:, layer], score, m.policy, count)
         out, *cand = chunk_attend(q, k, v, self.pool, layer, self.table, n, self.rows, positions, pos, score, m.policy,
                                   ring=m.ring, count=count)
         new = (k.unflatten(0, (self.rows.shape[0], -1)), v.unflatten(0, (self.rows.shape[0], -1)))
