@@ -256,6 +256,7 @@ def bulk_evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos
             merge=None if count is None else (storage.kernel_args(layer), merge_mode(policy)))
     return out
 
+
 def owner_attention(q, ks, vs, mask, policy, first: int = 0):
     """Queries q [B, T, Hq, D] over places ks, vs [B, E, D] that KV heads own (AdaKV), each query head seeing
     the places `mask` [B, T, Hq, E] allows (its KV head's, at positions up to its own): out [B, T, Hq, D], and
