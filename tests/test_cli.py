@@ -20,7 +20,7 @@ def bad_dir(tmp_path, cfg):
     return str(d)
 
 
-@pytest.mark.parametrize("args, needle", [
+BAD_INPUT = [
     (["generate", "hi", "--model", "/no/such/model.gguf"], "does not exist: /no/such/model.gguf"),
     (["generate", "hi", "--max-tokens", "0"], "must be >= 1, got 0"),
     (["generate", "hi", "--max-tokens", "-3"], "must be >= 1, got -3"),
@@ -35,12 +35,7 @@ def bad_dir(tmp_path, cfg):
     (["info", "--model", "/tmp"], "missing config.json"),
     pytest.param(["info", "--device", "cuda"], "CUDA is not available",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
-])
-def test_bad_input(args, needle):
-    r = run(*args)
-    assert r.returncode != 0
-    assert needle in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr
+]
 
 
 def test_unknown_architecture_and_malformed_config(tmp_path):
@@ -51,7 +46,7 @@ def test_unknown_architecture_and_malformed_config(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("args, needle", [
+BENCH_BAD_INPUT = [
     (["bench", "serve", "--rate", "0"], "--rate and --duration must be > 0"),
     (["bench", "throughput", "--num-blocks", "1", "--input-len", "64"], "but the pool has only 1"),
     (["bench", "throughput", "--kv-bits", "heavy=8,recent=4"], "keep recent tokens wider"),
@@ -62,13 +57,10 @@ def test_unknown_architecture_and_malformed_config(tmp_path):
      "give one of --num-blocks / --gpu-memory-utilization, not several"),
     (["bench", "throughput", "--gpu-memory-utilization", "1.5"], "must be in (0, 1], got 1.5"),
     (["serve", "--gpu-memory-utilization", "0.9", "--device", "cpu"], "but the device is cpu; give --kv-cache-memory"),
-])
-def test_bench_bad_input(args, needle):
-    r = run(*args)
-    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+]
 
 
-@pytest.mark.parametrize("args, needle", [
+NAMED_BAD_INPUT = [
     (["generate", "hi", "--max-tokens", "100000000"], "past the model's context of 8,192"),
     (["generate", "hi", "--temperature", "nan"], "temperature must be a finite number >= 0, got nan"),
     (["generate", "hi", "--temperature", "inf"], "temperature must be a finite number >= 0, got inf"),
@@ -92,10 +84,56 @@ def test_bench_bad_input(args, needle):
     (["eval", "needle", "--haystack", "/no/such/haystack"], "--haystack: no such file or directory: /no/such/haystack"),
     (["eval", "sweep", "--over", "seq-len", "--values", "64,-5"], "a sequence length must be more than --prefill (32), got -5"),
     (["eval", "sweep", "--over", "budget", "--values", "64,2"], "must be < budget (2)"),  # before the 64 runs
-])
-def test_bad_input_names_the_value(args, needle):
-    r = run(*args)
-    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+]
+
+# every case above through the CLI's `main` in one process: one torch import, not one a case
+RUN_ALL = """
+import contextlib, io, json, sys, traceback
+from kvbound.cli.main import main
+out = []
+for args in json.load(sys.stdin):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main(args)
+        except SystemExit as e:
+            code = e.code
+        except Exception:
+            code, _ = 1, traceback.print_exc()
+    out.append([code, err.getvalue()])
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_runs():
+    """(exit code, stderr) of each bad-input case's command, by its arguments."""
+    cases = [c[0] for c in BAD_INPUT + BENCH_BAD_INPUT + NAMED_BAD_INPUT if not hasattr(c, "marks")]
+    cases += [c.values[0] for c in BAD_INPUT if hasattr(c, "marks") and not any(m.args[0] for m in c.marks)]
+    r = subprocess.run([sys.executable, "-c", RUN_ALL], input=json.dumps(cases), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    return {tuple(args): tuple(res) for args, res in zip(cases, json.loads(r.stdout.strip().splitlines()[-1]))}
+
+
+@pytest.mark.parametrize("args, needle", BAD_INPUT)
+def test_bad_input(bad_runs, args, needle):
+    code, err = bad_runs[tuple(args)]
+    assert code != 0
+    assert needle in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("args, needle", BENCH_BAD_INPUT)
+def test_bench_bad_input(bad_runs, args, needle):
+    code, err = bad_runs[tuple(args)]
+    assert code == 2 and needle in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("args, needle", NAMED_BAD_INPUT)
+def test_bad_input_names_the_value(bad_runs, args, needle):
+    code, err = bad_runs[tuple(args)]
+    assert code == 2 and needle in err and "Traceback" not in err, err
 
 
 def test_usage_errors_are_one_line_with_a_hint():
