@@ -13,7 +13,7 @@ import triton.language as tl
 
 from .packing import head_dim
 from .triton_decode import _quant_args, _victim_rank
-from .triton_merge import WEIGHTS, _row, _rows, _write_row
+from .triton_merge import WEIGHTS, _most_similar, _row, _write_row
 
 
 @triton.jit
@@ -50,22 +50,8 @@ def _merge_evicted(K, V, KS, KB, VS, VB, Table, Pos, Count, b, row, h, offs, pos
         slot_v = tl.load(Table + b * stride_tb + jv).to(tl.int64)
         k_v = _row(K, KS, KB, slot_v, h, stride_ks, stride_kh, stride_qs, stride_qh, D, BITS, GS, FP8)
         unit_v = k_v / tl.maximum(tl.sqrt(tl.sum(k_v * k_v, 0)), 1e-12)
-        best = float("-inf")
-        best_j = -1
-        for j0 in range(0, CAP, BLOCK):
-            o = j0 + tl.arange(0, BLOCK)
-            p = tl.load(Pos + row * stride_pr + o * stride_pj + h, mask=o < CAP, other=-1)
-            evicted = tl.sum(((o[:, None] == vic[None, :]) & (lane < E)[None, :]).to(tl.int32), 1) > 0
-            ok = (o < CAP) & (p >= prefix) & ~evicted  # held, past the sinks and pins, kept
-            slot = tl.load(Table + b * stride_tb + o, mask=ok, other=0).to(tl.int64)
-            k = _rows(K, KS, KB, slot, h, ok, stride_ks, stride_kh, stride_qs, stride_qh, D, BITS, GS, FP8)
-            cos = tl.where(ok, tl.sum(k * unit_v[None, :], 1) / tl.maximum(tl.sqrt(tl.sum(k * k, 1)), 1e-12),
-                           float("-inf"))
-            top = tl.max(cos, 0)
-            at = tl.min(tl.where(cos == top, o, 1 << 30), 0)  # the first of the block's best
-            better = top > best
-            best_j = tl.where(better, at, best_j)
-            best = tl.where(better, top, best)
+        best_j = _most_similar(K, KS, KB, Table, Pos, b, row, h, unit_v, vic, E, CAP, prefix, stride_tb, stride_pr,
+                               stride_pj, stride_ks, stride_kh, stride_qs, stride_qh, BLOCK, D, BITS, GS, FP8)
         tgt = tl.where(lane == i, best_j, tgt)
     for i in range(E):  # each target once, with all its evicted tokens
         t = tl.sum(tl.where(lane == i, tgt, 0), 0)

@@ -51,6 +51,33 @@ def _write_row(x, P, S, B, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, 
 
 
 @triton.jit
+def _most_similar(K, KS, KB, Table, Pos, b, row, h, unit_v, out, n_out, n, prefix, stride_tb, stride_pr, stride_pj,
+                  stride_ks, stride_kh, stride_ss, stride_sh, BLOCK: tl.constexpr, D: tl.constexpr,
+                  BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr):
+    """Among local slots [0, n) of row `row` held past `prefix` (sinks and pins) and not among out[:n_out] (the
+    evicted): the one whose key has the highest cosine similarity to unit_v (the first among ties), -1 for none."""
+    lane = tl.arange(0, out.shape[0])
+    best = float("-inf")
+    best_j = -1
+    for j0 in range(0, n, BLOCK):
+        offs = j0 + tl.arange(0, BLOCK)
+        valid = offs < n
+        p = tl.load(Pos + row * stride_pr + offs * stride_pj + h, mask=valid, other=-1)
+        evicted = tl.sum(((offs[:, None] == out[None, :]) & (lane < n_out)[None, :]).to(tl.int32), 1) > 0
+        ok = valid & (p >= prefix) & ~evicted
+        slot = tl.load(Table + b * stride_tb + offs, mask=ok, other=0).to(tl.int64)
+        k = _rows(K, KS, KB, slot, h, ok, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
+        cos = tl.where(ok, tl.sum(k * unit_v[None, :], 1) / tl.maximum(tl.sqrt(tl.sum(k * k, 1)), 1e-12),
+                       float("-inf"))
+        top = tl.max(cos, 0)
+        at = tl.min(tl.where(cos == top, offs, 1 << 30), 0)  # the first of the block's best
+        better = top > best
+        best_j = tl.where(better, at, best_j)
+        best = tl.where(better, top, best)
+    return best_j
+
+
+@triton.jit
 def _merge_victim_kernel(K, V, KS, KB, VS, VB, Table, Rows, Pos, Score, Count, Victim, Lens, Newest,
                          stride_ks, stride_kh, stride_ss, stride_sh, stride_tb, stride_pr, stride_pj, stride_vb, width,
                          prefix, D: tl.constexpr, BLOCK: tl.constexpr, WEIGHT: tl.constexpr, FREE: tl.constexpr,
@@ -64,22 +91,9 @@ def _merge_victim_kernel(K, V, KS, KB, VS, VB, Table, Rows, Pos, Score, Count, V
         slot_v = tl.load(Table + b * stride_tb + jv).to(tl.int64)
         k_v = _row(K, KS, KB, slot_v, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
         unit_v = k_v / tl.maximum(tl.sqrt(tl.sum(k_v * k_v, 0)), 1e-12)
-        best = float("-inf")
-        best_j = -1
-        for j0 in range(0, n, BLOCK):
-            offs = j0 + tl.arange(0, BLOCK)
-            valid = offs < n
-            p = tl.load(Pos + row * stride_pr + offs * stride_pj + h, mask=valid, other=-1)
-            ok = valid & (p >= prefix) & (offs != jv)  # held, past the sinks and pins, not the victim
-            slot = tl.load(Table + b * stride_tb + offs, mask=ok, other=0).to(tl.int64)
-            k = _rows(K, KS, KB, slot, h, ok, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
-            cos = tl.sum(k * unit_v[None, :], 1) / tl.maximum(tl.sqrt(tl.sum(k * k, 1)), 1e-12)
-            cos = tl.where(ok, cos, float("-inf"))
-            top = tl.max(cos, 0)
-            at = tl.min(tl.where(cos == top, offs, 1 << 30), 0)  # the first of the block's best
-            better = top > best
-            best_j = tl.where(better, at, best_j)
-            best = tl.where(better, top, best)
+        best_j = _most_similar(K, KS, KB, Table, Pos, b, row, h, unit_v, tl.zeros([2], tl.int32) + jv, 1, n, prefix,
+                               stride_tb, stride_pr, stride_pj, stride_ks, stride_kh, stride_ss, stride_sh, BLOCK, D,
+                               BITS, GS, FP8)
         if best_j >= 0:
             at_t = row * stride_pr + best_j * stride_pj + h
             at_v = row * stride_pr + jv * stride_pj + h
