@@ -99,7 +99,8 @@ for args in json.load(sys.stdin):
         except SystemExit as e:
             code = e.code
         except Exception:
-            code, _ = 1, traceback.print_exc()
+            traceback.print_exc()
+            code = 1
     out.append([code, err.getvalue()])
 print(json.dumps(out))
 """

@@ -71,7 +71,8 @@ class DecodeGraphs:
 
     def _buffers(self, meta, kind):
         """The rows, slot tables and slots held that an evict (shared, chunk) group of this policy's metadata reads,
-        made once for each kind (one step may hold a policy's evict and chunk groups)."""
+        made once for each kind (one step may hold a policy's evict and chunk groups; never two groups of one kind:
+        their decode keys are equal, a one-token chunk always following width - 1 held tokens)."""
         if (meta, kind) not in self.evict_buffers:
             dev, top, width = self.ids.device, self.sizes[-1], meta.pos.shape[2]
             self.generations[meta] = meta.generation
@@ -164,8 +165,6 @@ class DecodeGraphs:
         rows whose token is still on the device (the engine's run-ahead), taken last."""
         spans = group_spans(keys)  # one span per group, since `StepBatch.order` sorted them
         if len(spans) > MAX_GROUPS or any(key is None or key.kind not in KINDS or key.t != 1 for key, _, _ in spans):
-            return None
-        if len({(key.meta, key.kind) for key, _, _ in spans}) < len(spans):  # groups that would share buffers
             return None
         seqs = [s for s, _ in batch]
         parts, appends = [], {}
