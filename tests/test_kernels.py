@@ -1141,15 +1141,19 @@ def test_byte_permutes_give_the_portable_conversions_result(bits, d):
 
 
 
-@pytest.mark.parametrize("weight,width", [("count", 21), ("attention", 21), ("age", 21), ("attention", 150)])
-def test_merge_kernel_matches_the_pytorch_merge(weight, width):
+@pytest.mark.parametrize("weight,width,block", [("count", 21, None), ("attention", 21, None), ("age", 21, None),
+                                                ("attention", 150, None), ("age", 150, 64)])
+def test_merge_kernel_matches_the_pytorch_merge(weight, width, block, monkeypatch):
     """`triton_merge.merge_victims` against `steps.evict_merged`'s PyTorch route on fresh random rows: the same targets,
     averaged K/V and counts; a row below its budget and the sinks (the protected prefix) are left alone. 150 keys a
-    row take three 64-key blocks, whose best the merge launch compares."""
+    row take two 128-key blocks (three of 64 with `block`, unpipelined), whose best the search compares."""
     from kvbound.cache.policies import H2OPolicy
     from kvbound.cache.steps import evict_merged
     from kvbound.cache.store import DenseStore
+    from kvbound.kernels import triton_merge
     from kvbound.kernels.triton_merge import merge_victims
+    if block:
+        monkeypatch.setattr(triton_merge, "search_tile", lambda *a: dict(BLOCK=block, num_warps=4, STAGES=1))
     gen = torch.Generator().manual_seed(len(weight) + width)
     bsz, heads, d, rows_total = 3, 2, 32, 5
     policy = H2OPolicy(sink=2, heavy=width - 11, recent=8, score="observed" if weight == "age" else "cumulative",

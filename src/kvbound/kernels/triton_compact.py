@@ -13,7 +13,7 @@ import triton.language as tl
 
 from .packing import head_dim
 from .triton_decode import _quant_args, _victim_rank
-from .triton_merge import WEIGHTS, _most_similar, _row, _write_row
+from .triton_merge import WEIGHTS, _merge_weight, _most_similar, _row, _write_row, search_tile
 
 
 @triton.jit
@@ -29,18 +29,12 @@ def _move_rows(T, stride_s, stride_h, src, dst, h, ok, W: tl.constexpr, WP: tl.c
 def _merge_evicted(K, V, KS, KB, VS, VB, Table, Pos, Count, b, row, h, offs, pos, score, cnt, gone, newest, prefix,
                    stride_tb, stride_pr, stride_pj, stride_ks, stride_kh, stride_qs, stride_qh, CAP: tl.constexpr,
                    E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, WEIGHT: tl.constexpr, D: tl.constexpr,
-                   BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr):
+                   BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr):
     """Each of the E evicted slots (`gone`) merges into the held slot past `prefix` most like it (cosine similarity,
     the first among ties), all against the keys as they were: a target's K and V become the weighted mean of its own
     and its evicted tokens' (WEIGHT as `triton_merge.WEIGHTS`), packed once, and its count their sum. Returns the
     counts [CAP_PAD] after it."""
-    if WEIGHT == 0:
-        w = cnt
-    else:
-        w = score
-        if WEIGHT == 2:  # summed attention over the queries that could see each token
-            w = score / tl.maximum(newest - pos + 1, 1).to(tl.float32)
-        w = w + 1e-6
+    w = _merge_weight(score, cnt, pos, newest, WEIGHT)
     lane = tl.arange(0, E_PAD)
     gone_at = tl.cumsum(gone.to(tl.int32), 0) - 1
     vic = tl.sum(tl.where(gone[None, :] & (gone_at[None, :] == lane[:, None]), offs[None, :], 0), 1)  # [E_PAD]
@@ -49,9 +43,9 @@ def _merge_evicted(K, V, KS, KB, VS, VB, Table, Pos, Count, b, row, h, offs, pos
         jv = tl.sum(tl.where(lane == i, vic, 0), 0)
         slot_v = tl.load(Table + b * stride_tb + jv).to(tl.int64)
         k_v = _row(K, KS, KB, slot_v, h, stride_ks, stride_kh, stride_qs, stride_qh, D, BITS, GS, FP8)
-        unit_v = k_v / tl.maximum(tl.sqrt(tl.sum(k_v * k_v, 0)), 1e-12)
-        best_j = _most_similar(K, KS, KB, Table, Pos, b, row, h, unit_v, vic, E, CAP, prefix, stride_tb, stride_pr,
-                               stride_pj, stride_ks, stride_kh, stride_qs, stride_qh, BLOCK, D, BITS, GS, FP8)
+        best_j, _ = _most_similar(K, KS, KB, Table, Pos, b, row, h, k_v, vic, E, CAP, prefix, stride_tb, stride_pr,
+                                  stride_pj, stride_ks, stride_kh, stride_qs, stride_qh, BLOCK, D, BITS, GS, FP8,
+                                  STAGES)
         tgt = tl.where(lane == i, best_j, tgt)
     for i in range(E):  # each target once, with all its evicted tokens
         t = tl.sum(tl.where(lane == i, tgt, 0), 0)
@@ -88,7 +82,8 @@ def _compact_kernel(Pos, Score, Spare, Rows, Positions, Table, T0, T1, T2, T3, T
                     E_PAD: tl.constexpr, BY_SCORE: tl.constexpr, AGE: tl.constexpr, NT: tl.constexpr,
                     W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr, W4: tl.constexpr,
                     W5: tl.constexpr, WP: tl.constexpr, MERGE: tl.constexpr, BLOCK: tl.constexpr,
-                    WEIGHT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr):
+                    WEIGHT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr,
+                    STAGES: tl.constexpr):
     """Sequence b, head h, slots [0, CAP) held, the evict step's victim in the head's spare slot (freed, or at its
     position for a merge, MERGE): evict the CAP - BUDGET - 1 next lowest-ranked unprotected tokens (lowest rank, then
     oldest position, as `_lowest`), MERGE them all (`_merge_evicted`; K, V.. as `triton_merge` reads the pools); the
@@ -123,7 +118,7 @@ def _compact_kernel(Pos, Score, Spare, Rows, Positions, Table, T0, T1, T2, T3, T
         cnt = tl.load(Count + row * stride_pr + offs * stride_pj + h, mask=inside, other=0.0)
         cnt = _merge_evicted(K, V, KS, KB, VS, VB, Table, Pos, Count, b, row, h, offs, pos, score, cnt, gone, newest,
                              prefix, stride_tb, stride_pr, stride_pj, stride_ks, stride_kh, stride_qs, stride_qh, CAP,
-                             CAP - BUDGET, E_PAD, BLOCK, WEIGHT, D, BITS, GS, FP8)
+                             CAP - BUDGET, E_PAD, BLOCK, WEIGHT, D, BITS, GS, FP8, STAGES)
         tail_cnt = tl.sum(tl.where(offs[None, :] == tail[:, None], cnt[None, :], 0.0), 1)
     holes = gone & (offs < BUDGET)
     hole_at = tl.cumsum(holes.to(tl.int32), 0) - 1
@@ -180,5 +175,5 @@ def compact(raw, table, pos, score, spare, rows, positions, budget: int, prefix:
                                   CAP_PAD=triton.next_power_of_2(cap), BUDGET=budget,
                                   E_PAD=max(2, triton.next_power_of_2(cap - budget)), BY_SCORE=score is not None,
                                   AGE=age, NT=len(raw), **widths, WP=triton.next_power_of_2(max(widths.values())),
-                                  MERGE=merge is not None, BLOCK=min(64, triton.next_power_of_2(cap)), WEIGHT=weight,
-                                  D=d, BITS=quant_args[0], GS=quant_args[1], FP8=quant_args[2])
+                                  MERGE=merge is not None, WEIGHT=weight, D=d, BITS=quant_args[0],
+                                  GS=quant_args[1], FP8=quant_args[2], **search_tile(cap, d, *quant_args[::2]))

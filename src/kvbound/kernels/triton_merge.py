@@ -51,21 +51,38 @@ def _write_row(x, P, S, B, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, 
 
 
 @triton.jit
-def _most_similar(K, KS, KB, Table, Pos, b, row, h, unit_v, out, n_out, n, prefix, stride_tb, stride_pr, stride_pj,
+def _merge_weight(score, cnt, pos, newest, WEIGHT: tl.constexpr):
+    """What a token weighs in a merge's average (WEIGHTS): its count, or its rank plus 1e-6, the rank of observed
+    (WEIGHT 2) being its summed attention over the queries that could see it."""
+    w = cnt
+    if WEIGHT != 0:
+        w = score
+        if WEIGHT == 2:
+            w = score / tl.maximum(newest - pos + 1, 1).to(tl.float32)
+        w = w + 1e-6
+    return w
+
+
+@triton.jit
+def _most_similar(K, KS, KB, Table, Pos, b, row, h, k_v, out, n_out, n, prefix, stride_tb, stride_pr, stride_pj,
                   stride_ks, stride_kh, stride_ss, stride_sh, BLOCK: tl.constexpr, D: tl.constexpr,
-                  BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr):
+                  BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr):
     """Among local slots [0, n) of row `row` held past `prefix` (sinks and pins) and not among out[:n_out] (the
-    evicted): the one whose key has the highest cosine similarity to unit_v (the first among ties), -1 for none."""
+    evicted): the one whose key has the highest cosine similarity to key k_v [D] (the first among ties), -1 for none,
+    and its pool slot. A block's slots load beside its positions, not after them, so each block waits on two
+    loads in turn, not three."""
+    unit_v = k_v / tl.maximum(tl.sqrt(tl.sum(k_v * k_v, 0)), 1e-12)
     lane = tl.arange(0, out.shape[0])
     best = float("-inf")
     best_j = -1
-    for j0 in range(0, n, BLOCK):
+    best_slot = tl.zeros([], tl.int64)
+    for j0 in tl.range(0, n, BLOCK, num_stages=STAGES):
         offs = j0 + tl.arange(0, BLOCK)
         valid = offs < n
         p = tl.load(Pos + row * stride_pr + offs * stride_pj + h, mask=valid, other=-1)
+        slot = tl.load(Table + b * stride_tb + offs, mask=valid, other=0).to(tl.int64)
         evicted = tl.sum(((offs[:, None] == out[None, :]) & (lane < n_out)[None, :]).to(tl.int32), 1) > 0
         ok = valid & (p >= prefix) & ~evicted
-        slot = tl.load(Table + b * stride_tb + offs, mask=ok, other=0).to(tl.int64)
         k = _rows(K, KS, KB, slot, h, ok, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
         cos = tl.where(ok, tl.sum(k * unit_v[None, :], 1) / tl.maximum(tl.sqrt(tl.sum(k * k, 1)), 1e-12),
                        float("-inf"))
@@ -73,52 +90,55 @@ def _most_similar(K, KS, KB, Table, Pos, b, row, h, unit_v, out, n_out, n, prefi
         at = tl.min(tl.where(cos == top, offs, 1 << 30), 0)  # the first of the block's best
         better = top > best
         best_j = tl.where(better, at, best_j)
+        best_slot = tl.where(better, tl.sum(tl.where(offs == at, slot, 0), 0), best_slot)
         best = tl.where(better, top, best)
-    return best_j
+    return best_j, best_slot
 
 
 @triton.jit
 def _merge_victim_kernel(K, V, KS, KB, VS, VB, Table, Rows, Pos, Score, Count, Victim, Lens, Newest,
                          stride_ks, stride_kh, stride_ss, stride_sh, stride_tb, stride_pr, stride_pj, stride_vb, width,
                          prefix, D: tl.constexpr, BLOCK: tl.constexpr, WEIGHT: tl.constexpr, FREE: tl.constexpr,
-                         BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr):
+                         BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.load(Lens + b)
+    row = tl.load(Rows + b).to(tl.int64)  # read beside the length, not after it
+    newest = tl.load(Newest + b)
+    jv = tl.load(Victim + (row if FREE else b) * stride_vb + h)  # FREE: the rows' spare slots, by row
     if n == width:  # a row below its budget evicts nothing
-        row = tl.load(Rows + b).to(tl.int64)
-        jv = tl.load(Victim + (row if FREE else b) * stride_vb + h)  # FREE: the rows' spare slots, by row
         slot_v = tl.load(Table + b * stride_tb + jv).to(tl.int64)
+        at_v = row * stride_pr + jv * stride_pj + h
+        # everything of the victim's is read before the search, which then hides its wait
         k_v = _row(K, KS, KB, slot_v, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
-        unit_v = k_v / tl.maximum(tl.sqrt(tl.sum(k_v * k_v, 0)), 1e-12)
-        best_j = _most_similar(K, KS, KB, Table, Pos, b, row, h, unit_v, tl.zeros([2], tl.int32) + jv, 1, n, prefix,
-                               stride_tb, stride_pr, stride_pj, stride_ks, stride_kh, stride_ss, stride_sh, BLOCK, D,
-                               BITS, GS, FP8)
+        v_v = _row(V, VS, VB, slot_v, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
+        c_v = tl.load(Count + at_v)
+        w_v = _merge_weight(tl.load(Score + at_v), c_v, tl.load(Pos + at_v), newest, WEIGHT)
+        best_j, slot_t = _most_similar(K, KS, KB, Table, Pos, b, row, h, k_v, tl.zeros([2], tl.int32) + jv, 1, n,
+                                       prefix, stride_tb, stride_pr, stride_pj, stride_ks, stride_kh, stride_ss,
+                                       stride_sh, BLOCK, D, BITS, GS, FP8, STAGES)
         if best_j >= 0:
             at_t = row * stride_pr + best_j * stride_pj + h
-            at_v = row * stride_pr + jv * stride_pj + h
-            c_t, c_v = tl.load(Count + at_t), tl.load(Count + at_v)
-            if WEIGHT == 0:
-                w_t, w_v = c_t, c_v
-            else:
-                w_t, w_v = tl.load(Score + at_t), tl.load(Score + at_v)
-                if WEIGHT == 2:  # summed attention over the queries that could see each token
-                    newest = tl.load(Newest + b)
-                    w_t = w_t / tl.maximum(newest - tl.load(Pos + at_t) + 1, 1).to(tl.float32)
-                    w_v = w_v / tl.maximum(newest - tl.load(Pos + at_v) + 1, 1).to(tl.float32)
-                w_t, w_v = w_t + 1e-6, w_v + 1e-6
-            slot_t = tl.load(Table + b * stride_tb + best_j).to(tl.int64)
+            c_t = tl.load(Count + at_t)
+            w_t = _merge_weight(tl.load(Score + at_t), c_t, tl.load(Pos + at_t), newest, WEIGHT)
             den = w_t + w_v
             k_t = _row(K, KS, KB, slot_t, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
             v_t = _row(V, VS, VB, slot_t, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
-            v_v = _row(V, VS, VB, slot_v, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
             _write_row((w_t * k_t + w_v * k_v) / den, K, KS, KB, slot_t, h, stride_ks, stride_kh, stride_ss,
                        stride_sh, D, BITS, GS, FP8)
             _write_row((w_t * v_t + w_v * v_v) / den, V, VS, VB, slot_t, h, stride_ks, stride_kh, stride_ss,
                        stride_sh, D, BITS, GS, FP8)
             tl.store(Count + at_t, c_t + c_v)
         if FREE:
-            tl.store(Pos + row * stride_pr + jv * stride_pj + h, -1)
+            tl.store(Pos + at_v, -1)
+
+
+def search_tile(width: int, d: int, bits: int, fp8: bool) -> dict:
+    """The similarity search's tile for `width` keys of head_dim d stored at `bits` (16: bf16, or fp8): keys a block,
+    warps, pipelined stages. Chosen on the H100 (results/merge_search_tiles_h100.log): 128-key blocks but for 8-bit
+    keys at d=128, two stages for bf16 alone (they slowed every packed format)."""
+    block = 64 if bits == 8 and d > 64 else 128
+    return dict(BLOCK=min(block, triton.next_power_of_2(width)), num_warps=4, STAGES=2 if bits == 16 and not fp8 else 1)
 
 
 def merge_victims(k_pool, v_pool, table, rows, pos, score, count, victim, lens, prefix: int, weight: str, newest=None,
@@ -143,5 +163,5 @@ def merge_victims(k_pool, v_pool, table, rows, pos, score, count, victim, lens, 
     _merge_victim_kernel[(bsz, heads)](
         k_pool, v_pool, *scales, table, rows, pos, sc, count, victim, lens, newest, k_pool.stride(0),
         k_pool.stride(1), scales[0].stride(0) if quant else 0, scales[0].stride(1) if quant else 0, table.stride(0),
-        pos.stride(0), pos.stride(1), victim.stride(0), width, prefix, D=d,
-        BLOCK=min(64, triton.next_power_of_2(width)), WEIGHT=WEIGHTS[weight], FREE=free, BITS=bits, GS=gs, FP8=fp8)
+        pos.stride(0), pos.stride(1), victim.stride(0), width, prefix, D=d, WEIGHT=WEIGHTS[weight], FREE=free,
+        BITS=bits, GS=gs, FP8=fp8, **search_tile(width, d, bits, fp8))
