@@ -1274,13 +1274,15 @@ def test_decodes_of_several_policies_replay_one_graph_and_equal_eager(model32, b
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
-@pytest.mark.parametrize("bits", [None, 8])
+@pytest.mark.parametrize("bits", [None, 8, "mixed"])
 def test_decodes_of_caches_evicting_every_few_steps_replay_graphs_and_equal_eager(model32, bits, monkeypatch):
     """Caches that evict every e steps decode in CUDA graphs: their decodes with room in the evict group's, the
     decode that fills the room in a one-token chunk group's, both in one graph when the sequences are out of step
     (a policy's two groups each read buffers of their own). Every step of decodes alone replays a graph (as the
     default policy, its chunk graphs are captured up front); greedy tokens equal eager steps' and each sequence's
-    own cache's, with and without merging."""
+    own cache's, with and without merging, and with mixed widths (h2o alone: they refuse merging and windows). The
+    decodes that fill the room run the compaction kernel."""
+    from kvbound.engine import runner
     from kvbound.engine.cuda_graphs import DecodeGraphs
     replayed, run = [], DecodeGraphs.run
 
@@ -1293,6 +1295,11 @@ def test_decodes_of_caches_evicting_every_few_steps_replay_graphs_and_equal_eage
     specs = ["h2o:sink=2,heavy=9,recent=9,evict_every=4", "h2o:sink=2,heavy=10,recent=12,score=observed,merge=rank,"
              "evict_every=3", "window:budget=20,sink=2,evict_every=5"]
     reqs = [(prompt(110 + i, 14 + 7 * i), specs[i % 3]) for i in range(9)]
+    if bits == "mixed":
+        bits, specs = {"heavy": 4, "recent": 8}, [specs[0], "h2o:sink=2,heavy=10,recent=12,score=observed,evict_every=3"]
+        reqs = [(prompt(110 + i, 14 + 7 * i), specs[i % 2]) for i in range(6)]
+    bulk = []
+    monkeypatch.setattr(runner, "bulk_decode_ok", lambda *a, ok=runner.bulk_decode_ok: bulk.append(ok(*a)) or bulk[-1])
     gpu = model32.cuda()
     try:
         for spec in specs:
@@ -1302,7 +1309,9 @@ def test_decodes_of_caches_evicting_every_few_steps_replay_graphs_and_equal_eage
             assert None not in replayed, spec
             assert any(key.kind == "chunk" for key, _, _ in engine.graphs.parts()), spec
             assert any({"chunk", "evict"} <= {key.kind for key, _, _ in parts} for parts in replayed), spec
+            assert bulk and all(bulk), spec
             replayed.clear()
+            bulk.clear()
             eager, _ = run_engine(gpu, mine, shared_policies=True, num_blocks=256, kv_bits=bits, kv_group_size=32,
                                   cuda_graphs=False)
             assert got == eager, spec

@@ -1185,11 +1185,20 @@ def test_merge_kernel_matches_the_pytorch_merge(weight, width, block, monkeypatc
 def _room_filling_state(policy, seed, bits=None, rows=4, batch=(2, 0, 3), layers=2, heads=2, d=32):
     """Stacked rows of caches evicting every e steps, each holding budget + e - 1 tokens in slots [0, cap - 1) (the
     sinks first, as a cache holds them, and the newest among the rest), its last slot free: the state a decode that
-    fills the room meets. A pool (packed with `bits`) and the step's inputs."""
+    fills the room meets. A pool (packed with `bits`; "mixed": 4-bit, with random residuals of the window and the
+    sinks) and the step's inputs."""
     from kvbound.cache.block_pool import BlockPool
+    from kvbound.cache.quant import RecentResiduals
     from kvbound.cache.stacked import StackedMeta
     gen = torch.Generator().manual_seed(seed)
-    meta = StackedMeta(policy, layers, heads, rows, "cpu")
+    ring = None
+    if bits == "mixed":
+        bits, ring = 4, lambda n: RecentResiduals(n, layers, heads, d, policy.sink, policy.recent, 32, "cpu")
+    meta = StackedMeta(policy, layers, heads, rows, "cpu", ring=ring)
+    if meta.ring is not None:
+        for t in meta.ring.tensors():
+            t.copy_(torch.randint(0, 256, t.shape, generator=gen) if t.dtype == torch.uint8
+                    else torch.rand(t.shape, generator=gen) * 0.02 - 0.01)
     cap = meta.width
     now = [cap + 90 + 13 * i for i in range(len(batch))]
     for i, r in enumerate(batch):
@@ -1247,7 +1256,9 @@ def _kept(pool, layer, table, pos, score, count, rows):
                                        ("h2o:sink=2,heavy=5,recent=3,score=observed,merge=rank,evict_every=4", None),
                                        ("knorm:sink=2,heavy=6,recent=2,merge=count,evict_every=3", None),
                                        ("h2o:sink=2,heavy=150,recent=20,merge=rank,evict_every=8", None),
-                                       ("h2o:sink=2,heavy=5,recent=3,merge=count,evict_every=4", 8)])
+                                       ("h2o:sink=2,heavy=5,recent=3,merge=count,evict_every=4", 8),
+                                       ("h2o:sink=2,heavy=5,recent=3,evict_every=4", "mixed"),
+                                       ("h2o:sink=2,heavy=6,recent=4,score=observed,evict_every=3", "mixed")])
 def test_bulk_evict_decode_keeps_what_the_chunk_step_keeps(spec, bits):
     """The decode that fills the room of caches evicting every e steps, as `steps.bulk_evict_decode` runs it (the
     evict step, then `triton_compact`'s e - 1 further victims and the moves into their slots) against the chunk
@@ -1255,7 +1266,8 @@ def test_bulk_evict_decode_keeps_what_the_chunk_step_keeps(spec, bits):
     head the same positions kept, each with its stored bytes (packed ones as they were) and score; the kept tokens in
     slots [0, budget), and slot `budget` every head's spare. Ties in the scores decide by age on both routes. Merging
     policies merge the e evicted tokens at once: the same counts, and K/V up to the rounding of the averages (the
-    150-token row searches three blocks for each one's most similar key)."""
+    150-token row searches two blocks for each one's most similar key). Mixed widths: the window's residuals, found by
+    position, stay where they are; the new token's joins them."""
     import copy
     from kvbound.cache.policies import parse_policy
     from kvbound.cache.steps import bulk_evict_decode
@@ -1275,9 +1287,13 @@ def test_bulk_evict_decode_keeps_what_the_chunk_step_keeps(spec, bits):
     score = None if meta.score is None else dev(meta.score[:, layer])
     count = None if meta.count is None else dev(meta.count.clone()[:, layer])  # laid out as pos
     lens = torch.full((len(rows),), cap, dtype=torch.int32, device=DEV)
+    ring = None if meta.ring is None else meta.ring.mapped(dev)
     got = bulk_evict_decode(dev(step["q"]), dev(step["k"]), dev(step["v"]), pool, layer, dev(table), lens, dev(rows),
-                            dev(step["positions"]), pos, spare, score, pol, count)
+                            dev(step["positions"]), pos, spare, score, pol, count, ring)
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+    if ring is not None:  # the new token's residuals, written by the store kernel there and PyTorch here
+        for mine, theirs in zip(ring.tensors(), ref_meta.ring.tensors()):
+            assert torch.equal(mine.cpu(), theirs)
     assert (pos[rows.to(DEV), b:] == -1).all() and (pos[rows.to(DEV), :b] >= 0).all()
     assert (spare[rows.to(DEV)] == b).all()
     ref = [None if m is None else m[:, layer] for m in (ref_meta.score, ref_meta.count)]

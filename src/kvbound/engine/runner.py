@@ -257,7 +257,7 @@ class ChunkGroup:
         count = None if m.count is None else m.count[:, layer]
         if self.lens is not None:
             return bulk_evict_decode(q, k, v, self.pool, layer, self.table, self.lens, self.rows, positions, pos,
-                                     m.spare[:, layer], score, m.policy, count)
+                                     m.spare[:, layer], score, m.policy, count, m.ring)
         out, *cand = chunk_attend(q, k, v, self.pool, layer, self.table, n, self.rows, positions, pos, score, m.policy,
                                   ring=m.ring, count=count)
         new = (k.unflatten(0, (self.rows.shape[0], -1)), v.unflatten(0, (self.rows.shape[0], -1)))
