@@ -126,13 +126,14 @@ def test_value_dot_on_groups_it_cannot_read_is_one_clear_error():
     q, k, v, table, n = _case(3, 2, 4, 2, 64, [40, 33])
     for bits, group in ((8, 16), (4, 16)):
         (kc, ks, kb), (vc, vs, vb) = quantize(k, bits, group), quantize(v, bits, group)
-        quant = dict(bits=bits, group=group, k_scale=ks, k_bias=kb, v_scale=vs, v_bias=vb)
+        quant = dict(bits=bits, group=group, k_scale=ks.to(DEV), k_bias=kb.to(DEV), v_scale=vs.to(DEV),
+                     v_bias=vb.to(DEV))
+        args = [t.to(DEV) for t in (q, kc, vc, table, n)]
         with pytest.raises(ValueError, match=f"value_dot needs .* got {bits} bits, head_dim 64, group {group}"):
-            decode_attention(q, kc, vc, table, n, quant=quant, value_dot=True)
+            decode_attention(*args, quant=quant, value_dot=True)
         kd, vd = dequantize(kc, ks, kb, bits, group), dequantize(vc, vs, vb, bits, group)
         want, _ = _reference(q, kd, vd, table, n, None, torch.zeros(2, 40, 2), 0)
-        torch.testing.assert_close(decode_attention(q, kc, vc, table, n, quant=quant).double(), want, atol=1e-4,
-                                   rtol=1e-4)
+        torch.testing.assert_close(decode_attention(*args, quant=quant).double().cpu(), want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("fmt, d, scores, many, group", [
