@@ -1,15 +1,17 @@
 """The merge kernel alone (`triton_merge.merge_victims`): each (sequence, KV head) merges its victim into its most
 similar kept key, 64 rows x 257 keys in the SmolLM2 (3 KV heads, d 64) and 8B (8, d 128) shapes, observed's weight.
-A CUDA graph of 50 launches, best of 20 replays: us a launch, per shape, format and similarity-search tile (the
-default is `search_tile`'s choice; a tree older than `search_tile` runs its own tile, and without `default` the
-tiles below are timed too). Run once per tree, with its src on PYTHONPATH:
+A CUDA graph of 50 launches (`decode_attention.timed`), the median of 20 replays: us a launch, per shape, format and
+similarity-search tile (the default is `search_tile`'s choice; a tree older than `search_tile` runs its own tile,
+and without `default` the tiles below are timed too). Run once per tree, with its src on PYTHONPATH:
 
     PYTHONPATH=src python3 benchmarks/merge_kernel.py after bf16,8,4,fp8 default
     PYTHONPATH=.before/src python3 benchmarks/merge_kernel.py before bf16,8,4,fp8     # before_after.py export REV
 """
 import sys
+
 import torch
-import triton
+from decode_attention import timed  # benchmarks/ is on the path as the script's folder
+
 from kvbound.kernels import triton_merge as tm
 from kvbound.kernels.packing import quantize
 
@@ -47,26 +49,6 @@ def setup(bsz, heads, d, bits, gen):
     return (k, v, table, rows, pos, score, count, victim, lens, 4, "age"), dict(newest=newest, quant=quant)
 
 
-def time_us(args, kw, n=50, reps=20):
-    tm.merge_victims(*args, **kw)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            tm.merge_victims(*args, **kw)
-    g.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1000 / n)
-    return best
-
-
 def main():
     tree = sys.argv[1]
     tiles = [None]
@@ -84,7 +66,7 @@ def main():
                         continue
                     tm.search_tile = lambda width, d, bits, fp8, t=tile: t
                 try:
-                    us = time_us(args, kw)
+                    us = 1000 * timed(lambda _: tm.merge_victims(*args, **kw), 1, reps=50, rounds=20)
                 except Exception as e:  # a tile that does not compile
                     print(f"{tree:6} {shape:8} {bits!s:4} {tile} FAILED {type(e).__name__}: {str(e)[:80]}", flush=True)
                     continue
