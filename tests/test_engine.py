@@ -1203,8 +1203,9 @@ def test_mixed_widths_stacked_rows_grow_with_their_residuals(model32, device):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="mixed widths' evict steps in CUDA graphs")
 def test_mixed_widths_on_cuda_in_graphs_equal_alone(model32):
-    """heavy=4,recent=8 on CUDA: the batched evict steps (PyTorch route, residuals in the stacked rows) replay
-    in CUDA graphs; greedy tokens equal eager steps' and each sequence's own mixed cache's."""
+    """heavy=4,recent=8 on CUDA: the batched evict steps (the fused kernels, reading the residuals in the stacked
+    rows; the evict_every=3 cache fills its room through the compaction kernel) replay in CUDA graphs; greedy tokens
+    equal eager steps' and each sequence's own mixed cache's."""
     gpu, mixed = model32.cuda(), {"heavy": 4, "recent": 8}
     try:
         reqs = mixed_width_requests()
