@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import parse_kv_bits, parse_policy, sequence_cache
-from ..cache.quant import MIXED
+from ..cache.quant import MIXED, check_mixed_policy
 from ..errors import KvboundError
 
 DEFAULT_STRATEGIES = ["baseline", "window", "h2o-balanced", "h2o-heavy"]
@@ -56,10 +56,23 @@ def parse_strategies(names: list[str], budget: int, options: CacheOptions, pinne
                 raise KvboundError(f"strategy {name!r}: unknown suffix +{quant} (use +kv8, +kv4, +kvmixed)")
             bits = KV_SUFFIXES[quant]
         policy = parse_policy(base, budget, pinned=pinned, **policy_defaults)
-        if policy.merge and isinstance(bits, dict):
-            raise KvboundError(f"strategy {name!r}: merging needs one K/V width (not heavy=4,recent=8)")
+        if isinstance(bits, dict):
+            check_mixed_strategy(name, policy, from_flag=not quant)
         out[name] = (policy, bits)
     return out
+
+
+def check_mixed_strategy(name: str, policy, from_flag: bool):
+    """Mixed widths serve h2o policies that do not merge; refused before any model loads. With --kv-bits as every
+    strategy's width (the baseline's too), the way out is a +kvmixed suffix on the h2o strategies alone."""
+    try:
+        check_mixed_policy(policy)
+        if policy.merge:
+            raise KvboundError("merging needs one K/V width (not heavy=4,recent=8)")
+    except KvboundError as e:
+        hint = ("; --kv-bits sets every strategy's width: give +kvmixed to the h2o strategies instead" if from_flag
+                else "")
+        raise KvboundError(f"strategy {name!r}: {e}{hint}") from None
 
 
 def make_cache(model, policy, bits, options: CacheOptions, device, dtype):
