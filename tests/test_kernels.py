@@ -1259,7 +1259,9 @@ def _kept(pool, layer, table, pos, score, count, rows):
                                        ("h2o:sink=2,heavy=150,recent=20,merge=rank,evict_every=8", None),
                                        ("h2o:sink=2,heavy=5,recent=3,merge=count,evict_every=4", 8),
                                        ("h2o:sink=2,heavy=5,recent=3,evict_every=4", "mixed"),
-                                       ("h2o:sink=2,heavy=6,recent=4,score=observed,evict_every=3", "mixed")])
+                                       ("h2o:sink=2,heavy=6,recent=4,score=observed,evict_every=3", "mixed"),
+                                       ("h2o:sink=1,heavy=6,recent=3,score=ema,granularity=layer,evict_every=4",
+                                        "mixed")])
 def test_bulk_evict_decode_keeps_what_the_chunk_step_keeps(spec, bits):
     """The decode that fills the room of caches evicting every e steps, as `steps.bulk_evict_decode` runs it (the
     evict step, then `triton_compact`'s e - 1 further victims and the moves into their slots) against the chunk
