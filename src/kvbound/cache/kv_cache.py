@@ -161,7 +161,7 @@ class KVCache:
         if self.has_spare[0]:
             if t > 1:
                 return None
-            return "chunk" if self.policy.evict_every > 1 and self.n[0] + 1 == self.policy.capacity else "evict"
+            return "chunk" if self._decode_fills_room(self.n[0]) else "evict"
         if self.n[0] + t < self.policy.capacity:
             return "fill"
         # a piece that exactly fills the room is written, then evicts one (`attend`); a cache that evicts every e
@@ -218,6 +218,11 @@ class KVCache:
         budget (or with room, evicting every e steps) evicted nothing, so it holds one more."""
         self.n = [self._held_after_decode(self.n[0])] * len(self.n)
         self.advance(1)
+
+    def _decode_fills_room(self, n: int) -> bool:
+        """Whether a decode of a cache holding n tokens fills the room of one that evicts every e steps: it then
+        keeps the budget as a one-token piece does (the engine's "chunk"), instead of taking the spare slot."""
+        return self.policy.evict_every > 1 and n + 1 == self.policy.capacity
 
     def _held_after_decode(self, n: int) -> int:
         """Tokens held after a decode into the spare slot: at evict_every = 1 a full cache evicts one; a cache
@@ -301,7 +306,7 @@ class KVCache:
         if self.has_spare[layer] and t > 1:
             self._densify(layer)
         storage, meta, ring = self.store.storage, self._layer_meta(layer), self.ring
-        if self.has_spare[layer] and (self.policy.evict_every == 1 or n + 1 < self.capacity):
+        if self.has_spare[layer] and not self._decode_fills_room(n):
             # a decode into the spare slot: the evicted token's, or the next free one
             table = self.store.slot_table(self.capacity)[None]
             lens = torch.full((1,), n + 1, dtype=torch.int32, device=q.device)
