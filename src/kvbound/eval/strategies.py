@@ -67,12 +67,12 @@ def check_mixed_strategy(name: str, policy, from_flag: bool):
     strategy's width (the baseline's too), the way out is a +kvmixed suffix on the h2o strategies alone."""
     try:
         check_mixed_policy(policy)
-        if policy.merge:
-            raise KvboundError("merging needs one K/V width (not heavy=4,recent=8)")
     except KvboundError as e:
         hint = ("; --kv-bits sets every strategy's width: give +kvmixed to the h2o strategies instead" if from_flag
                 else "")
         raise KvboundError(f"strategy {name!r}: {e}{hint}") from None
+    if policy.merge:
+        raise KvboundError(f"strategy {name!r}: merging needs one K/V width (not heavy=4,recent=8)")
 
 
 def make_cache(model, policy, bits, options: CacheOptions, device, dtype):
