@@ -57,15 +57,17 @@ def _merge_evicted(K, V, KS, KB, VS, VB, Table, Pos, Count, b, row, h, offs, pos
             k_acc = w_t * _row(K, KS, KB, slot_t, h, stride_ks, stride_kh, stride_qs, stride_qh, D, BITS, GS, FP8)
             v_acc = w_t * _row(V, VS, VB, slot_t, h, stride_ks, stride_kh, stride_qs, stride_qh, D, BITS, GS, FP8)
             den = w_t
-            for j in range(E):
-                jv = tl.sum(tl.where(lane == j, vic, 0), 0)
-                into = tl.sum(tl.where(lane == j, tgt, 0), 0) == t
-                w_v = tl.where(into, tl.sum(tl.where(offs == jv, w, 0.0), 0), 0.0)
-                slot_v = tl.load(Table + b * stride_tb + jv).to(tl.int64)
-                k_acc += w_v * _row(K, KS, KB, slot_v, h, stride_ks, stride_kh, stride_qs, stride_qh, D, BITS, GS, FP8)
-                v_acc += w_v * _row(V, VS, VB, slot_v, h, stride_ks, stride_kh, stride_qs, stride_qh, D, BITS, GS, FP8)
-                den += w_v
-                c_t += tl.where(into, tl.sum(tl.where(offs == jv, cnt, 0.0), 0), 0.0)
+            for j in range(E):  # only the tokens merging into t are read: E rows for all targets, not E x E
+                if tl.sum(tl.where(lane == j, tgt, 0), 0) == t:
+                    jv = tl.sum(tl.where(lane == j, vic, 0), 0)
+                    w_v = tl.sum(tl.where(offs == jv, w, 0.0), 0)
+                    slot_v = tl.load(Table + b * stride_tb + jv).to(tl.int64)
+                    k_acc += w_v * _row(K, KS, KB, slot_v, h, stride_ks, stride_kh, stride_qs, stride_qh, D, BITS, GS,
+                                        FP8)
+                    v_acc += w_v * _row(V, VS, VB, slot_v, h, stride_ks, stride_kh, stride_qs, stride_qh, D, BITS, GS,
+                                        FP8)
+                    den += w_v
+                    c_t += tl.sum(tl.where(offs == jv, cnt, 0.0), 0)
             _write_row(k_acc / den, K, KS, KB, slot_t, h, stride_ks, stride_kh, stride_qs, stride_qh, D, BITS, GS, FP8)
             _write_row(v_acc / den, V, VS, VB, slot_t, h, stride_ks, stride_kh, stride_qs, stride_qh, D, BITS, GS, FP8)
             cnt = tl.where(offs == t, c_t, cnt)

@@ -623,12 +623,18 @@ def _lowest(key, pos, idx, valid, AXIS: tl.constexpr):
 
 
 @triton.jit
+def _over_age(x, pos, newest):
+    """x over the number of queries that could see the key at `pos` (ObservedAttention's normalization)."""
+    return x / tl.maximum(newest - pos + 1, 1).to(tl.float32)
+
+
+@triton.jit
 def _victim_rank(key, pos, newest, prefix, recent, AGE: tl.constexpr):
     """What a victim is chosen by, lowest first (`Policy.rank`), from `key` (the scores, or the positions of a policy
     without them): itself, or over the key's age (AGE: ObservedAttention, the summed attention over the queries that
     could see the key); inf for the protected, positions below `prefix` and the `recent` newest (and free slots)."""
     if AGE:
-        key = key / tl.maximum(newest - pos + 1, 1).to(tl.float32)
+        key = _over_age(key, pos, newest)
     return tl.where((pos < prefix) | (pos > newest - recent), float("inf"), key)
 
 

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .packing import head_dim
-from .triton_decode import _dequant, _put, _quant_args
+from .triton_decode import _dequant, _over_age, _put, _quant_args
 
 WEIGHTS = {"count": 0, "attention": 1, "age": 2}  # what a token weighs in the average: its count, or its rank
 
@@ -58,7 +58,7 @@ def _merge_weight(score, cnt, pos, newest, WEIGHT: tl.constexpr):
     if WEIGHT != 0:
         w = score
         if WEIGHT == 2:
-            w = score / tl.maximum(newest - pos + 1, 1).to(tl.float32)
+            w = _over_age(score, pos, newest)
         w = w + 1e-6
     return w
 

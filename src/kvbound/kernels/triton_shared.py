@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_decode import MODE_IDS, RANK_IDS, _dequant, _dot, _quant_args, _read_keys, _store_token, _unit_rows
+from .triton_decode import (MODE_IDS, RANK_IDS, _dequant, _dot, _quant_args, _read_keys, _store_token, _unit_rows,
+                            _victim_rank)
 
 MAX_PLACES = 8192  # one program holds a sequence's places in registers; larger layers take the PyTorch route
 
@@ -246,9 +247,7 @@ def _victim_kernel(Pos, Score, Owner, Rows, Spare, Lens, width, places, heads, p
     score = tl.load(Score + ptr, mask=inb, other=0.0)
     own = tl.maximum(tl.load(Owner + ptr, mask=inb, other=-1).to(tl.int32), 0)  # a padding row's free places
     newest = tl.max(pos, 0)
-    if AGE:  # ObservedAttention: the summed attention over the queries that could see the key
-        score = score / tl.maximum(newest - pos + 1, 1).to(tl.float32)
-    key = tl.where((pos < prefix) | (pos > newest - recent), float("inf"), score)
+    key = _victim_rank(score, pos, newest, prefix, recent, AGE)
     hs = tl.arange(0, HEADS_PAD)
     left = tl.zeros([HEADS_PAD], tl.int32)  # each head's places past its sure ones
     for h in tl.static_range(HEADS):
