@@ -8,7 +8,7 @@ from ..errors import KvboundError
 from ..eval.bench import poisson_arrivals, random_prompts, run_offline, run_open_loop, serve_report
 from ..eval.plots import serve_timeline
 from .options import (add_cache_args, add_engine_args, add_model_args, engine_policy, load_model, make_engine,
-                      positive_int)
+                      output_file, positive_int)
 
 
 def cmd_throughput(args):
@@ -147,7 +147,7 @@ def add_bench_parser(sub):
     p = bsub.add_parser("throughput", help="offline: all requests at once, tokens per second")
     common(p)
     p.add_argument("--num-prompts", type=positive_int, default=64)
-    p.add_argument("--json", default=None, help="write the results as JSON to this file")
+    p.add_argument("--json", type=output_file, default=None, help="write the results as JSON to this file")
     p.set_defaults(func=cmd_throughput)
 
     p = bsub.add_parser("serve", help="open loop: Poisson arrivals (or a fixed concurrency), in process or "
@@ -169,6 +169,6 @@ def add_bench_parser(sub):
     p.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals")
     p.add_argument("--spike-ms", type=float, default=None, help="a step slower than this is a spike "
                    "(default: 3x the median step)")
-    p.add_argument("--json", default=None, help="write the report as JSON to this file")
-    p.add_argument("--plot", default=None, help="write the timeline plot to this PNG file")
+    p.add_argument("--json", type=output_file, default=None, help="write the report as JSON to this file")
+    p.add_argument("--plot", type=output_file, default=None, help="write the timeline plot to this PNG file")
     p.set_defaults(func=cmd_serve, parser=p)

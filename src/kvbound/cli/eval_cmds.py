@@ -1,6 +1,7 @@
 """`kvbound eval`: perplexity, sweeps, needle and RULER-style retrieval under bounded caches."""
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -12,8 +13,8 @@ from ..eval.plots import heatmap, needle_heatmap, ppl_bars, sweep_lines
 from ..eval.ruler import BUDGETS_OF
 from ..eval.strategies import DEFAULT_STRATEGIES, parse_strategies, split_strategies, with_baseline
 from ..errors import KvboundError
-from .options import (add_cache_args, add_model_args, cache_options, float_list, int_list, load_model,
-                      nonneg_int, pinned_spans, policy_defaults, positive_int)
+from .options import (add_cache_args, add_model_args, cache_options, float_list, int_list, load_model, nonneg_int,
+                      output_file, pinned_spans, policy_defaults, positive_int)
 
 
 def strategies_for(args, names, budget):
@@ -79,6 +80,9 @@ class depth_list(list):
 
     def __init__(self, s):
         super().__init__(float_list(s))
+        for depth in self:
+            if not 0.0 <= depth <= 1.0:
+                raise argparse.ArgumentTypeError(f"a depth must be in [0, 1], got {depth:g}")
 
 
 class PartialJSON:
@@ -154,6 +158,14 @@ def cmd_ruler(args):
     return results
 
 
+def strategy_list(text: str) -> list[str]:
+    """--strategies' argparse type: at least one strategy."""
+    names = split_strategies(text)
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected one or more comma-separated strategies, got {text!r}")
+    return names
+
+
 def add_eval_parser(sub):
     ev = sub.add_parser("eval", help="quality under a bounded cache: ppl, sweep, needle, ruler")
     esub = ev.add_subparsers(dest="eval_cmd", required=True)
@@ -162,12 +174,12 @@ def add_eval_parser(sub):
         add_model_args(p)
         add_cache_args(p, with_policy=False)
         p.set_defaults(budget=256)
-        p.add_argument("--strategies", type=split_strategies, default=DEFAULT_STRATEGIES,
+        p.add_argument("--strategies", type=strategy_list, default=DEFAULT_STRATEGIES,
                        help="comma-separated: baseline, window, h2o-balanced, h2o-heavy, observed, tova, snapkv, "
                             "knorm, keydiff, adakv, pyramidkv, specs such as "
                             "'h2o:budget=256,score=observed,alpha=0.2', +kv8/+kv4/+kvmixed (default: %(default)s)")
-        p.add_argument("--json", default=None, help="write the results as JSON to this file")
-        p.add_argument("--plot", default=None, help="write a plot to this PNG file")
+        p.add_argument("--json", type=output_file, default=None, help="write the results as JSON to this file")
+        p.add_argument("--plot", type=output_file, default=None, help="write a plot to this PNG file")
         p.add_argument("--text", nargs="+", default=None, help="files or directories of .txt (default: the "
                        "public-domain text shipped with kvbound, in kvbound/eval/data)")
 

@@ -45,9 +45,30 @@ positive_float, nonneg_float = finite_float(True), finite_float(False)
 
 def int_list(s):
     try:
-        return [int(x) for x in s.split(",") if x]
+        values = [int(x) for x in s.split(",") if x]
+        if not values:
+            raise ValueError(s)
+        return values
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def output_file(s):
+    """An argparse type: a file to write, in a folder that exists, checked before any long run starts."""
+    folder = os.path.dirname(os.path.abspath(s))
+    if os.path.isdir(s) or not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{'is a folder' if os.path.isdir(s) else 'no such folder'}: "
+                                         f"{s if os.path.isdir(s) else folder}")
+    return s
+
+
+def device_name(s):
+    """An argparse type: a torch device such as cpu, cuda or cuda:1."""
+    try:
+        torch.device(s)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a device such as cpu, cuda or cuda:1, got {s!r}") from None
+    return s
 
 
 def float_list(s):
@@ -71,7 +92,7 @@ def default_threads() -> int:
 
 def add_model_args(p):
     p.add_argument("--model", help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights and KV dtype (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: the "
