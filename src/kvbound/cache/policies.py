@@ -592,7 +592,17 @@ def named_policy(name: str, budget: int | None, pinned=()):
                      score="observed" if observed else "cumulative", merge="rank" if name == "observed-merge" else None)
 
 
-def parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
+def parse_policy(spec: str, budget: int | None = None, pinned=(), exact: bool = False, **defaults):
+    """`_parse_policy`; with `exact` (a budget the user asked for: --budget, kv_budget), a spec whose own shape keeps
+    another number of tokens is refused, never run at its own size."""
+    policy = _parse_policy(spec, budget, pinned, **defaults)
+    if exact and budget is not None and policy.bounded and policy.budget != budget:
+        raise KvboundError(f"budget {budget} != the {policy.budget} tokens that {spec!r} keeps (sink + heavy + "
+                           "recent): give the budget or the shape, not both")
+    return policy
+
+
+def _parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
     """'full' | 'window[:budget=..,sink=..]' | 'h2o:sink=..,heavy=..,recent=..[,score=..,granularity=..,
     ema_decay=..,evict_every=..,alpha=..,beta=..,merge=rank|count|none]' (and tova / knorm / keydiff /
     snapkv[:..,window=..,kernel=..] / adakv / pyramidkv with the same shape options) | a named strategy ('baseline',

@@ -161,7 +161,7 @@ def make_policy(args):
     """The policy of --policy and its options; options an unbounded cache would ignore are refused."""
     from ..cache import parse_policy
     check_cache_args(args)
-    policy = parse_policy(args.policy, args.budget, pinned=pinned_spans(args), **policy_defaults(args))
+    policy = parse_policy(args.policy, args.budget, pinned=pinned_spans(args), exact=True, **policy_defaults(args))
     if not policy.bounded:
         given = [f"--{k.replace('_', '-')}" for k in ("budget", "pin_prefix", "score", "ema_decay", "granularity",
                                                        "evict_every", "ada_alpha", "pyramid_beta")

@@ -267,7 +267,6 @@ class LLMEngine:
             raise KvboundError("stop strings need a tokenizer")
         if self.mixed is not None:
             check_mixed_policy(policy or self.default_policy)
-        if self.mixed is not None:
             refuse_merge(policy or self.default_policy, "mixed widths (--kv-bits heavy=4,recent=8)")
         check_question_start(question_start, len(prompt))
         seq = Sequence(request_id, 0, prompt, params, policy or self.default_policy, arrival=time.perf_counter(),

@@ -67,9 +67,11 @@ class Server:
         spec = body.kv_policy or self.config.policy_spec
         budget = body.kv_budget or (None if body.kv_policy else self.config.budget)
         try:
-            policy = parse_policy(spec, budget, pinned=tuple(map(tuple, body.pin or ())), **self.config.policy_defaults)
+            policy = parse_policy(spec, budget, pinned=tuple(map(tuple, body.pin or ())), exact=bool(body.kv_budget),
+                                  **self.config.policy_defaults)
         except KvboundError as e:
-            field = ("pin" if body.pin and "pinned" in str(e) else "kv_policy" if body.kv_policy else "kv_budget")
+            field = ("pin" if body.pin and "pinned" in str(e) else "kv_budget" if str(e).startswith("budget ")
+                     else "kv_policy" if body.kv_policy else "kv_budget")
             raise BadField(field, str(e)) from None
         if not policy.bounded and (body.kv_budget or body.pin):
             name = "kv_budget" if body.kv_budget else "pin"
