@@ -283,6 +283,17 @@ def test_stream_yields_the_same_tokens_as_generate(model):
     assert streamed == llm.generate(ids, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_a_bad_prompt_refuses_generate_whole_and_leaves_nothing_queued(model):
+    """vLLM's LLM.generate aborts the requests it queued before a bad one: none of them runs in a later call."""
+    llm = LLM(model, num_blocks=32)
+    with pytest.raises(KvboundError, match="the prompt is empty"):
+        llm.generate([prompt(6, 12), prompt(7, 5), []], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+    later = llm.generate(prompt(6, 12), GREEDY, use_tqdm=False)
+    assert later[0].outputs[0].token_ids == LLM(model, num_blocks=32).generate(prompt(6, 12), GREEDY,
+                                                                                use_tqdm=False)[0].outputs[0].token_ids
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_new_tokens_plus_the_finished_outputs_give_every_token_once(model, async_scheduling):
     """What a server streams: each step's new_tokens of unfinished completions; the rest comes with the

@@ -45,7 +45,14 @@ class LLM:
         policies = policies if isinstance(policies, list) else [policies] * n
         if len(params) != n or len(policies) != n:
             raise KvboundError(f"got {n} prompts but {len(params)} sampling params and {len(policies)} policies")
-        ids = [self.engine.add_request(p, sp, pol) for p, sp, pol in zip(prompts, params, policies)]
+        ids = []
+        try:
+            for p, sp, pol in zip(prompts, params, policies):
+                ids.append(self.engine.add_request(p, sp, pol))
+        except BaseException:  # a bad prompt refuses the call whole: those queued before it do not run later
+            for i in ids:
+                self.engine.abort(i)
+            raise
         results = {}
         bar = tqdm(total=n, desc="generate", disable=not use_tqdm, unit="req")
         while self.engine.has_unfinished():
