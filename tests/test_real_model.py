@@ -10,6 +10,7 @@ import torch
 from kvbound.cache import KVCache, MultiCache
 from kvbound.engine import SamplingParams, generate_ids
 from kvbound.cache.policies import WindowPolicy
+from kvbound.errors import KvboundError
 
 pytestmark = pytest.mark.slow
 
@@ -192,6 +193,35 @@ def test_llm_chat_and_stream_text(smollm):
     p = "The capital of France is"
     text = "".join(llm.stream_text(p, SamplingParams(max_tokens=8)))
     assert text == tok.decode(llm.generate(p, SamplingParams(max_tokens=8), use_tqdm=False)[0].outputs[0].token_ids)
+
+
+def test_llm_takes_prompts_and_policies_as_vllm_users_write_them(smollm):
+    """vLLM's prompt dicts and a policy spec string give what token ids and a parsed policy give; what is not a
+    prompt, a message or a sampling field is one KvboundError naming it."""
+    from kvbound import LLM
+    from kvbound.cache import parse_policy
+    model, tok = smollm
+    llm = LLM(model, tokenizer=tok, num_blocks=64)
+    params, spec = SamplingParams(max_tokens=6), "h2o:sink=4,heavy=4,recent=8"
+    ids = tok.encode("The capital of France is")
+    want = llm.generate(ids, params, parse_policy(spec), use_tqdm=False)[0].outputs[0].token_ids
+    for prompt in ({"prompt": "The capital of France is"}, {"prompt_token_ids": ids}, torch.tensor(ids)):
+        assert llm.generate(prompt, params, spec, use_tqdm=False)[0].outputs[0].token_ids == want
+    for bad, needle in (([1.5, 2.0], "a prompt is text, a list of integer token ids"), (None, "got 'None'"),
+                        ({"text": "x"}, "a prompt is text")):
+        with pytest.raises(KvboundError, match=needle):
+            llm.generate(bad, params, use_tqdm=False)
+    with pytest.raises(KvboundError, match="a chat message is a dict with 'role' and 'content' strings"):
+        llm.chat([{"role": "user"}], params, use_tqdm=False)
+    for kw, needle in (({"stop": 5}, "stop must be a string or a list"), ({"seed": "a"}, "seed must be an integer"),
+                       ({"stop_token_ids": ["a"]}, "stop_token_ids must be a list of integer token ids"),
+                       ({"temperature": "hot"}, "temperature must be a number")):
+        with pytest.raises(KvboundError, match=needle):
+            SamplingParams(**kw)
+    for kw in ({"num_blocks": 0}, {"max_num_seqs": 0}, {"block_size": -16}):
+        with pytest.raises(KvboundError, match=f"{next(iter(kw))} must be a positive integer"):
+            LLM(model, tokenizer=tok, **kw)
+    assert not llm.engine.has_unfinished()
 
 
 def test_stop_strings_across_tokens_end_the_text_at_the_right_character(smollm):

@@ -38,8 +38,8 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """prompts: a string, token ids, or a list of either. params / policies: one for all or one per
         prompt. Returns one RequestOutput per prompt, in input order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt: text, token ids or a dict (`LLMEngine.add_request`)
         n = len(prompts)
         params = params if isinstance(params, list) else [params] * n
         policies = policies if isinstance(policies, list) else [policies] * n

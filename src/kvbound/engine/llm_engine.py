@@ -7,13 +7,14 @@ piece samples its next token with its own sampling parameters. `llm.LLM` is the 
 from __future__ import annotations
 
 import itertools
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
-from ..cache import BlockPool, FullPolicy, KVCache, sequence_cache
+from ..cache import BlockPool, FullPolicy, KVCache, parse_policy, sequence_cache
 from ..cache.kv_cache import recent_residuals
 from ..cache.merge import refuse_merge
 from ..cache.quant import MIXED, Fp8KV, check_mixed_policy
@@ -162,6 +163,11 @@ class LLMEngine:
         --kv-offloading-size): a later request with that prefix copies them in instead of computing them. 0: off.
         async_scheduling (default: on CUDA): a step's tokens are read while the GPU runs the next step, so the
         host's work between steps overlaps the GPU's (see `step`)."""
+        for name, value in (("block_size", block_size), ("num_blocks", num_blocks), ("kv_cache_tokens", kv_cache_tokens),
+                            ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs),
+                            ("prefill_chunk", prefill_chunk), ("graph_max_len", graph_max_len)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise KvboundError(f"{name} must be a positive integer, got {value!r}")
         for name, gib in (("swap_space", swap_space), ("kv_offloading_size", kv_offloading_size)):
             if not gib >= 0:
                 raise KvboundError(f"{name} must be >= 0 GiB, got {gib}")
@@ -249,11 +255,9 @@ class LLMEngine:
         without the question). Returns the request id."""
         self._open()
         params = params or SamplingParams()
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise KvboundError("a text prompt needs a tokenizer; pass token ids instead")
-            prompt = self.tokenizer.encode(prompt)
-        prompt = [int(t) for t in prompt]
+        if isinstance(policy, str):
+            policy = parse_policy(policy)
+        prompt = self._prompt_ids(prompt)
         if not prompt:
             raise KvboundError("the prompt is empty")
         vocab = self.model.config.vocab_size
@@ -274,6 +278,20 @@ class LLMEngine:
         self.scheduler.add(seq)
         self.requests[request_id] = [seq]
         return request_id
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        """Token ids of a prompt given as text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}."""
+        if isinstance(prompt, dict) and len(prompt) == 1 and ("prompt" in prompt or "prompt_token_ids" in prompt):
+            prompt = next(iter(prompt.values()))
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise KvboundError("a text prompt needs a tokenizer; pass token ids instead")
+            return self.tokenizer.encode(prompt)
+        ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, numbers.Integral) for t in ids):
+            raise KvboundError("a prompt is text, a list of integer token ids, or {'prompt': text} / "
+                               f"{{'prompt_token_ids': ids}}, got {str(prompt)[:80]!r}")
+        return [int(t) for t in ids]
 
     @staticmethod
     def _seed(params, index):

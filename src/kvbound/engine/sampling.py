@@ -9,6 +9,7 @@ any device.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,11 @@ class SamplingParams:
     def __post_init__(self):
         def bad(name, why):
             raise KvboundError(f"{name} must be {why}, got {getattr(self, name)!r}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not isinstance(getattr(self, name), numbers.Real) or isinstance(getattr(self, name), bool):
+                bad(name, "a number")
+        if self.seed is not None and not isinstance(self.seed, numbers.Integral):
+            bad("seed", "an integer or None")
         for name in ("n", "max_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 bad(name, "a positive integer")
@@ -64,9 +70,16 @@ class SamplingParams:
             bad("logprobs", "an integer in [0, 20]")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
+        if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "a string or a list of non-empty strings")
+        for name in ("stop_token_ids", "teacher_tokens"):
+            ids = getattr(self, name)
+            if isinstance(ids, torch.Tensor):
+                ids = ids.tolist()
+                setattr(self, name, ids)
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, numbers.Integral) for t in ids):
+                bad(name, "a list of integer token ids")
         self.stop, self.stop_token_ids = tuple(self.stop), tuple(int(t) for t in self.stop_token_ids)
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop", "non-empty strings")
         self.teacher_tokens = tuple(int(t) for t in self.teacher_tokens)
         if len(self.teacher_tokens) > self.max_tokens:
             bad("teacher_tokens", f"at most max_tokens={self.max_tokens} tokens")

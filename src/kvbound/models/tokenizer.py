@@ -69,6 +69,9 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise KvboundError("--chat: this model has no chat template")
+        for m in messages:
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise KvboundError(f"a chat message is a dict with 'role' and 'content' strings, got {str(m)[:80]!r}")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False)
 
