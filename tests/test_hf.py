@@ -225,6 +225,10 @@ def test_unsupported_attention_and_bad_arguments_are_named():
         kh.install_kv_eviction(m)
     with pytest.raises(KvboundError, match="unknown policy"):
         kh.install_kv_eviction(m, "nope", budget=8)
+    with pytest.raises(KvboundError, match="policy must be a kvbound Policy or a spec string such as 'h2o', got 5"):
+        kh.install_kv_eviction(m, 5, budget=8)
+    with pytest.raises(KvboundError, match="install_kv_eviction needs a transformers model, got str"):
+        kh.install_kv_eviction("HuggingFaceTB/SmolLM2-135M", budget=8)
     with pytest.raises(KvboundError, match="adakv gives heads and layers budgets of their own"):
         kh.install_kv_eviction(m, "adakv", budget=8)
     with pytest.raises(KvboundError, match="merge=rank weighs tokens by attention, which knorm does not gather"):

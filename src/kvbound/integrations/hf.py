@@ -342,6 +342,8 @@ def _capture(module, args, kwargs):
 
 def _prepare(model):
     """Register the attention function once, switch the model to it and hook its attention modules."""
+    if not isinstance(model, torch.nn.Module):
+        raise KvboundError(f"install_kv_eviction needs a transformers model, got {type(model).__name__}")
     if "_kvbound" in vars(model):
         return
     modules = _attention_modules(model)
@@ -374,6 +376,8 @@ def _policy(policy, budget, n_sink, n_recent, evict_every, granularity, score) -
 def _named_policy(policy, budget, n_sink, n_recent, evict_every, granularity, score) -> Policy:
     if isinstance(policy, Policy):
         return policy
+    if not isinstance(policy, str):
+        raise KvboundError(f"policy must be a kvbound Policy or a spec string such as 'h2o', got {policy!r}")
     if budget is None:
         raise KvboundError("install_kv_eviction: give a budget (heavy-hitter tokens kept per layer)")
     n_recent = budget if n_recent is None else n_recent
