@@ -94,6 +94,8 @@ NAMED_BAD_INPUT = [
     (["eval", "needle", "--depths", "0.5,1.5"], "argument --depths: a depth must be in [0, 1], got 1.5"),
     (["eval", "sweep", "--over", "budget", "--values", ""], "argument --values: expected comma-separated integers"),
     (["generate", "hi", "--device", "tpu"], "expected a device such as cpu, cuda or cuda:1, got 'tpu'"),
+    (["bench", "serve", "--url", "localhost:8000"], "argument --url: expected http://HOST:PORT, got 'localhost:8000'"),
+    (["info", "--kv-cache-memory", "4XB"], "expected a size such as 4, 4GiB or 512MiB, got '4XB'"),
     (["eval", "ruler", "--haystack", "/no/such/haystack"], "--haystack: no such file or directory: /no/such/haystack"),
     (["eval", "needle", "--haystack", "/no/such/haystack"], "--haystack: no such file or directory: /no/such/haystack"),
     (["eval", "sweep", "--over", "seq-len", "--values", "64,-5"], "a sequence length must be more than --prefill (32), got -5"),
@@ -208,6 +210,8 @@ def test_info_reports_how_many_tokens_a_pool_holds_at_the_chosen_width():
     r = run("info", "--kv-cache-memory", "4", "--kv-bits", "8")
     assert r.returncode == 0, r.stderr
     assert f"4 GiB holds {4 * 2**30 // 23040:,} tokens at bf16 / {4 * 2**30 // 12240:,} tokens at 8-bit" in r.stdout
+    r = run("info", "--kv-cache-memory", "4096MiB")  # a size with its unit, as the issue writes --kv-cache-memory 4GiB
+    assert f"4 GiB holds {4 * 2**30 // 23040:,} tokens at bf16" in r.stdout, r.stderr
 
 
 def test_info_reports_each_width_of_mixed_kv():

@@ -1,8 +1,10 @@
 """`kvbound bench`: offline throughput and open-loop serving of the engine."""
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from ..errors import KvboundError
 from ..eval.bench import poisson_arrivals, random_prompts, run_offline, run_open_loop, serve_report
@@ -132,6 +134,14 @@ def serve_over_http(args):
     return reqs, steps, run_config(args, arrivals)
 
 
+def http_url(s):
+    """--url's argparse type: http(s)://host[:port], checked before any request is timed."""
+    parts = urlsplit(s)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"expected http://HOST:PORT, got {s!r}")
+    return s
+
+
 def add_bench_parser(sub):
     b = sub.add_parser("bench", help="engine benchmarks: offline throughput, open-loop serving")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)
@@ -153,7 +163,7 @@ def add_bench_parser(sub):
     p = bsub.add_parser("serve", help="open loop: Poisson arrivals (or a fixed concurrency), in process or "
                         "against an OpenAI-compatible --url; TTFT, TPOT, ITL, goodput, spikes, phases")
     common(p)
-    p.add_argument("--url", default=None, help="an OpenAI-compatible server (kvbound's, vLLM's, llama.cpp's), e.g. "
+    p.add_argument("--url", type=http_url, default=None, help="an OpenAI-compatible server (kvbound's, vLLM's, llama.cpp's), e.g. "
                    "http://127.0.0.1:8000; without it the engine runs in this process")
     p.add_argument("--api-key", default=None, help="with --url: sent as Authorization: Bearer KEY")
     p.add_argument("--served-model", default=None, help="with --url: the model name to ask for (default: the "

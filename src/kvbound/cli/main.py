@@ -12,7 +12,7 @@ from .bench_cmds import add_bench_parser
 from .eval_cmds import add_eval_parser
 from .serve_cmd import add_serve_parser
 from .options import (add_cache_args, add_model_args, engine_kv_bits, kv_dtype, load_model, make_policy,
-                      positive_float, positive_int, token_bytes)
+                      positive_gib, positive_int, token_bytes)
 
 
 def engine_tokens(engine, ids, params, report):
@@ -220,7 +220,7 @@ def build_parser():
     i = sub.add_parser("info", help="architecture, parameters and KV bytes per token")
     add_model_args(i)
     add_cache_args(i)
-    i.add_argument("--kv-cache-memory", type=positive_float, default=None, metavar="GiB",
+    i.add_argument("--kv-cache-memory", type=positive_gib, default=None, metavar="GiB",
                    help="also: how many tokens an engine pool of this many GiB holds, at bf16 and at the chosen width")
     i.set_defaults(func=cmd_info)
 

@@ -42,6 +42,26 @@ def finite_float(strict: bool):
 
 positive_float, nonneg_float = finite_float(True), finite_float(False)
 
+UNITS = {"": 1.0, "g": 1.0, "gib": 1.0, "gb": 1e9 / 2 ** 30, "m": 2 ** -10, "mib": 2 ** -10, "mb": 1e6 / 2 ** 30,
+         "t": 2.0 ** 10, "tib": 2.0 ** 10, "tb": 1e12 / 2 ** 30}  # a size's unit, in GiB
+
+
+def memory_size(strict: bool):
+    """An argparse type: a memory size in GiB, as a number (GiB) or with a unit (512MiB, 4GiB, 4G, 8GB)."""
+    number = finite_float(strict)
+
+    def parse(s):
+        text = s.strip()
+        digits = text.rstrip("BbIiGgMmTt")
+        unit = UNITS.get(text[len(digits):].lower())
+        if unit is None or not digits:
+            raise argparse.ArgumentTypeError(f"expected a size such as 4, 4GiB or 512MiB, got {s!r}")
+        return number(digits) * unit
+    return parse
+
+
+positive_gib, nonneg_gib = memory_size(True), memory_size(False)
+
 
 def int_list(s):
     try:
@@ -308,15 +328,16 @@ def add_engine_args(p):
     g.add_argument("--num-blocks", type=positive_int, default=None, help="KV pool blocks (default: "
                    "--kv-cache-tokens / --block-size)")
     g.add_argument("--kv-cache-tokens", type=positive_int, default=16384)
-    g.add_argument("--kv-cache-memory", type=positive_float, default=None, metavar="GiB",
-                   help="size the KV pool by memory instead: GiB of K/V (sets the number of blocks)")
+    g.add_argument("--kv-cache-memory", type=positive_gib, default=None, metavar="GiB",
+                   help="size the KV pool by memory instead: GiB of K/V, or a size such as 512MiB (sets the number "
+                   "of blocks)")
     g.add_argument("--kv-storage", choices=("paged", "virtual"), default="paged",
                    help="virtual: reserve the pool and commit GPU pages only under the blocks in use, giving them "
                    "back when idle (CUDA driver virtual memory; dense with the same accounting elsewhere)")
-    g.add_argument("--swap-space", type=nonneg_float, default=4.0, metavar="GiB",
+    g.add_argument("--swap-space", type=nonneg_gib, default=4.0, metavar="GiB",
                    help="host memory for preempted sequences' KV blocks, restored on resume instead of "
                    "recomputed (0: recompute)")
-    g.add_argument("--kv-offloading-size", type=nonneg_float, default=0.0, metavar="GiB",
+    g.add_argument("--kv-offloading-size", type=nonneg_gib, default=0.0, metavar="GiB",
                    help="host memory for prefix-cache blocks evicted from the pool, copied back when a request "
                    "shares their prefix instead of recomputed (0: off)")
     g.add_argument("--gpu-memory-utilization", type=positive_float, default=None, metavar="F",
