@@ -82,8 +82,6 @@ NAMED_BAD_INPUT = [
     (["generate", "hi", "--quantized-kv-start", "-5"], "must be >= 0, got -5"),
     (["generate", "hi", "--quantized-kv-start", "5"], "has no effect without --kv-bits"),
     (["eval", "needle", "--pin-prefix", "4"], "--pin-prefix has no effect"),
-    (["generate", "hi", "--policy", "observed-merge", "--budget", "64", "--kv-bits", "heavy=4,recent=8"],
-     "merge=rank: mixed widths (--kv-bits heavy=4,recent=8) does not merge"),
     (["eval", "ruler", "--budget-frac", "0"], "--budget-frac must be in (0, 1], got 0"),
     (["eval", "ruler", "--budget-frac", "0.25,1.5"], "--budget-frac must be in (0, 1], got 1.5"),
     (["eval", "needle", "--budget-frac", "-0.5"], "--budget-frac must be in (0, 1], got -0.5"),

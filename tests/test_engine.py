@@ -139,8 +139,6 @@ def test_request_that_can_never_fit_is_refused(model):
         engine.add_request([VOCAB + 3], SamplingParams())
     with pytest.raises(KvboundError, match="max_num_batched_tokens"):
         LLMEngine(model, max_num_batched_tokens=64, prefill_chunk=128)
-    with pytest.raises(KvboundError, match=r"merge=count: mixed widths \(--kv-bits heavy=4,recent=8\) does not merge"):
-        LLMEngine(model, policy=parse_policy("h2o:merge=count", 16), kv_bits={"heavy": 4, "recent": 8})
 
 
 def test_decodes_run_every_step_while_a_long_prompt_is_chunked(model):
@@ -926,20 +924,24 @@ def alone_quantized(model, ids, policy, params, chunk, bits):
     return list(generate_ids(model, ids, params, cache, (), chunk))
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, "mixed"])
 def test_merging_over_packed_blocks_gives_the_single_sequence_quantized_outputs(model32, bits):
     """Merging over packed blocks: a merged key is a new value, packed once where it is written (the merge step of a
     decode, the kept candidates of a piece past the budget), the others keep their bytes; the engine's batched groups
-    give each sequence's own packed cache's tokens."""
+    give each sequence's own packed cache's tokens. Mixed widths (heavy=4,recent=8) read the window's keys with their
+    residuals, and a target in the window gets its new value's residual (`RecentResiduals.rewrite`)."""
     specs = ["h2o:sink=2,heavy=10,recent=12,score=observed,merge=rank", "knorm:sink=2,heavy=12,recent=10,merge=count",
              "h2o:sink=2,heavy=10,recent=12,merge=count,evict_every=3"]
+    if bits == "mixed":  # h2o policies alone keep a window at 8 bits
+        bits, specs[1] = {"heavy": 4, "recent": 8}, "h2o:sink=2,heavy=12,recent=10,score=ema,merge=count"
     reqs = [(prompt(80 + i, 20 + 11 * i), specs[i % 3]) for i in range(6)]
     got, _ = run_engine(model32, reqs, shared_policies=True, num_blocks=256, kv_bits=bits, kv_group_size=32)
     for (ids, spec), out in zip(reqs, got):
         assert out == alone_quantized(model32, ids, parse_policy(spec), GREEDY, 16, bits), spec
-    mixed = LLMEngine(model32, num_blocks=64, block_size=8, kv_bits={"heavy": 4, "recent": 8}, kv_group_size=32)
-    with pytest.raises(KvboundError, match="merge=rank: mixed widths"):
-        mixed.add_request(prompt(0, 10), SamplingParams(max_tokens=1), parse_policy("observed-merge", 16))
+    if isinstance(bits, dict):  # merging changed what mixed widths keep
+        unmerged = [parse_policy(spec.replace(",merge=count", "").replace(",merge=rank", "")) for _, spec in reqs]
+        plain = [alone_quantized(model32, ids, pol, GREEDY, 16, bits) for (ids, _), pol in zip(reqs, unmerged)]
+        assert plain != got
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -1213,13 +1215,20 @@ def test_mixed_widths_stacked_rows_grow_with_their_residuals(model32, device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="mixed widths' evict steps in CUDA graphs")
-def test_mixed_widths_on_cuda_in_graphs_equal_alone(model32):
+@pytest.mark.parametrize("merging", [False, True])
+def test_mixed_widths_on_cuda_in_graphs_equal_alone(model32, merging):
     """heavy=4,recent=8 on CUDA: the batched evict steps (the fused kernels, reading the residuals in the stacked
     rows; the evict_every=3 cache fills its room through the compaction kernel) replay in CUDA graphs; greedy tokens
-    equal eager steps' and each sequence's own mixed cache's."""
+    equal eager steps' and each sequence's own mixed cache's. Merging policies take the PyTorch steps, which rewrite
+    merged window keys' residuals (`RecentResiduals.rewrite`), in the graphs too."""
     gpu, mixed = model32.cuda(), {"heavy": 4, "recent": 8}
     try:
         reqs = mixed_width_requests()
+        if merging:
+            specs = ["h2o:sink=2,heavy=10,recent=12,score=observed,merge=rank",
+                     "h2o:sink=2,heavy=12,recent=10,score=ema,merge=count",
+                     "h2o:sink=2,heavy=10,recent=12,merge=count,evict_every=3"]
+            reqs = [(ids, specs[i % 3]) for i, (ids, _) in enumerate(reqs)]
         got, engine = run_engine(gpu, reqs, num_blocks=256, max_num_batched_tokens=48, kv_bits=mixed,
                                  kv_group_size=32, shared_policies=True)
         assert any(key.kind == "evict" for key, _, _ in engine.graphs.parts()), "no evict graph ran"

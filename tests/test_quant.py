@@ -44,6 +44,38 @@ def test_mixed_residual_reads_back_at_about_8_bit_precision():
     assert err < 1.5 * err8 and err < err4 / 8
 
 
+def test_merged_keys_in_the_window_get_their_new_values_residuals():
+    """`RecentResiduals.rewrite` after a merge: a target the ring holds after the step (the window from newest -
+    recent, no sinks) reads back its new value at mixed precision from its new 4-bit codes; every other entry of
+    every row and layer, and targets the ring no longer holds, keep what they held."""
+    from kvbound.cache.quant import RecentResiduals
+    from kvbound.kernels.reference import ring_entry
+    gen = torch.Generator().manual_seed(3)
+    ring = RecentResiduals(2, 2, 2, D, sink=2, recent=4, group_size=32, device="cpu")
+    positions = torch.arange(12)[None].expand(2, -1)
+    for layer in range(2):
+        ring.write(layer, torch.tensor([0, 1]), positions, torch.randn(2, 12, 2, D, generator=gen),
+                   torch.randn(2, 12, 2, D, generator=gen))
+    before = [t.clone() for t in ring.tensors()]
+    pos = torch.tensor([[0, 3, 6, 7, 8, 9, 10, 11]] * 2)[..., None].expand(-1, -1, 2).contiguous()  # [B, M, H]
+    which = torch.rand(2, 8, 2, generator=gen) < 0.6
+    which[:, [0, 1, 4]] = True  # a sink, a position past the window, one inside it
+    k, v = torch.randn(2, 8, 2, D, generator=gen), torch.randn(2, 8, 2, D, generator=gen)
+    rows, newest = torch.tensor([1, 0]), torch.tensor([11, 11])
+    ring.rewrite(1, rows, pos, k, v, which, newest)
+    main = lambda x: dequantize(*quantize(x, 4, 32), 4, 32)  # noqa: E731  the target's new 4-bit codes, read back
+    held = which & (pos >= 2) & (pos >= 7)
+    read = ring.add(1, rows, main(k), main(v), pos, newest)  # the window as the step ending at 11 read it
+    for x, got in zip((k, v), read):
+        assert torch.allclose(got[held], ring.roundtrip(1, x)[held], atol=1e-6)
+    changed = torch.zeros(2, 2 * ring.size, 2, dtype=torch.bool)
+    b, m, h = held.nonzero(as_tuple=True)
+    changed[rows[b], ring.size + ring_entry(pos[b, m, h], 2, 4), h] = True
+    for old, new in zip(before, ring.tensors()):
+        assert torch.equal(old[~changed], new[~changed])
+        assert not torch.equal(old[changed], new[changed])
+
+
 def test_attention_over_quantized_matches_dequantize_then_attend():
     c = KVCache(cfg(), None, kv_bits=8, kv_group_size=32)
     q, k, v = torch.randn(9, 4, D), torch.randn(9, 2, D), torch.randn(9, 2, D)

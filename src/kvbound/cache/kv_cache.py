@@ -74,9 +74,8 @@ class KVCache:
         self.policy = policy or FullPolicy()
         self.bounded = self.policy.bounded
         self.budget = self.policy.budget
-        if self.policy.merge and (isinstance(kv_bits, dict) or rotate_keys is not None):
-            raise KvboundError(f"merge={self.policy.merge}: merging needs one K/V width (not --kv-bits "
-                               "heavy=4,recent=8) and stream positions (no re-indexed positions)")
+        if self.policy.merge and rotate_keys is not None:
+            raise KvboundError(f"merge={self.policy.merge}: merging needs stream positions (no re-indexed positions)")
         layers, h = config.num_layers, config.num_kv_heads
         cap = self.policy.capacity if self.bounded else initial_slots
         self.ring = None  # mixed widths' residuals: a one-row view (row 0 is this cache, as for pos and score)
@@ -325,12 +324,13 @@ class KVCache:
                 ring.write(layer, self.one_row, positions[None], k[None], v[None])
             self.n[layer] = n + t
             if self.bounded and n + t >= self.policy.capacity:  # over budget + evict_every - 1 tokens
+                held = None if ring is None else WindowRead(ring, self.one_row, positions[-1:], self.pos[layer][None])
                 if n + t == self.budget + 1:
                     evict_merged(storage, layer, self.store.slot_table(self.capacity)[None], self.one_row, *meta,
-                                 self._count(layer), self.policy)
+                                 self._count(layer), self.policy, ring=held)
                     self.has_spare[layer], self.n[layer] = True, self.budget
                 else:
-                    self._compact(layer)
+                    self._compact(layer, held)
                     if self.has_spare[layer]:  # evicting every e steps, the spare is the next free slot
                         self.spare[layer].fill_(self.budget)
         else:  # a prefill chunk longer than the room left
@@ -339,12 +339,14 @@ class KVCache:
             out, *cand = chunk_attend(q, k, v, storage, layer, table, n, self.one_row, positions, pos, score,
                                       self.policy, ring=ring, count=self._count(layer))
             if storage.exact:
-                keep_and_rewrite(storage, layer, table, n, self.one_row, pos, score, self.policy, *cand,
-                                 count=self._count(layer))
+                merged = keep_and_rewrite(storage, layer, table, n, self.one_row, pos, score, self.policy, *cand,
+                                          count=self._count(layer))
             else:
-                self._evict_and_write(layer, k, v, *(None if c is None else c[0] for c in cand))
+                merged = self._evict_and_write(layer, k, v, *(None if c is None else c[0] for c in cand))
             if ring is not None:
                 ring.write(layer, self.one_row, positions[None], k[None], v[None])
+                if merged is not None:  # kept keys that took evicted ones, the new tokens' among them
+                    ring.rewrite(layer, self.one_row, cand[2], *merged, positions[-1:])
             self.n[layer] = self.budget
         self.store.after_insert(layer, self._slots_used(layer), self.pos[layer], int(positions[-1]))
         if self.rotate_keys is not None:
@@ -426,18 +428,21 @@ class KVCache:
         self._move(layer, heads[keep], last[keep], spare[keep])
         self.pos[layer, b] = -1
 
-    def _compact(self, layer):
+    def _compact(self, layer, ring: WindowRead | None = None):
         """evict_every > 1: evict down to `budget` among slots [0, n), refilling holes from the tail; a merging
-        policy's evicted tokens first merge into the kept ones (`merge`), whose new K/V are written once."""
+        policy's evicted tokens first merge into the kept ones (`merge`), whose new K/V are written once (and, with
+        mixed widths read as the window `ring` holds them, their residuals)."""
         n, b = self.n[layer], self.budget
         keep = self.policy.keep_mask(self.pos[layer, :n], None if self.score is None else self.score[layer, :n])
         if self.count is not None:
-            k, v = read_kv(self.store.storage, layer, self.store.slot_table(self.capacity)[None, :n].long())
+            k, v = read_kv(self.store.storage, layer, self.store.slot_table(self.capacity)[None, :n].long(), ring)
             score = None if self.score is None else self.score[layer, :n][None]
             k, v, count, took = merge_dropped(self.policy, keep[None], k, v, self.pos[layer, :n][None], score,
                                               self.count[layer, :n][None])
             slot, head = took[0].nonzero().unbind(1)
             self.store.write(layer, slot[:, None], k[0, slot, head][:, None], v[0, slot, head][:, None], head[:, None])
+            if ring is not None:
+                ring.residuals.rewrite(layer, self.one_row, self.pos[layer, :n][None], k, v, took, ring.first)
             self.count[layer, :n] = count[0]
         for head in range(keep.shape[1]):
             movers = keep[b:, head].nonzero().flatten() + b
@@ -448,7 +453,8 @@ class KVCache:
     def _evict_and_write(self, layer, k, v, cand_k, cand_v, cand_pos, cand_score, cand_count):
         """`keep_and_rewrite` for packed stores, which must not requantize kept tokens: keep `budget` of the
         n cached + T new candidates, moving kept tokens into holes and quantizing only the new ones, and the kept
-        ones that took evicted tokens (a merging policy's: new values, quantized once)."""
+        ones that took evicted tokens (a merging policy's: new values, quantized once; returned as the candidates'
+        K, V and which took tokens, [1, M, ...], for mixed widths' residuals)."""
         n, h, b = self.n[layer], k.shape[1], self.budget
         new_pos = cand_pos[n:]
         new_score = None
@@ -487,6 +493,7 @@ class KVCache:
                     self.count[layer, dst_new, head] = cand_count[n + fresh, head]
         self.pos[layer, b:] = -1
         self.n[layer] = b
+        return None if self.count is None else (cand_k[None], cand_v[None], took[None])
 
     def _grow(self, need: int):
         if need > self.store.capacity:

@@ -17,12 +17,6 @@ from ..errors import KvboundError
 SIMILARITIES = 1 << 24  # (evicted, kept) similarities computed at once: a long piece's scratch stays at 64 MiB
 
 
-def refuse_merge(policy, where: str):
-    """Where merging does not run (mixed widths), a merging policy is refused, never run as plain eviction."""
-    if policy.merge:
-        raise KvboundError(f"merge={policy.merge}: {where} does not merge evicted tokens yet (drop merge=)")
-
-
 def attention_bias(count: torch.Tensor | None) -> torch.Tensor | None:
     """The logit each held token gets from the tokens it stands for: log(count) (None without merging)."""
     return None if count is None else count.log()

@@ -380,6 +380,23 @@ class RecentResiduals:
             for dst, src in zip(side.tensors(), self._split(x)[1]):
                 dst[r, at] = src
 
+    def rewrite(self, layer, rows, pos, k, v, which, newest):
+        """Merged keys' residuals: of candidates `which` [B, M, H] (positions pos [B, M, H], new values k, v
+        [B, M, H, D]), those the ring holds after a step whose last position is newest [B] get their new values'
+        residuals. Window positions are distinct modulo the ring, so each entry takes at most one candidate: a
+        scatter of candidate indices, then one write of the layer's entries, with no host sync (graphs)."""
+        held = which & (pos >= self.sink) & (pos >= newest.reshape(-1, 1, 1) - self.recent)
+        b, m, h = pos.shape
+        entry = torch.where(held, ring_entry(pos.clamp(min=0), self.sink, self.recent), self.size).long()
+        src = torch.full((b, self.size + 1, h), -1, dtype=torch.long, device=pos.device)
+        src.scatter_(1, entry, torch.arange(m, device=pos.device)[None, :, None].expand(b, m, h))
+        src = src[:, :self.size]  # the last column took the candidates the ring does not hold
+        at = slice(layer * self.size, (layer + 1) * self.size)
+        for side, x in ((self.k, k), (self.v, v)):
+            picked = x.gather(1, src.clamp(min=0)[..., None].expand(-1, -1, -1, x.shape[-1]))
+            for t, new in zip(side.tensors(), self._split(picked)[1]):
+                t[rows, at] = torch.where((src >= 0)[..., None], new, t[rows, at])
+
     def add(self, layer, rows, k, v, pos, first):
         """K, V [B, M, H, D] read from the store at local slots [0, M) of rows `rows` [B], whose positions are
         pos[rows] ([R, cap, H]): the places that hold residuals in a step from `first` get them added."""

@@ -145,11 +145,13 @@ def evict_one(pos, spare, score, rows, policy, lens=None, victim=None, keep_pos=
     spare[rows] = victim
 
 
-def evict_merged(storage, layer, table, rows, pos, spare, score, count, policy, lens=None):
+def evict_merged(storage, layer, table, rows, pos, spare, score, count, policy, lens=None,
+                 ring: WindowRead | None = None):
     """`evict_one`, each head's victim first merged into its most similar kept key (`merge`) when `count` [R, cap, H]
     (the tokens each slot stands for) is given: the target's K/V are rewritten and its count grows. A row below its
     budget (lens[b] < table.shape[1]) merges nothing. On CUDA, with a protection the kernels know, the merge is one
-    kernel (`kernels.triton_merge`), over any pool format."""
+    kernel (`kernels.triton_merge`), over any pool format. ring: mixed widths' residuals, read from the decode's
+    position (`read_kv`); a target in the window gets its new value's residual."""
     if count is None:
         return evict_one(pos, spare, score, rows, policy, lens)
     m = table.shape[1]
@@ -157,7 +159,7 @@ def evict_merged(storage, layer, table, rows, pos, spare, score, count, policy, 
     sc = None if score is None else score[rows, :m]
     victim = policy.victim(held, sc)
     fused = policy.fused_protection()
-    args = storage.kernel_args(layer) if table.is_cuda and fused is not None else None
+    args = storage.kernel_args(layer) if table.is_cuda and fused is not None and ring is None else None
     d = None if args is None else head_dim(args[0], args[2])
     if d is not None and d & (d - 1) == 0:  # the kernel's tiles: a power of two
         from ..kernels.triton_merge import merge_victims
@@ -165,7 +167,8 @@ def evict_merged(storage, layer, table, rows, pos, spare, score, count, policy, 
         merge_victims(args[0], args[1], table, rows, pos, score, count, victim, full, fused[0], merge_mode(policy),
                       quant=args[2])
         return evict_one(pos, spare, score, rows, policy, lens, victim)
-    k, v = storage.gather(layer, table.long())
+    raw = storage.gather(layer, table.long())
+    k, v = raw if ring is None else ring.residuals.add(layer, ring.rows, *raw, ring.pos, ring.first)
     ok = policy.mergeable(held).scatter(1, victim[:, None], False)
     k, v, cnt, target, merged, _ = merge_into_kept(k, v, cnt, merge_weight(policy, held, sc, cnt), victim[:, None],
                                                    ok)
@@ -174,7 +177,12 @@ def evict_merged(storage, layer, table, rows, pos, spare, score, count, policy, 
         merged, cnt = merged & full[:, None], torch.where(full[:, :, None], cnt, count[rows, :m])
     target = torch.where(merged, target, victim[:, None])[:, 0]  # [B, H]; no merge: the victim's own, as it is
     at = target[:, None, :, None].expand(-1, -1, -1, k.shape[-1])
-    storage.write(layer, table.gather(1, target).long(), k.gather(1, at)[:, 0], v.gather(1, at)[:, 0], EACH_HEAD)
+    k_t, v_t = (torch.where(merged[..., None], x.gather(1, at), r.gather(1, at))[:, 0]  # as stored where unmerged
+                for x, r in zip((k, v), raw))
+    storage.write(layer, table.gather(1, target).long(), k_t, v_t, EACH_HEAD)
+    if ring is not None:
+        ring.residuals.rewrite(layer, rows, held.gather(1, target[:, None]), k_t[:, None], v_t[:, None], merged,
+                               ring.first)
     count[rows, :m] = cnt
     evict_one(pos, spare, score, rows, policy, lens, victim)
 
@@ -228,18 +236,18 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
     if count is not None and not merge:
         evict_one(pos, spare, score, rows, policy, lens, keep_pos=True)
     else:
-        evict_merged(storage, layer, table, rows, pos, spare, score, count, policy, lens)
+        evict_merged(storage, layer, table, rows, pos, spare, score, count, policy, lens, read)
     return out
 
 
 def bulk_decode_ok(policy, storage, ring) -> bool:
     """Whether the decode that fills the room of caches evicting every e steps can run `bulk_evict_decode`: on CUDA,
-    with a protection the kernels know (with mixed widths' residuals, a rank that is not read from keys, as
-    `evict_decode` fuses); a merging policy's heads a power of two in size (the merge's tiles)."""
+    with a protection the kernels know (with mixed widths' residuals, a rank that is not read from keys and no
+    merging, as `evict_decode` fuses); a merging policy's heads a power of two in size (the merge's tiles)."""
     d = storage.head_dim
     keys_read = policy.rank_source.startswith("key")
     return (storage.device.type == "cuda" and policy.evict_every > 1 and policy.fused_protection() is not None
-            and not (ring is not None and keys_read) and (not policy.merge or d & (d - 1) == 0))
+            and not (ring is not None and (keys_read or policy.merge)) and (not policy.merge or d & (d - 1) == 0))
 
 
 def bulk_evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spare, score, policy, count=None,
@@ -518,7 +526,8 @@ def keep_and_rewrite(storage, layer, table, n, rows, pos, score, policy, cand_k,
     A storage that does not read back exactly what was written (a packed pool) moves its stored form instead:
     the cached tokens' packed bytes and the new tokens `new` = (k, v) [B, t, H, D] packed once, so no kept
     token is ever quantized twice. count [R, cap, H] (a merging policy's, with `cand_count`): each head's evicted
-    candidates are first merged into kept ones (`merge`), which an exact storage then writes."""
+    candidates are first merged into kept ones (`merge`), which an exact storage then writes; returns the merged
+    candidates' K, V and which took tokens [B, M, H] (mixed widths rewrite their residuals), else None."""
     b = policy.budget
     keep = policy.keep_mask(cand_pos, cand_score)
     took = None
@@ -544,3 +553,4 @@ def keep_and_rewrite(storage, layer, table, n, rows, pos, score, policy, cand_k,
         score[rows, :b] = cand_score.gather(1, order)
     if count is not None:
         count[rows, :b] = cand_count.gather(1, order)
+    return None if took is None else (cand_k, cand_v, took)

@@ -163,7 +163,8 @@ def add_bench_parser(sub):
     p = bsub.add_parser("serve", help="open loop: Poisson arrivals (or a fixed concurrency), in process or "
                         "against an OpenAI-compatible --url; TTFT, TPOT, ITL, goodput, spikes, phases")
     common(p)
-    p.add_argument("--url", type=http_url, default=None, help="an OpenAI-compatible server (kvbound's, vLLM's, llama.cpp's), e.g. "
+    p.add_argument("--url", type=http_url, default=None, help="an OpenAI-compatible server (kvbound's, vLLM's, "
+                   "llama.cpp's), e.g. "
                    "http://127.0.0.1:8000; without it the engine runs in this process")
     p.add_argument("--api-key", default=None, help="with --url: sent as Authorization: Bearer KEY")
     p.add_argument("--served-model", default=None, help="with --url: the model name to ask for (default: the "

@@ -16,7 +16,6 @@ import torch
 
 from ..cache import BlockPool, FullPolicy, KVCache, parse_policy, sequence_cache
 from ..cache.kv_cache import recent_residuals
-from ..cache.merge import refuse_merge
 from ..cache.quant import MIXED, Fp8KV, check_mixed_policy
 from ..cache.stacked import StackedMeta, stackable
 from ..cache.store import PagedStore
@@ -163,9 +162,10 @@ class LLMEngine:
         --kv-offloading-size): a later request with that prefix copies them in instead of computing them. 0: off.
         async_scheduling (default: on CUDA): a step's tokens are read while the GPU runs the next step, so the
         host's work between steps overlaps the GPU's (see `step`)."""
-        for name, value in (("block_size", block_size), ("num_blocks", num_blocks), ("kv_cache_tokens", kv_cache_tokens),
-                            ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs),
-                            ("prefill_chunk", prefill_chunk), ("graph_max_len", graph_max_len)):
+        sizes = {"block_size": block_size, "num_blocks": num_blocks, "kv_cache_tokens": kv_cache_tokens,
+                 "max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
+                 "prefill_chunk": prefill_chunk, "graph_max_len": graph_max_len}
+        for name, value in sizes.items():
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise KvboundError(f"{name} must be a positive integer, got {value!r}")
         for name, gib in (("swap_space", swap_space), ("kv_offloading_size", kv_offloading_size)):
@@ -176,8 +176,6 @@ class LLMEngine:
         self.device = next(model.parameters()).device
         self.kv_dtype = kv_dtype or next(model.parameters()).dtype
         self.default_policy = policy or FullPolicy()
-        if isinstance(kv_bits, dict):
-            refuse_merge(self.default_policy, "mixed widths (--kv-bits heavy=4,recent=8)")
         num_blocks = num_blocks or max(1, kv_cache_tokens // block_size)
         mixed = kv_bits if isinstance(kv_bits, dict) else None
         if mixed is not None:
@@ -271,7 +269,6 @@ class LLMEngine:
             raise KvboundError("stop strings need a tokenizer")
         if self.mixed is not None:
             check_mixed_policy(policy or self.default_policy)
-            refuse_merge(policy or self.default_policy, "mixed widths (--kv-bits heavy=4,recent=8)")
         check_question_start(question_start, len(prompt))
         seq = Sequence(request_id, 0, prompt, params, policy or self.default_policy, arrival=time.perf_counter(),
                        seed=self._seed(params, 0), question_start=question_start)

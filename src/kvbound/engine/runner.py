@@ -261,11 +261,15 @@ class ChunkGroup:
         out, *cand = chunk_attend(q, k, v, self.pool, layer, self.table, n, self.rows, positions, pos, score, m.policy,
                                   ring=m.ring, count=count)
         new = (k.unflatten(0, (self.rows.shape[0], -1)), v.unflatten(0, (self.rows.shape[0], -1)))
-        keep_and_rewrite(self.pool, layer, self.table, n, self.rows, pos, score, m.policy, *cand, new=new, count=count)
+        merged = keep_and_rewrite(self.pool, layer, self.table, n, self.rows, pos, score, m.policy, *cand, new=new,
+                                  count=count)
         # the slot after the budget is a decode's spare that follows (a cache evicting every e steps keeps it)
         m.spare[self.rows, layer] = m.spare.new_full((), m.policy.budget)  # a device scalar: graphs copy no host data
         if m.ring is not None:
-            m.ring.write(layer, self.rows, positions.view(self.rows.shape[0], -1), *new)
+            piece = positions.view(self.rows.shape[0], -1)
+            m.ring.write(layer, self.rows, piece, *new)
+            if merged is not None:  # kept keys that took evicted ones, the new tokens' among them
+                m.ring.rewrite(layer, self.rows, cand[2], *merged, piece[:, -1])
         return out
 
 

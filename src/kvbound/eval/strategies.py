@@ -63,7 +63,7 @@ def parse_strategies(names: list[str], budget: int, options: CacheOptions, pinne
 
 
 def check_mixed_strategy(name: str, policy, from_flag: bool):
-    """Mixed widths serve h2o policies that do not merge; refused before any model loads. With --kv-bits as every
+    """Mixed widths serve h2o policies; others are refused before any model loads. With --kv-bits as every
     strategy's width (the baseline's too), the way out is a +kvmixed suffix on the h2o strategies alone."""
     try:
         check_mixed_policy(policy)
@@ -71,8 +71,6 @@ def check_mixed_strategy(name: str, policy, from_flag: bool):
         hint = ("; --kv-bits sets every strategy's width: give +kvmixed to the h2o strategies instead" if from_flag
                 else "")
         raise KvboundError(f"strategy {name!r}: {e}{hint}") from None
-    if policy.merge:
-        raise KvboundError(f"strategy {name!r}: merging needs one K/V width (not heavy=4,recent=8)")
 
 
 def make_cache(model, policy, bits, options: CacheOptions, device, dtype):
