@@ -1183,6 +1183,65 @@ def test_merge_kernel_matches_the_pytorch_merge(weight, width, block, monkeypatc
     assert (want != count).any() and torch.equal(want[0], count[0])  # merged; the row below its budget was not
 
 
+@pytest.mark.parametrize("weight", ["count", "age"])
+def test_merge_kernel_over_mixed_widths_reads_and_writes_the_windows_residuals(weight):
+    """`merge_victims(resid=)` against `steps.evict_merged`'s PyTorch route with mixed widths (a 4-bit pool, random
+    residuals of the sinks and the window): keys and values read with their residuals where the decode at `newest`
+    reads them, the merged target's codes written packed and, when the ring holds it after the step, its residuals;
+    every slot reads back the same K/V (to the averages' rounding), and the counts are equal. The window's newest 9
+    positions are held, so targets fall inside it and outside."""
+    import copy
+    from kvbound.cache.block_pool import BlockPool
+    from kvbound.cache.policies import H2OPolicy
+    from kvbound.cache.quant import RecentResiduals
+    from kvbound.cache.steps import WindowRead, evict_merged, read_kv
+    from kvbound.kernels.triton_merge import merge_victims
+    gen = torch.Generator().manual_seed(len(weight))
+    bsz, heads, d, width, rows_total, recent = 3, 2, 32, 21, 5, 8
+    policy = H2OPolicy(sink=2, heavy=width - 3 - recent, recent=recent,
+                       score="observed" if weight == "age" else "cumulative", merge="count" if weight == "count" else
+                       "rank")
+    pool = BlockPool(1, heads, d, bsz * width + 4, 1, kv_bits=4, group_size=32)
+    pool.write(0, torch.arange(bsz * width + 4), torch.randn(bsz * width + 4, heads, d, generator=gen),
+               torch.randn(bsz * width + 4, heads, d, generator=gen))
+    ring = RecentResiduals(rows_total, 1, heads, d, 2, recent, 32, "cpu")
+    for t in ring.tensors():  # residuals large enough that the search over keys read without them would differ
+        t.copy_(torch.randint(0, 256, t.shape, generator=gen) if t.dtype == torch.uint8
+                else torch.rand(t.shape, generator=gen) * 0.2 - 0.1)
+    table = torch.randperm(bsz * width + 4, generator=gen)[:bsz * width].view(bsz, width).to(torch.int32)
+    rows, newest = torch.tensor([3, 0, 2]), torch.tensor([60, 75, 90])
+    pos = torch.full((rows_total, width, heads), -1, dtype=torch.int32)
+    for b, r in enumerate(rows.tolist()):
+        for h in range(heads):
+            window = torch.arange(newest[b] - recent, newest[b] + 1)
+            older = torch.randperm(int(newest[b]) - recent - 2, generator=gen)[:width - 2 - len(window)] + 2
+            pos[r, :, h] = torch.cat([torch.arange(2), torch.cat([window, older])[torch.randperm(width - 2,
+                                                                                               generator=gen)]])
+    score = torch.rand(rows_total, width, heads, generator=gen)
+    count = torch.randint(1, 5, (rows_total, width, heads), generator=gen).float()
+    lens = torch.tensor([width, width - 3, width], dtype=torch.int32)
+    ref_pool, ref_ring, want = copy.deepcopy(pool), copy.deepcopy(ring), count.clone()
+    evict_merged(ref_pool, 0, table, rows, pos.clone(), torch.zeros(rows_total, heads, dtype=torch.long), score, want,
+                 policy, lens, ring=WindowRead(ref_ring, rows, newest, pos))
+    dev = lambda t: t.to(DEV)  # noqa: E731
+    pool.packed, ring = pool.packed.mapped(dev), ring.mapped(dev)
+    got = dev(count.clone())
+    victim = policy.victim(pos[rows], score[rows])
+    merge_victims(*pool.kernel_args(0)[:2], dev(table), dev(rows), dev(pos), dev(score), got, dev(victim), dev(lens),
+                  2, weight, newest=dev(newest), quant=pool.kernel_args(0)[2],
+                  resid=WindowRead(ring, dev(rows), dev(newest), dev(pos)).kernel_args(0))
+    torch.testing.assert_close(got.cpu(), want)
+    # every slot as a step from `newest` reads it (the targets' new residuals included, and what the ring held)
+    got_kv = read_kv(pool, 0, dev(table).long(), WindowRead(ring, dev(rows), dev(newest), dev(pos)))
+    want_kv = read_kv(ref_pool, 0, table.long(), WindowRead(ref_ring, rows, newest, pos))
+    for x, y in zip(got_kv, want_kv):
+        torch.testing.assert_close(x.cpu(), y, atol=2e-3, rtol=0)
+    assert torch.equal(want[0], count[0])  # the row below its budget merged nothing
+    took = (want != count)[rows]  # the targets, whose counts grew
+    in_window = pos[rows] >= (newest - recent)[:, None, None]
+    assert (took & in_window).any() and (took & ~in_window).any()
+
+
 def _room_filling_state(policy, seed, bits=None, rows=4, batch=(2, 0, 3), layers=2, heads=2, d=32):
     """Stacked rows of caches evicting every e steps, each holding budget + e - 1 tokens in slots [0, cap - 1) (the
     sinks first, as a cache holds them, and the newest among the rest), its last slot free: the state a decode that

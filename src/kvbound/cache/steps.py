@@ -159,13 +159,14 @@ def evict_merged(storage, layer, table, rows, pos, spare, score, count, policy, 
     sc = None if score is None else score[rows, :m]
     victim = policy.victim(held, sc)
     fused = policy.fused_protection()
-    args = storage.kernel_args(layer) if table.is_cuda and fused is not None and ring is None else None
+    args = storage.kernel_args(layer) if table.is_cuda and fused is not None else None
     d = None if args is None else head_dim(args[0], args[2])
     if d is not None and d & (d - 1) == 0:  # the kernel's tiles: a power of two
         from ..kernels.triton_merge import merge_victims
         full = torch.full((table.shape[0],), m, dtype=torch.int32, device=table.device) if lens is None else lens
         merge_victims(args[0], args[1], table, rows, pos, score, count, victim, full, fused[0], merge_mode(policy),
-                      quant=args[2])
+                      newest=None if ring is None else ring.first, quant=args[2],
+                      resid=None if ring is None else ring.kernel_args(layer))
         return evict_one(pos, spare, score, rows, policy, lens, victim)
     raw = storage.gather(layer, table.long())
     k, v = raw if ring is None else ring.residuals.add(layer, ring.rows, *raw, ring.pos, ring.first)
@@ -204,8 +205,7 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
     args = kernel_reads(storage, layer, q, policy)
     read = None if ring is None else WindowRead(ring, rows, positions, pos)
     keys_read = policy.rank_source.startswith("key")  # the kernels read keys without the window's residuals
-    if (q.is_cuda and fused is not None and args is not None and not (keys_read and ring is not None)
-            and (count is None or ring is None)):
+    if q.is_cuda and fused is not None and args is not None and not (keys_read and ring is not None):
         from ..kernels.triton_decode import evict_decode as fused_step  # the store writes the residuals too
         out = fused_step(q, k, v, args[0], args[1], table, lens, rows, positions, pos, spare, score, policy.fold,
                          policy.fold_decay, *fused, quant=args[2],
@@ -214,7 +214,8 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
         if count is not None and merge:  # each victim, still at its position, merges, then leaves
             from ..kernels.triton_merge import merge_victims
             merge_victims(args[0], args[1], table, rows, pos, score, count, spare, lens, fused[0], merge_mode(policy),
-                          newest=positions, free=True, quant=args[2])
+                          newest=positions, free=True, quant=args[2],
+                          resid=None if read is None else read.kernel_args(layer))
         return out
     if ring is not None:
         ring.write(layer, rows, positions[:, None], k[:, None], v[:, None])

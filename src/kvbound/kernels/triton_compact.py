@@ -45,7 +45,7 @@ def _merge_evicted(K, V, KS, KB, VS, VB, Table, Pos, Count, b, row, h, offs, pos
         k_v = _row(K, KS, KB, slot_v, h, stride_ks, stride_kh, stride_qs, stride_qh, D, BITS, GS, FP8)
         best_j, _ = _most_similar(K, KS, KB, Table, Pos, b, row, h, k_v, vic, E, CAP, prefix, stride_tb, stride_pr,
                                   stride_pj, stride_ks, stride_kh, stride_qs, stride_qh, BLOCK, D, BITS, GS, FP8,
-                                  STAGES)
+                                  STAGES, K, KS, KB, row, 0, 0, 0, 0, 0, 0, False, 0, 0)  # no residuals
         tgt = tl.where(lane == i, best_j, tgt)
     for i in range(E):  # each target once, with all its evicted tokens
         t = tl.sum(tl.where(lane == i, tgt, 0), 0)

@@ -1075,8 +1075,8 @@ def evict_decode(q, k, v, k_pool, v_pool, table, lens, rows, positions, pos, spa
     ranks read no residuals). count [R, cap, H] (laid out as pos), a merging policy's: the new token counts 1,
     attention adds each key's log count, and each victim keeps its position for the merge that follows
     (`triton_merge.merge_victims(..., free=True)`, which then frees it)."""
-    if count is not None and (count.stride() != pos.stride() or resid is not None):
-        raise ValueError("merging: count laid out as pos, and one K/V width (no residuals)")
+    if count is not None and count.stride() != pos.stride():
+        raise ValueError("merging: count laid out as pos")
     if rank.startswith("key") and resid is not None:
         raise ValueError(f"rank {rank!r} reads the keys without the window's residuals")
     bsz, hkv, d = k.shape

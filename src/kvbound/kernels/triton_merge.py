@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .packing import head_dim
-from .triton_decode import _dequant, _over_age, _put, _quant_args
+from .triton_decode import _dequant, _over_age, _put, _put_residual, _quant_args, _resid_args, _ring_entry
 
 WEIGHTS = {"count": 0, "attention": 1, "age": 2}  # what a token weighs in the average: its count, or its rank
 
@@ -42,6 +42,32 @@ def _row(P, S, B, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D: tl.con
 
 
 @triton.jit
+def _held(p, first, SINK: tl.constexpr, RECENT: tl.constexpr):
+    """Mixed widths: which positions p hold a residual in a step from `first` (`reference.ring_held`)."""
+    return (p >= 0) & ((p < SINK) | (p >= first - RECENT))
+
+
+@triton.jit
+def _resid_rows(x, R, RS, RB, ring_row, entries, p, ok, h, stride_rs, stride_rh, stride_qs, stride_qh,
+                D: tl.constexpr, GS: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr):
+    """Rows x [N, D] of positions p [N] with the residuals of those `ok` says the ring holds added (the ring's
+    4-bit codes at row `ring_row`, `entries` a row), as attention reads them (`RecentResiduals.add`)."""
+    rslot = ring_row * entries + tl.where(ok, _ring_entry(p, SINK, RECENT), 0)
+    return x + _dequant(R, RS, RB, rslot, h, ok, stride_rs, stride_rh, stride_qs, stride_qh, D, 4, GS, True,
+                        False).to(tl.float32)
+
+
+@triton.jit
+def _resid_row(x, R, RS, RB, ring_row, entries, p, ok, h, stride_rs, stride_rh, stride_qs, stride_qh,
+               D: tl.constexpr, GS: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr):
+    """`_resid_rows` of one row x [D] at position p: a block of 16 copies, the first read, summed."""
+    lane = tl.arange(0, 16)
+    add = _resid_rows(tl.zeros([16, D], tl.float32), R, RS, RB, ring_row, entries, tl.full([16], 0, tl.int64) + p,
+                      lane < tl.where(ok, 1, 0), h, stride_rs, stride_rh, stride_qs, stride_qh, D, GS, SINK, RECENT)
+    return x + tl.sum(add, 0)
+
+
+@triton.jit
 def _write_row(x, P, S, B, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D: tl.constexpr, BITS: tl.constexpr,
                GS: tl.constexpr, FP8: tl.constexpr):
     if BITS == 16 and not FP8:
@@ -66,11 +92,14 @@ def _merge_weight(score, cnt, pos, newest, WEIGHT: tl.constexpr):
 @triton.jit
 def _most_similar(K, KS, KB, Table, Pos, b, row, h, k_v, out, n_out, n, prefix, stride_tb, stride_pr, stride_pj,
                   stride_ks, stride_kh, stride_ss, stride_sh, BLOCK: tl.constexpr, D: tl.constexpr,
-                  BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr):
+                  BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
+                  RK, RKS, RKB, ring_row, entries, first, stride_rs, stride_rh, stride_qs, stride_qh,
+                  RESID: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr):
     """Among local slots [0, n) of row `row` held past `prefix` (sinks and pins) and not among out[:n_out] (the
     evicted): the one whose key has the highest cosine similarity to key k_v [D] (the first among ties), -1 for none,
     and its pool slot. A block's slots load beside its positions, not after them, so each block waits on two
-    loads in turn, not three."""
+    loads in turn, not three. RESID: keys read with mixed widths' residuals from ring RK.. (`_resid_rows`) in a step
+    from `first`."""
     unit_v = k_v / tl.maximum(tl.sqrt(tl.sum(k_v * k_v, 0)), 1e-12)
     lane = tl.arange(0, out.shape[0])
     best = float("-inf")
@@ -84,6 +113,9 @@ def _most_similar(K, KS, KB, Table, Pos, b, row, h, k_v, out, n_out, n, prefix, 
         evicted = tl.sum(((offs[:, None] == out[None, :]) & (lane < n_out)[None, :]).to(tl.int32), 1) > 0
         ok = valid & (p >= prefix) & ~evicted
         k = _rows(K, KS, KB, slot, h, ok, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
+        if RESID:
+            k = _resid_rows(k, RK, RKS, RKB, ring_row, entries, p.to(tl.int64), ok & _held(p, first, SINK, RECENT), h,
+                            stride_rs, stride_rh, stride_qs, stride_qh, D, GS, SINK, RECENT)
         cos = tl.where(ok, tl.sum(k * unit_v[None, :], 1) / tl.maximum(tl.sqrt(tl.sum(k * k, 1)), 1e-12),
                        float("-inf"))
         top = tl.max(cos, 0)
@@ -98,8 +130,13 @@ def _most_similar(K, KS, KB, Table, Pos, b, row, h, k_v, out, n_out, n, prefix, 
 @triton.jit
 def _merge_victim_kernel(K, V, KS, KB, VS, VB, Table, Rows, Pos, Score, Count, Victim, Lens, Newest,
                          stride_ks, stride_kh, stride_ss, stride_sh, stride_tb, stride_pr, stride_pj, stride_vb, width,
-                         prefix, D: tl.constexpr, BLOCK: tl.constexpr, WEIGHT: tl.constexpr, FREE: tl.constexpr,
-                         BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr):
+                         prefix, RK, RKS, RKB, RV, RVS, RVB, stride_rs, stride_rh, stride_qs, stride_qh, entries,
+                         D: tl.constexpr, BLOCK: tl.constexpr, WEIGHT: tl.constexpr, FREE: tl.constexpr,
+                         BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
+                         RESID: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr):
+    """RESID (mixed widths, a 4-bit pool): keys and values read with their residuals in the ring (RK.., at the
+    caches' rows, entries a row) as the decode at Newest read them, and a target the ring holds gets its merged
+    key's and value's residuals (`RecentResiduals.rewrite`)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.load(Lens + b)
@@ -113,22 +150,42 @@ def _merge_victim_kernel(K, V, KS, KB, VS, VB, Table, Rows, Pos, Score, Count, V
         k_v = _row(K, KS, KB, slot_v, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
         v_v = _row(V, VS, VB, slot_v, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
         c_v = tl.load(Count + at_v)
-        w_v = _merge_weight(tl.load(Score + at_v), c_v, tl.load(Pos + at_v), newest, WEIGHT)
+        p_v = tl.load(Pos + at_v)
+        w_v = _merge_weight(tl.load(Score + at_v), c_v, p_v, newest, WEIGHT)
+        if RESID:
+            ok_v = _held(p_v, newest, SINK, RECENT)
+            k_v = _resid_row(k_v, RK, RKS, RKB, row, entries, p_v.to(tl.int64), ok_v, h, stride_rs, stride_rh,
+                             stride_qs, stride_qh, D, GS, SINK, RECENT)
+            v_v = _resid_row(v_v, RV, RVS, RVB, row, entries, p_v.to(tl.int64), ok_v, h, stride_rs, stride_rh,
+                             stride_qs, stride_qh, D, GS, SINK, RECENT)
         best_j, slot_t = _most_similar(K, KS, KB, Table, Pos, b, row, h, k_v, tl.zeros([2], tl.int32) + jv, 1, n,
                                        prefix, stride_tb, stride_pr, stride_pj, stride_ks, stride_kh, stride_ss,
-                                       stride_sh, BLOCK, D, BITS, GS, FP8, STAGES)
+                                       stride_sh, BLOCK, D, BITS, GS, FP8, STAGES, RK, RKS, RKB, row, entries, newest,
+                                       stride_rs, stride_rh, stride_qs, stride_qh, RESID, SINK, RECENT)
         if best_j >= 0:
             at_t = row * stride_pr + best_j * stride_pj + h
             c_t = tl.load(Count + at_t)
-            w_t = _merge_weight(tl.load(Score + at_t), c_t, tl.load(Pos + at_t), newest, WEIGHT)
+            p_t = tl.load(Pos + at_t)
+            w_t = _merge_weight(tl.load(Score + at_t), c_t, p_t, newest, WEIGHT)
             den = w_t + w_v
             k_t = _row(K, KS, KB, slot_t, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
             v_t = _row(V, VS, VB, slot_t, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
-            _write_row((w_t * k_t + w_v * k_v) / den, K, KS, KB, slot_t, h, stride_ks, stride_kh, stride_ss,
-                       stride_sh, D, BITS, GS, FP8)
-            _write_row((w_t * v_t + w_v * v_v) / den, V, VS, VB, slot_t, h, stride_ks, stride_kh, stride_ss,
-                       stride_sh, D, BITS, GS, FP8)
+            if RESID:
+                ok_t = _held(p_t, newest, SINK, RECENT)
+                k_t = _resid_row(k_t, RK, RKS, RKB, row, entries, p_t.to(tl.int64), ok_t, h, stride_rs, stride_rh,
+                                 stride_qs, stride_qh, D, GS, SINK, RECENT)
+                v_t = _resid_row(v_t, RV, RVS, RVB, row, entries, p_t.to(tl.int64), ok_t, h, stride_rs, stride_rh,
+                                 stride_qs, stride_qh, D, GS, SINK, RECENT)
+            k_m = (w_t * k_t + w_v * k_v) / den
+            v_m = (w_t * v_t + w_v * v_v) / den
+            _write_row(k_m, K, KS, KB, slot_t, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
+            _write_row(v_m, V, VS, VB, slot_t, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
             tl.store(Count + at_t, c_t + c_v)
+            if RESID:
+                if (p_t >= SINK) & (p_t >= newest - RECENT):  # the ring holds it after the step
+                    rslot = row * entries + _ring_entry(p_t, SINK, RECENT)
+                    _put_residual(k_m, RK, RKS, RKB, rslot, h, stride_rs, stride_rh, stride_qs, stride_qh, D, GS)
+                    _put_residual(v_m, RV, RVS, RVB, rslot, h, stride_rs, stride_rh, stride_qs, stride_qh, D, GS)
         if FREE:
             tl.store(Pos + at_v, -1)
 
@@ -142,13 +199,14 @@ def search_tile(width: int, d: int, bits: int, fp8: bool) -> dict:
 
 
 def merge_victims(k_pool, v_pool, table, rows, pos, score, count, victim, lens, prefix: int, weight: str, newest=None,
-                  free: bool = False, quant=None):
+                  free: bool = False, quant=None, resid=None):
     """Each head's victim (local slot victim[b, h]) of rows whose lens[b] fill the table's width, merged into the held
     key past `prefix` (sinks and pins) of highest cosine similarity: K/V written in place in the pools [slots, H, ...]
     (table [B, W] their slots; `quant` as for `triton_decode.decode_attention`, the merged key and value then packed),
     count [R, W, H] updated at rows `rows`. weight: `WEIGHTS`' key. newest [B]: each row's newest position (default:
     the largest held). free: the victims are the rows' spare slots, victim [R, H] read at rows[b], whose positions the
-    merge then frees (`triton_decode.evict_decode`)."""
+    merge then frees (`triton_decode.evict_decode`). resid: mixed widths' residuals over a 4-bit pool
+    (`RecentResiduals.kernel_args`, rows `rows`, read in a step from `newest`)."""
     bsz, width = table.shape
     heads, d = k_pool.shape[1], head_dim(k_pool, quant)
     bits, gs, fp8, scales = _quant_args(quant, k_pool, d)
@@ -160,8 +218,12 @@ def merge_victims(k_pool, v_pool, table, rows, pos, score, count, victim, lens, 
     if not (pos.stride(2) == count.stride(2) == sc.stride(2) == 1 and pos.stride()[:2] == count.stride()[:2]
             == sc.stride()[:2]):
         raise ValueError("merge_victims: pos, score and count must share one layout, heads contiguous")
+    if resid is not None and bits != 4:
+        raise ValueError(f"merge_victims: residuals add to a 4-bit pool, got {bits} bits")
+    rt = _resid_args(resid, pos)
     _merge_victim_kernel[(bsz, heads)](
         k_pool, v_pool, *scales, table, rows, pos, sc, count, victim, lens, newest, k_pool.stride(0),
         k_pool.stride(1), scales[0].stride(0) if quant else 0, scales[0].stride(1) if quant else 0, table.stride(0),
-        pos.stride(0), pos.stride(1), victim.stride(0), width, prefix, D=d, WEIGHT=WEIGHTS[weight], FREE=free,
-        BITS=bits, GS=gs, FP8=fp8, **search_tile(width, d, bits, fp8))
+        pos.stride(0), pos.stride(1), victim.stride(0), width, prefix, *rt["ring"], D=d, WEIGHT=WEIGHTS[weight],
+        FREE=free, BITS=bits, GS=gs, FP8=fp8, RESID=resid is not None, SINK=rt["sink"], RECENT=rt["recent"],
+        **search_tile(width, d, bits, fp8))
