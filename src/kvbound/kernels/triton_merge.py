@@ -68,6 +68,24 @@ def _resid_row(x, R, RS, RB, ring_row, entries, p, ok, h, stride_rs, stride_rh, 
 
 
 @triton.jit
+def _token_kv(K, V, KS, KB, VS, VB, slot, p, h, stride_ks, stride_kh, stride_ss, stride_sh, RK, RKS, RKB, RV, RVS,
+              RVB, ring_row, entries, first, stride_rs, stride_rh, stride_qs, stride_qh, D: tl.constexpr,
+              BITS: tl.constexpr, GS: tl.constexpr, FP8: tl.constexpr, RESID: tl.constexpr, SINK: tl.constexpr,
+              RECENT: tl.constexpr):
+    """The K and V [D] of the token at pool `slot` and position p, as a step from `first` reads them (RESID: with
+    its residuals where the ring holds them)."""
+    k = _row(K, KS, KB, slot, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
+    v = _row(V, VS, VB, slot, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
+    if RESID:
+        ok = _held(p, first, SINK, RECENT)
+        k = _resid_row(k, RK, RKS, RKB, ring_row, entries, p.to(tl.int64), ok, h, stride_rs, stride_rh, stride_qs,
+                       stride_qh, D, GS, SINK, RECENT)
+        v = _resid_row(v, RV, RVS, RVB, ring_row, entries, p.to(tl.int64), ok, h, stride_rs, stride_rh, stride_qs,
+                       stride_qh, D, GS, SINK, RECENT)
+    return k, v
+
+
+@triton.jit
 def _write_row(x, P, S, B, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D: tl.constexpr, BITS: tl.constexpr,
                GS: tl.constexpr, FP8: tl.constexpr):
     if BITS == 16 and not FP8:
@@ -147,17 +165,12 @@ def _merge_victim_kernel(K, V, KS, KB, VS, VB, Table, Rows, Pos, Score, Count, V
         slot_v = tl.load(Table + b * stride_tb + jv).to(tl.int64)
         at_v = row * stride_pr + jv * stride_pj + h
         # everything of the victim's is read before the search, which then hides its wait
-        k_v = _row(K, KS, KB, slot_v, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
-        v_v = _row(V, VS, VB, slot_v, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
         c_v = tl.load(Count + at_v)
         p_v = tl.load(Pos + at_v)
+        k_v, v_v = _token_kv(K, V, KS, KB, VS, VB, slot_v, p_v, h, stride_ks, stride_kh, stride_ss, stride_sh, RK, RKS,
+                             RKB, RV, RVS, RVB, row, entries, newest, stride_rs, stride_rh, stride_qs, stride_qh, D,
+                             BITS, GS, FP8, RESID, SINK, RECENT)
         w_v = _merge_weight(tl.load(Score + at_v), c_v, p_v, newest, WEIGHT)
-        if RESID:
-            ok_v = _held(p_v, newest, SINK, RECENT)
-            k_v = _resid_row(k_v, RK, RKS, RKB, row, entries, p_v.to(tl.int64), ok_v, h, stride_rs, stride_rh,
-                             stride_qs, stride_qh, D, GS, SINK, RECENT)
-            v_v = _resid_row(v_v, RV, RVS, RVB, row, entries, p_v.to(tl.int64), ok_v, h, stride_rs, stride_rh,
-                             stride_qs, stride_qh, D, GS, SINK, RECENT)
         best_j, slot_t = _most_similar(K, KS, KB, Table, Pos, b, row, h, k_v, tl.zeros([2], tl.int32) + jv, 1, n,
                                        prefix, stride_tb, stride_pr, stride_pj, stride_ks, stride_kh, stride_ss,
                                        stride_sh, BLOCK, D, BITS, GS, FP8, STAGES, RK, RKS, RKB, row, entries, newest,
@@ -168,14 +181,9 @@ def _merge_victim_kernel(K, V, KS, KB, VS, VB, Table, Rows, Pos, Score, Count, V
             p_t = tl.load(Pos + at_t)
             w_t = _merge_weight(tl.load(Score + at_t), c_t, p_t, newest, WEIGHT)
             den = w_t + w_v
-            k_t = _row(K, KS, KB, slot_t, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
-            v_t = _row(V, VS, VB, slot_t, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
-            if RESID:
-                ok_t = _held(p_t, newest, SINK, RECENT)
-                k_t = _resid_row(k_t, RK, RKS, RKB, row, entries, p_t.to(tl.int64), ok_t, h, stride_rs, stride_rh,
-                                 stride_qs, stride_qh, D, GS, SINK, RECENT)
-                v_t = _resid_row(v_t, RV, RVS, RVB, row, entries, p_t.to(tl.int64), ok_t, h, stride_rs, stride_rh,
-                                 stride_qs, stride_qh, D, GS, SINK, RECENT)
+            k_t, v_t = _token_kv(K, V, KS, KB, VS, VB, slot_t, p_t, h, stride_ks, stride_kh, stride_ss, stride_sh, RK,
+                                 RKS, RKB, RV, RVS, RVB, row, entries, newest, stride_rs, stride_rh, stride_qs,
+                                 stride_qh, D, BITS, GS, FP8, RESID, SINK, RECENT)
             k_m = (w_t * k_t + w_v * k_v) / den
             v_m = (w_t * v_t + w_v * v_v) / den
             _write_row(k_m, K, KS, KB, slot_t, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
