@@ -33,7 +33,10 @@ class Needle:
             return cls()
         if not all(given):
             raise KvboundError("--needle, --question and --answer go together: give all three")
-        return cls(text, question, "", (answer,))
+        if not answer.strip() or answer.strip().lower() not in text.lower():
+            raise KvboundError(f"--answer {answer!r} must be a word of --needle {text!r}: a reply is found when it "
+                               "contains the answer")
+        return cls(text, question, "", (answer.strip(),))
 
 
 def needle_prompt(tok, context: int, depth: float, haystack=None, needle: Needle = Needle()) -> tuple[list[int], int]:
