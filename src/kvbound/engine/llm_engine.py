@@ -166,7 +166,8 @@ class LLMEngine:
                  "max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
                  "prefill_chunk": prefill_chunk, "graph_max_len": graph_max_len}
         for name, value in sizes.items():
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+            if value is not None and not (whole and value >= 1):
                 raise KvboundError(f"{name} must be a positive integer, got {value!r}")
         for name, gib in (("swap_space", swap_space), ("kv_offloading_size", kv_offloading_size)):
             if not gib >= 0:
