@@ -244,7 +244,7 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
                             G_PAD, BLOCK_N, D, BITS, GS, IEEE, PAIR_K, PERMUTE, EARLY)
         if RESID:
             p_key = tl.load(RPos + ring_row * stride_rpr + offs_n * stride_rpj + h, mask=valid, other=-1).to(tl.int64)
-            held = valid & (p_key >= 0) & ((p_key < SINK) | (p_key >= first - RECENT))
+            held = valid & _ring_held(p_key, first, SINK, RECENT)
             rslot = ring_row * ring_row_entries + tl.where(held, _ring_entry(p_key, SINK, RECENT), 0)
             qk += _packed_qk(Q, RK, RKS, RKB, rslot, h, held, q_row, stride_rks, stride_rkh, stride_rss, stride_rsh,
                              scale, G_PAD, BLOCK_N, D, 4, GS, IEEE, PAIR_K, PERMUTE, False)
@@ -320,6 +320,13 @@ def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, Part
 def _ring_entry(p, SINK: tl.constexpr, RECENT: tl.constexpr):
     """Mixed widths' ring entry of position p, as `reference.ring_entry`."""
     return tl.where(p < SINK, p, SINK + p % (RECENT + 1))
+
+
+@triton.jit
+def _ring_held(p, first, SINK: tl.constexpr, RECENT: tl.constexpr):
+    """Mixed widths: which positions p (-1: none) read their residual in a step from `first`, as
+    `reference.ring_held`: the sinks and the `recent` positions before it."""
+    return (p >= 0) & ((p < SINK) | (p >= first - RECENT))
 
 
 MERGE_CHUNK = 16  # splits `_merge_kernel` loads at once

@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 
 from .packing import head_dim
-from .triton_decode import _dequant, _over_age, _put, _put_residual, _quant_args, _resid_args, _ring_entry
+from .triton_decode import (_dequant, _over_age, _put, _put_residual, _quant_args, _resid_args, _ring_entry,
+                            _ring_held)
 
 WEIGHTS = {"count": 0, "attention": 1, "age": 2}  # what a token weighs in the average: its count, or its rank
 
@@ -39,12 +40,6 @@ def _row(P, S, B, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D: tl.con
     first = tl.arange(0, 16) == 0
     return tl.sum(_rows(P, S, B, tl.full([16], 0, tl.int64) + slot, h, first, stride_ps, stride_ph, stride_ss,
                         stride_sh, D, BITS, GS, FP8), 0)
-
-
-@triton.jit
-def _held(p, first, SINK: tl.constexpr, RECENT: tl.constexpr):
-    """Mixed widths: which positions p hold a residual in a step from `first` (`reference.ring_held`)."""
-    return (p >= 0) & ((p < SINK) | (p >= first - RECENT))
 
 
 @triton.jit
@@ -77,7 +72,7 @@ def _token_kv(K, V, KS, KB, VS, VB, slot, p, h, stride_ks, stride_kh, stride_ss,
     k = _row(K, KS, KB, slot, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
     v = _row(V, VS, VB, slot, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
     if RESID:
-        ok = _held(p, first, SINK, RECENT)
+        ok = _ring_held(p, first, SINK, RECENT)
         k = _resid_row(k, RK, RKS, RKB, ring_row, entries, p.to(tl.int64), ok, h, stride_rs, stride_rh, stride_qs,
                        stride_qh, D, GS, SINK, RECENT)
         v = _resid_row(v, RV, RVS, RVB, ring_row, entries, p.to(tl.int64), ok, h, stride_rs, stride_rh, stride_qs,
@@ -132,8 +127,9 @@ def _most_similar(K, KS, KB, Table, Pos, b, row, h, k_v, out, n_out, n, prefix, 
         ok = valid & (p >= prefix) & ~evicted
         k = _rows(K, KS, KB, slot, h, ok, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
         if RESID:
-            k = _resid_rows(k, RK, RKS, RKB, ring_row, entries, p.to(tl.int64), ok & _held(p, first, SINK, RECENT), h,
-                            stride_rs, stride_rh, stride_qs, stride_qh, D, GS, SINK, RECENT)
+            held = ok & _ring_held(p, first, SINK, RECENT)
+            k = _resid_rows(k, RK, RKS, RKB, ring_row, entries, p.to(tl.int64), held, h, stride_rs, stride_rh,
+                            stride_qs, stride_qh, D, GS, SINK, RECENT)
         cos = tl.where(ok, tl.sum(k * unit_v[None, :], 1) / tl.maximum(tl.sqrt(tl.sum(k * k, 1)), 1e-12),
                        float("-inf"))
         top = tl.max(cos, 0)
