@@ -1219,8 +1219,8 @@ def test_mixed_widths_stacked_rows_grow_with_their_residuals(model32, device):
 def test_mixed_widths_on_cuda_in_graphs_equal_alone(model32, merging):
     """heavy=4,recent=8 on CUDA: the batched evict steps (the fused kernels, reading the residuals in the stacked
     rows; the evict_every=3 cache fills its room through the compaction kernel) replay in CUDA graphs; greedy tokens
-    equal eager steps' and each sequence's own mixed cache's. Merging policies take the PyTorch steps, which rewrite
-    merged window keys' residuals (`RecentResiduals.rewrite`), in the graphs too."""
+    equal eager steps' and each sequence's own mixed cache's. Merging policies merge in the merge kernel, and the
+    evict_every=3 one in the compaction kernel, both rewriting merged window keys' residuals, in the graphs too."""
     gpu, mixed = model32.cuda(), {"heavy": 4, "recent": 8}
     try:
         reqs = mixed_width_requests()

@@ -1288,17 +1288,19 @@ def _room_filling_state(policy, seed, bits=None, rows=4, batch=(2, 0, 3), layers
     return meta, pool, table, torch.tensor(batch), step
 
 
-def _kept(pool, layer, table, pos, score, count, rows):
-    """Per batch row and head: each kept position's K and V as stored (raw bytes, and as read back), score and count,
-    by position (slots may differ)."""
+def _kept(pool, layer, table, pos, score, count, rows, read=None):
+    """Per batch row and head: each kept position's K and V as stored (raw bytes, and as read back: with mixed
+    widths' residuals given `read`, a `steps.WindowRead`), score and count, by position (slots may differ)."""
+    from kvbound.cache.steps import read_kv
     raw = [t[layer] for t in pool.raw]
+    dev = raw[0].device
+    values = torch.stack(read_kv(pool, layer, table.long().to(dev), read), 2).float().cpu()  # [B, M, 2, H, D]
     kept = []
     for b, r in enumerate(rows.tolist()):
         for h in range(pos.shape[2]):
             slots = (pos[r, :, h] >= 0).nonzero().flatten().tolist()
             kept.append({int(pos[r, j, h]): (
-                [x[int(table[b, j]), h].cpu() for x in raw],
-                torch.cat(pool.gather(layer, table[b, j:j + 1].long().to(raw[0].device))).float()[:, h].cpu(),
+                [x[int(table[b, j]), h].cpu() for x in raw], values[b, j, :, h],
                 *(None if m is None else float(m[r, j, h]) for m in (score, count))) for j in slots})
     return kept
 
@@ -1320,7 +1322,9 @@ def _kept(pool, layer, table, pos, score, count, rows):
                                        ("h2o:sink=2,heavy=5,recent=3,evict_every=4", "mixed"),
                                        ("h2o:sink=2,heavy=6,recent=4,score=observed,evict_every=3", "mixed"),
                                        ("h2o:sink=1,heavy=6,recent=3,score=ema,granularity=layer,evict_every=4",
-                                        "mixed")])
+                                        "mixed"),
+                                       ("h2o:sink=2,heavy=6,recent=4,score=observed,merge=rank,evict_every=3", "mixed"),
+                                       ("h2o:sink=2,heavy=5,recent=3,merge=count,evict_every=4", "mixed")])
 def test_bulk_evict_decode_keeps_what_the_chunk_step_keeps(spec, bits):
     """The decode that fills the room of caches evicting every e steps, as `steps.bulk_evict_decode` runs it (the
     evict step, then `triton_compact`'s e - 1 further victims and the moves into their slots) against the chunk
@@ -1329,10 +1333,11 @@ def test_bulk_evict_decode_keeps_what_the_chunk_step_keeps(spec, bits):
     slots [0, budget), and slot `budget` every head's spare. Ties in the scores decide by age on both routes. Merging
     policies merge the e evicted tokens at once: the same counts, and K/V up to the rounding of the averages (the
     150-token row searches two blocks for each one's most similar key). Mixed widths: the window's residuals, found by
-    position, stay where they are; the new token's joins them."""
+    position, stay where they are; the new token's joins them; a merge reads keys and values with them, and a target
+    in the window gets its new ones (compared as a step from the new token's position reads them)."""
     import copy
     from kvbound.cache.policies import parse_policy
-    from kvbound.cache.steps import bulk_evict_decode
+    from kvbound.cache.steps import WindowRead, bulk_evict_decode
     from kvbound.engine.runner import ChunkGroup
     pol = parse_policy(spec)
     meta, pool, table, rows, step = _room_filling_state(pol, len(spec) + len(str(bits)), bits)
@@ -1353,14 +1358,18 @@ def test_bulk_evict_decode_keeps_what_the_chunk_step_keeps(spec, bits):
     got = bulk_evict_decode(dev(step["q"]), dev(step["k"]), dev(step["v"]), pool, layer, dev(table), lens, dev(rows),
                             dev(step["positions"]), pos, spare, score, pol, count, ring)
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
-    if ring is not None:  # the new token's residuals, written by the store kernel there and PyTorch here
+    if ring is not None and not pol.merge:  # the new token's residuals, by the store kernel there and PyTorch here
         for mine, theirs in zip(ring.tensors(), ref_meta.ring.tensors()):
             assert torch.equal(mine.cpu(), theirs)
     assert (pos[rows.to(DEV), b:] == -1).all() and (pos[rows.to(DEV), :b] >= 0).all()
     assert (spare[rows.to(DEV)] == b).all()
     ref = [None if m is None else m[:, layer] for m in (ref_meta.score, ref_meta.count)]
-    wanted = _kept(ref_pool, layer, table, ref_meta.pos[:, layer], *ref, rows)
-    have = _kept(pool, layer, table, pos.cpu(), *(None if m is None else m.cpu() for m in (score, count)), rows)
+    reads = [None, None] if ring is None else [WindowRead(r, x(rows), x(step["positions"]), p) for r, x, p in
+                                               ((ref_meta.ring, lambda t: t, ref_meta.pos[:, layer]),
+                                                (ring, dev, pos))]
+    wanted = _kept(ref_pool, layer, table, ref_meta.pos[:, layer], *ref, rows, reads[0])
+    have = _kept(pool, layer, table, pos.cpu(), *(None if m is None else m.cpu() for m in (score, count)), rows,
+                 reads[1])
     held = [meta.count[r, layer, :cap - 1, h].sum() + 1 for r in rows.tolist() for h in range(pos.shape[2])] \
         if pol.merge else [None] * len(have)
     for mine, keep, tokens in zip(have, wanted, held):

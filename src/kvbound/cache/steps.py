@@ -243,12 +243,12 @@ def evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spa
 
 def bulk_decode_ok(policy, storage, ring) -> bool:
     """Whether the decode that fills the room of caches evicting every e steps can run `bulk_evict_decode`: on CUDA,
-    with a protection the kernels know (with mixed widths' residuals, a rank that is not read from keys and no
-    merging, as `evict_decode` fuses); a merging policy's heads a power of two in size (the merge's tiles)."""
+    with a protection the kernels know (with mixed widths' residuals, a rank that is not read from keys, as
+    `evict_decode` fuses); a merging policy's heads a power of two in size (the merge's tiles)."""
     d = storage.head_dim
     keys_read = policy.rank_source.startswith("key")
     return (storage.device.type == "cuda" and policy.evict_every > 1 and policy.fused_protection() is not None
-            and not (ring is not None and (keys_read or policy.merge)) and (not policy.merge or d & (d - 1) == 0))
+            and not (ring is not None and keys_read) and (not policy.merge or d & (d - 1) == 0))
 
 
 def bulk_evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spare, score, policy, count=None,
@@ -260,13 +260,14 @@ def bulk_evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos
     below it, stored bytes as they are (`kernels.triton_compact`). Slots [0, budget) then hold what `chunk_attend`
     and `keep_and_rewrite` keep, and slot `budget` is every head's spare. `bulk_decode_ok` says when it applies.
     ring: mixed widths' residuals (rows `rows`), which the new token's joins; they are found by position, so the
-    moves leave them where they are."""
+    moves leave them where they are, and a merge reads and rewrites them as `evict_merged` does."""
     from ..kernels.triton_compact import compact
     out = evict_decode(q, k, v, storage, layer, table, lens, rows, positions, pos, spare, score, policy, ring=ring,
                        count=count, merge=False)
+    resid = None if ring is None or count is None else WindowRead(ring, rows, positions, pos).kernel_args(layer)
     compact([t[layer] for t in storage.raw], table, pos, score, spare, rows, positions, policy.budget,
             *policy.fused_protection(), policy.rank_source == "age", count=count,
-            merge=None if count is None else (storage.kernel_args(layer), merge_mode(policy)))
+            merge=None if count is None else (storage.kernel_args(layer), merge_mode(policy)), resid=resid)
     return out
 
 
