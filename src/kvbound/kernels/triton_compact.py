@@ -3,7 +3,8 @@ fused evict step has evicted each head's lowest-ranked token, one program per (s
 next (the fused victim choice's rank and protection, so the e evicted are the ones `policies.select_keep` drops) and
 moves each kept token past the budget into an evicted slot below it: its stored bytes (codes and scales as they are),
 position, score and count. A merging policy's e evicted tokens first merge into the kept keys most like them, all at
-once as `merge.merge_into_kept` does (`triton_merge` merges one). One launch a layer, where the PyTorch chunk step
+once as `merge.merge_into_kept` does (`triton_merge` merges one), under mixed widths with the window's residuals
+read and rewritten as `triton_merge` does. One launch a layer, where the PyTorch chunk step
 took some sixty."""
 from __future__ import annotations
 
