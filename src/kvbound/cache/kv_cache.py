@@ -22,7 +22,7 @@ import torch
 
 from ..errors import KvboundError
 from .adaptive_cache import AdaptiveKVCache
-from .policies import FullPolicy
+from .policies import FullPolicy, refuse_prompt_scoring
 from .quant import QuantizedStore, RecentResiduals, check_mixed_policy
 from .stacked import StackedMeta, release
 from .merge import attention_bias
@@ -111,6 +111,7 @@ class KVCache:
         # per layer, once full: each head has a free slot, spare[layer, head] (the last victim's)
         self.has_spare = [False] * layers
         self.seen = 0  # tokens processed so far: the next token's position
+        self.prompt_scored = False  # a policy that scores its prompt at once (KVzip) has done so (`keep_scored`)
         self.device = device
         self.one_row = torch.zeros(1, dtype=torch.long, device=device)  # this cache as a batch of one
         self.rotate_keys = rotate_keys
@@ -296,6 +297,8 @@ class KVCache:
     # --- called by each attention layer -------------------------------------------------------
     def attend(self, layer: int, q, k, v, positions):
         """Attend the new tokens over the cache and themselves, then keep them (evicting if over budget)."""
+        if self.policy.reconstructs and not self.prompt_scored:
+            refuse_prompt_scoring(self.policy, "a model forward over the cache")
         t, n = k.shape[0], self.n[layer]
         if self.rotate_keys is not None:  # the model rotated by place in the cache; bookkeeping counts the stream
             positions = torch.arange(self.seen, self.seen + t, device=k.device)
@@ -352,6 +355,30 @@ class KVCache:
         if self.rotate_keys is not None:
             self._reindex(layer, before)
         return out
+
+    def keep_scored(self, held, score: torch.Tensor):
+        """A prompt scored at once (KVzip, `cache.reconstruct`): of the n tokens the unbounded cache `held` holds (n
+        past this cache's room), each layer's heads keep the policy's choice by `score` [layers, n, H], in slots
+        [0, budget) as a prefill piece past the room leaves them, quantized once on a packed store. The prompt then
+        counts as processed."""
+        n = held.n[0]
+        if self.seen or n < self.capacity:
+            raise KvboundError(f"keep_scored: needs an empty cache and more than {self.capacity - 1} tokens, got "
+                               f"{self.seen} held and {n}")
+        pos = torch.arange(n, dtype=self.pos.dtype, device=self.device)[:, None].expand(n, self.pos.shape[2])
+        table = self.store.slot_table(self.capacity)[None]
+        for layer in range(len(self.n)):
+            k, v = (x[0] for x in held.store.storage.gather(layer, held.store.slot_table(n)[None].long()))
+            if self.store.storage.exact:
+                p, _, sc = self._layer_meta(layer)
+                keep_and_rewrite(self.store.storage, layer, table, 0, self.one_row, p, sc, self.policy, k[None],
+                                 v[None], pos[None], score[layer][None])
+                self.n[layer] = self.budget
+            else:
+                self._evict_and_write(layer, k, v, k, v, pos, score[layer], None)
+            self.store.after_insert(layer, self._slots_used(layer), self.pos[layer], n - 1)
+        self.advance(n)
+        self.prompt_scored = True
 
     def _reindex(self, layer, before):
         """After a step of re-indexed positions: each kept key was rotated at its place among the step's

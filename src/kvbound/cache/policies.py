@@ -152,6 +152,7 @@ class Policy:
     pinned: tuple
     ema_decay: float  # the "ema" score's decay
     merge: str | None = None
+    reconstructs = False  # scores its prompt at once by reading it twice (KVzip, `cache.reconstruct`)
 
     @property
     def bounded(self) -> bool:
@@ -511,6 +512,27 @@ class SnapKVPolicy(H2OPolicy):
         return super().describe()[:-1] + f",window={self.window},kernel={self.kernel})"
 
 
+@dataclass(frozen=True)
+class KVzipPolicy(H2OPolicy):
+    """KVzip (Kim et al., 2025): the prompt's tokens are scored once, after it, by the most attention the model
+    gives each while it reads the prompt again right after itself (`cache.reconstruct`): what the model needs to
+    reproduce the context stays, whatever question follows. The pass holds the prompt in a full cache meanwhile
+    and reads it a second time (`engine.generate.prefill`, single-sequence caches); with a `question_start`, the
+    context before the question is scored and the question read after. Decoding then accumulates attention as
+    H2O."""
+    name: str = "kvzip"
+    score_choices = ("cumulative", "ema")
+    reconstructs = True
+
+
+def refuse_prompt_scoring(policy, where: str):
+    """One line for a policy that scores a whole prompt at once (KVzip) where tokens come a piece at a time."""
+    if policy is not None and policy.reconstructs:
+        raise KvboundError(f"{policy.name} scores a whole prompt at once, reading it twice on a single-sequence cache "
+                           f"(kvbound eval ruler / needle without --engine, or engine.generate.prefill); {where} "
+                           "does not run it")
+
+
 def pyramid(heavy: int, beta: float, layers: int) -> list[int]:
     """PyramidKV's schedule: heavy hitters per layer falling linearly from 2*heavy - heavy/beta in the first
     layer to heavy/beta in the last, rounded down, the remainder going to the largest fractions (still
@@ -540,9 +562,9 @@ class PyramidKVPolicy(SnapKVPolicy):
 
 
 NAMED = ("window", "h2o", "h2o-balanced", "h2o-heavy", "observed", "observed-merge", "tova", "snapkv", "knorm",
-         "keydiff", "adakv", "pyramidkv")  # "h2o" is h2o-heavy
+         "keydiff", "adakv", "pyramidkv", "kvzip")  # "h2o" is h2o-heavy
 SCORED = {"h2o": H2OPolicy, "tova": TOVAPolicy, "snapkv": SnapKVPolicy, "knorm": KeyNormPolicy,
-          "keydiff": KeyDiffPolicy, "adakv": AdaKVPolicy, "pyramidkv": PyramidKVPolicy}
+          "keydiff": KeyDiffPolicy, "adakv": AdaKVPolicy, "pyramidkv": PyramidKVPolicy, "kvzip": KVzipPolicy}
 _H2O_KEYS = ("budget", "sink", "heavy", "recent", "score", "ema_decay", "granularity", "evict_every", "alpha",
              "beta", "merge")
 SPEC_KEYS = {"full": (), "window": ("budget", "sink", "evict_every"), "h2o": _H2O_KEYS,
@@ -550,14 +572,15 @@ SPEC_KEYS = {"full": (), "window": ("budget", "sink", "evict_every"), "h2o": _H2
              "snapkv": _H2O_KEYS + ("window", "kernel"), "adakv": _H2O_KEYS + ("window", "kernel"),
              "pyramidkv": _H2O_KEYS + ("window", "kernel"),
              "knorm": ("budget", "sink", "heavy", "recent", "granularity", "evict_every", "alpha", "beta", "merge"),
-             "keydiff": ("budget", "sink", "heavy", "recent", "granularity", "evict_every", "alpha", "beta", "merge")}
+             "keydiff": ("budget", "sink", "heavy", "recent", "granularity", "evict_every", "alpha", "beta", "merge"),
+             "kvzip": ("budget", "sink", "heavy", "recent", "score", "ema_decay")}
 
 
 def named_policy(name: str, budget: int | None, pinned=()):
     """The evaluation's named strategies, scaled to `budget` (their shapes are given at budget 256): 4 sinks,
     then half the budget heavy and the rest recent (h2o-heavy, observed, observed-merge, knorm), a quarter heavy
     (h2o-balanced), no recent window (tova), or a recent window of SnapKV's observation window (snapkv, adakv,
-    pyramidkv, keydiff). observed-merge is observed whose evicted tokens are merged by rank (`cache.merge`)."""
+    pyramidkv, keydiff, kvzip). observed-merge is observed whose evicted tokens are merged by rank (`cache.merge`)."""
     if name in ("baseline", "full"):
         return FullPolicy()
     if name not in NAMED:
@@ -574,13 +597,13 @@ def named_policy(name: str, budget: int | None, pinned=()):
     pins = pinned_count(4, _check_spans(pinned))
     if name == "tova":
         return TOVAPolicy(sink=4, heavy=budget - 4, recent=0, pinned=pinned)
-    if name in ("snapkv", "adakv", "pyramidkv", "keydiff"):
+    if name in ("snapkv", "adakv", "pyramidkv", "keydiff", "kvzip"):
         # KeyDiff too: with half its budget in the window it kept 41% on Qwen RULER at 4k, keep 0.5, with
         # SnapKV's 32-token window 55% (results/ruler_qwen_4k_h100_05_onepiece.log)
         window = max(1, min(32, (budget - 4) // 4))
         recent = max(0, min(window, budget - pins))
-        if name == "keydiff":
-            return KeyDiffPolicy(sink=4, heavy=budget - 4 - recent, recent=recent, pinned=pinned)
+        if name in ("keydiff", "kvzip"):
+            return SCORED[name](sink=4, heavy=budget - 4 - recent, recent=recent, pinned=pinned)
         return SCORED[name](sink=4, heavy=budget - 4 - recent, recent=recent, window=window, pinned=pinned)
     heavy = min(budget - 4, round(budget * (64 if name == "h2o-balanced" else 128) / 256))
     # pinned tokens count against the budget: the recent window gives way to them, heavy hitters fill the rest
@@ -605,9 +628,9 @@ def parse_policy(spec: str, budget: int | None = None, pinned=(), exact: bool = 
 def _parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
     """'full' | 'window[:budget=..,sink=..]' | 'h2o:sink=..,heavy=..,recent=..[,score=..,granularity=..,
     ema_decay=..,evict_every=..,alpha=..,beta=..,merge=rank|count|none]' (and tova / knorm / keydiff /
-    snapkv[:..,window=..,kernel=..] / adakv / pyramidkv with the same shape options) | a named strategy ('baseline',
-    'window', 'h2o-balanced', 'h2o-heavy', 'observed', 'observed-merge', 'tova', 'snapkv', 'knorm', 'keydiff',
-    'adakv', 'pyramidkv')."""
+    snapkv[:..,window=..,kernel=..] / adakv / pyramidkv with the same shape options; kvzip with its shape, score and
+    ema_decay) | a named strategy ('baseline', 'window', 'h2o-balanced', 'h2o-heavy', 'observed', 'observed-merge',
+    'tova', 'snapkv', 'knorm', 'keydiff', 'adakv', 'pyramidkv', 'kvzip')."""
     spec = spec.strip()
     if ":" not in spec:
         pol = named_policy(spec, budget, pinned)

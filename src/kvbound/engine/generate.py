@@ -7,6 +7,7 @@ from typing import Iterator
 import torch
 
 from ..cache import KVCache
+from ..cache.reconstruct import ReconstructionPass
 from ..errors import KvboundError
 from .sampling import SamplingParams, sample_batch
 
@@ -33,11 +34,33 @@ def prefill(model, cache: KVCache, ids: list[int] | torch.Tensor, chunk: int = 5
     check_question_start(question_start, len(ids))
     ids = torch.as_tensor(ids, dtype=torch.long, device=cache.device)
     logits, start = None, 0
+    if cache.policy.reconstructs and not cache.prompt_scored:  # KVzip: the context is scored at once
+        start = question_start or len(ids)
+        logits = scored_prefill(model, cache, ids[:start], chunk)
     while start < len(ids):
         part = ids[start:piece_end(start, len(ids), chunk, question_start)]
         logits = model(part, cache.next_positions(len(part)), cache, logits_at=-1)[0]
         cache.advance(len(part))
         start += len(part)
+    return logits
+
+
+def scored_prefill(model, cache: KVCache, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    """KVzip's prefill (`policies.KVzipPolicy`): `ids` go into a full cache of their own, are read again after
+    themselves in pieces of `chunk` tokens, each attending over them and itself (`cache.reconstruct`), and `cache`
+    keeps each head's choice by the most attention each token drew. A prompt within the cache's room is written
+    as it is. Returns the last logits, the full cache's."""
+    if len(ids) < cache.capacity:
+        cache.prompt_scored = True
+        return prefill(model, cache, ids, chunk)
+    held = KVCache(model.config, None, device=cache.device, dtype=next(model.parameters()).dtype)
+    logits = prefill(model, held, ids, chunk)
+    reading = ReconstructionPass(held)
+    for start in range(0, len(ids), chunk):
+        part = ids[start:start + chunk]
+        model(part, torch.arange(len(ids), len(ids) + len(part), device=ids.device), reading, logits_at=-1)
+    cache.keep_scored(held, reading.best)
+    held.release()
     return logits
 
 

@@ -16,6 +16,7 @@ import torch
 
 from ..cache import BlockPool, FullPolicy, KVCache, parse_policy, sequence_cache
 from ..cache.kv_cache import recent_residuals
+from ..cache.policies import refuse_prompt_scoring
 from ..cache.quant import MIXED, Fp8KV, check_mixed_policy
 from ..cache.stacked import StackedMeta, stackable
 from ..cache.store import PagedStore
@@ -176,6 +177,7 @@ class LLMEngine:
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         self.kv_dtype = kv_dtype or next(model.parameters()).dtype
+        refuse_prompt_scoring(policy, "the engine")
         self.default_policy = policy or FullPolicy()
         num_blocks = num_blocks or max(1, kv_cache_tokens // block_size)
         mixed = kv_bits if isinstance(kv_bits, dict) else None
@@ -270,6 +272,7 @@ class LLMEngine:
             raise KvboundError("stop strings need a tokenizer")
         if self.mixed is not None:
             check_mixed_policy(policy or self.default_policy)
+        refuse_prompt_scoring(policy, "the engine")
         check_question_start(question_start, len(prompt))
         seq = Sequence(request_id, 0, prompt, params, policy or self.default_policy, arrival=time.perf_counter(),
                        seed=self._seed(params, 0), question_start=question_start)

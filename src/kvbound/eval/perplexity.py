@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from ..cache import MultiCache
+from ..cache.policies import refuse_prompt_scoring
 from ..errors import KvboundError
 from .strategies import CacheOptions, check_engine_strategies, engine_completions, kv_widths, make_cache
 
@@ -26,6 +27,8 @@ def perplexity(model, samples, strategies: dict, options: CacheOptions, prefill:
     count = 0
     mem = {s: [] for s in names}
     _check_samples(model, samples, prefill)
+    for pol, _ in strategies.values():
+        refuse_prompt_scoring(pol, "perplexity, which evicts as it reads,")
     steps = sum(len(x) - prefill for x in samples)
     bar = tqdm(total=steps, desc="ppl", disable=not progress, unit="tok")
     chunk = options.prefill_chunk

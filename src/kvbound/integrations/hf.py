@@ -21,7 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..cache.merge import attention_bias
-from ..cache.policies import H2OPolicy, Policy, parse_policy
+from ..cache.policies import H2OPolicy, Policy, parse_policy, refuse_prompt_scoring
 from ..cache.steps import fresh_scores, kept_order, merge_dropped, piece_fold, policy_fold, rescored
 from ..errors import KvboundError
 
@@ -370,6 +370,7 @@ def _policy(policy, budget, n_sink, n_recent, evict_every, granularity, score) -
         raise KvboundError(f"{chosen.name} gives heads and layers budgets of their own, which transformers' cache "
                            "(one length for all heads of a layer) does not hold; run it on kvbound's own cache "
                            "(kvbound generate, kvbound eval)")
+    refuse_prompt_scoring(chosen, "transformers' generate()")
     return chosen
 
 

@@ -1,0 +1,136 @@
+"""KVzip (`policies.KVzipPolicy`): the reconstruction pass's scores against transformers' own attention over the
+prompt read twice, the kept set against a brute-force choice by those scores, and the places that refuse it."""
+import pytest
+import torch
+
+from kvbound.cache import KVCache, parse_policy
+from kvbound.cache.reconstruct import ReconstructionPass
+from kvbound.engine.generate import generate_ids, prefill
+from kvbound.engine.sampling import SamplingParams
+from kvbound.errors import KvboundError
+
+transformers = pytest.importorskip("transformers")
+
+T = 70  # prompt tokens
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A random Llama in transformers (eager attention, fp32) and the same weights loaded by kvbound."""
+    from tokenizers import Tokenizer, models
+    from kvbound.models.loader import load
+    d = tmp_path_factory.mktemp("kvzip")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   attn_implementation="eager")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(d)
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0")).save(str(d / "tokenizer.json"))
+    return hf, load(d)[0]
+
+
+def ids_of(seed, n=T):
+    return torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_best(hf, ids, chunk):
+    """Each prompt token's highest attention from the prompt read again after itself in pieces of `chunk` (each
+    piece a sequence of its own after the prompt), over the query heads of its KV head: [layers, n, H], from
+    transformers' attention probabilities."""
+    n, heads = len(ids), hf.config.num_key_value_heads
+    best = torch.zeros(hf.config.num_hidden_layers, n, heads)
+    for start in range(0, n, chunk):
+        part = ids[start:start + chunk]
+        with torch.no_grad():
+            att = hf(torch.cat([ids, part])[None], output_attentions=True).attentions
+        for layer, a in enumerate(att):  # [1, Hq, n + t, n + t]
+            seen = a[0, :, n:, :n].amax(1)  # [Hq, n]
+            best[layer] = torch.maximum(best[layer], seen.view(heads, -1, n).amax(1).T)
+    return best
+
+
+@pytest.mark.parametrize("chunk", [T, 24])
+def test_reconstruction_scores_equal_transformers_attention_over_the_prompt_read_twice(pair, chunk):
+    """`ReconstructionPass` over kvbound's full cache gives, for every layer, token and KV head, the largest
+    probability transformers' eager attention gives that token from the second reading (whole, or in pieces)."""
+    hf, model = pair
+    ids = ids_of(1)
+    held = KVCache(model.config, None)
+    prefill(model, held, ids, 32)
+    reading = ReconstructionPass(held)
+    for start in range(0, T, chunk):
+        part = ids[start:start + chunk]
+        model(part, torch.arange(T, T + len(part)), reading)
+    torch.testing.assert_close(reading.best, hf_best(hf, ids, chunk), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_kvzip_keeps_each_heads_sinks_window_and_best_scored_tokens(pair, bits):
+    """After a kvzip prefill each layer's heads hold their sinks, the recent window and the heavy tokens of highest
+    reconstruction score (transformers' figures, brute force), with those scores; the logits are the full
+    cache's; a packed cache (8-bit) keeps the same tokens."""
+    hf, model = pair
+    ids = ids_of(2)
+    pol = parse_policy("kvzip:sink=2,heavy=14,recent=6")
+    cache = KVCache(model.config, pol, kv_bits=bits, kv_group_size=32)
+    logits = prefill(model, cache, ids, 32)
+    full = KVCache(model.config, None)
+    torch.testing.assert_close(logits, prefill(model, full, ids, 32))
+    best = hf_best(hf, ids, 32)
+    for layer in range(model.config.num_layers):
+        for h in range(model.config.num_kv_heads):
+            held = cache.pos[layer, :, h]
+            kept = sorted(held[held >= 0].tolist())
+            protected = [0, 1] + list(range(T - 6, T))
+            rest = [p for p in range(T) if p not in protected]
+            heavy = sorted(rest, key=lambda p: -float(best[layer, p, h]))[:14]
+            assert kept == sorted(protected + heavy), (layer, h)
+            at = {int(p): float(s) for p, s in zip(held, cache.score[layer, :, h]) if p >= 0}
+            assert all(abs(at[p] - float(best[layer, p, h])) < 1e-5 for p in heavy)
+    assert cache.seen == T and cache.n == [22, 22]
+
+
+def test_kvzip_reads_the_question_after_scoring_the_context(pair):
+    """With question_start the context alone is read twice and kept; the question then goes in as a piece of its
+    own, evicting by H2O's accumulated scores, and generation runs on."""
+    _, model = pair
+    ids = ids_of(3, T + 12)
+    pol = parse_policy("kvzip:sink=2,heavy=14,recent=16")
+    out = list(generate_ids(model, ids.tolist(), SamplingParams(max_tokens=6, ignore_eos=True),
+                            KVCache(model.config, pol), (), 32, question_start=T))
+    assert len(out) == 6
+    cache = KVCache(model.config, pol)
+    prefill(model, cache, ids, 32, question_start=T)
+    assert cache.seen == T + 12 and all((cache.pos[layer, :, 0] >= T).sum() == 12 for layer in range(2))
+
+
+def test_kvzip_short_prompt_and_named_shape(pair):
+    """A prompt within the cache's room is written whole (nothing to choose); the named policy scales to a budget
+    as keydiff's does (SnapKV's 32-token window as its recent tokens)."""
+    _, model = pair
+    pol = parse_policy("kvzip", budget=256)
+    assert (pol.sink, pol.heavy, pol.recent) == (4, 220, 32) and pol.reconstructs
+    cache = KVCache(model.config, parse_policy("kvzip:sink=2,heavy=40,recent=40"))
+    prefill(model, cache, ids_of(4, 30), 16)
+    assert cache.n == [30, 30] and cache.prompt_scored
+    with pytest.raises(KvboundError, match="unknown option 'evict_every'"):
+        parse_policy("kvzip:sink=2,heavy=4,recent=4,evict_every=4")
+
+
+def test_kvzip_is_refused_where_tokens_come_a_piece_at_a_time(pair):
+    """The engine, transformers' generate() and a model forward straight over the cache each refuse kvzip in one
+    line, instead of running it as H2O."""
+    from kvbound.engine import LLMEngine
+    from kvbound.integrations.hf import install_kv_eviction
+    hf, model = pair
+    pol = parse_policy("kvzip:sink=2,heavy=14,recent=6")
+    with pytest.raises(KvboundError, match="kvzip scores a whole prompt at once.*the engine does not run it"):
+        LLMEngine(model, num_blocks=16, policy=pol)
+    engine = LLMEngine(model, num_blocks=16)
+    with pytest.raises(KvboundError, match="the engine does not run it"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), "kvzip:sink=2,heavy=14,recent=6")
+    with pytest.raises(KvboundError, match="transformers' generate"):
+        install_kv_eviction(hf, "kvzip", budget=16)
+    with pytest.raises(KvboundError, match="a model forward over the cache does not run it"):
+        model(ids_of(5), torch.arange(T), KVCache(model.config, pol))
