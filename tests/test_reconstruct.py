@@ -1,5 +1,7 @@
 """KVzip (`policies.KVzipPolicy`): the reconstruction pass's scores against transformers' own attention over the
 prompt read twice, the kept set against a brute-force choice by those scores, and the places that refuse it."""
+import math
+
 import pytest
 import torch
 
@@ -134,3 +136,44 @@ def test_kvzip_is_refused_where_tokens_come_a_piece_at_a_time(pair):
         install_kv_eviction(hf, "kvzip", budget=16)
     with pytest.raises(KvboundError, match="a model forward over the cache does not run it"):
         model(ids_of(5), torch.arange(T), KVCache(model.config, pol))
+
+
+def ada_keep(best, sink, recent, sure, share):
+    """AdaKV's rule over a layer written out (`test_policies.Reference._share`): protected tokens first, each head's
+    best up to `sure`, then the best of all up to heads x share; ties to the newer token."""
+    n, heads = best.shape
+    prot = lambda j: j < sink or j > n - 1 - recent  # noqa: E731
+    order = sorted(((h, j) for h in range(heads) for j in range(n)), reverse=True,
+                   key=lambda e: (math.inf if prot(e[1]) else float(best[e[1], e[0]]), e[1]))
+    place, kept, rest = [0] * heads, [[] for _ in range(heads)], []
+    for h, j in order:
+        place[h] += 1
+        (kept[h].append(j) if place[h] <= sure else rest.append((h, j)))
+    for h, j in rest[:heads * share - sum(map(len, kept))]:
+        kept[h].append(j)
+    return [sorted(x) for x in kept]
+
+
+def test_kvzip_with_head_budgets_keeps_adakvs_choice_by_those_scores(pair):
+    """`kvzip:alpha=`: the layer's heads share its budget by the reconstruction scores (an `AdaptiveKVCache`): each
+    head's kept tokens equal AdaKV's rule written out over transformers' figures, and generation runs on."""
+    from kvbound.cache import sequence_cache
+    from kvbound.cache.adaptive_cache import AdaptiveKVCache
+    hf, model = pair
+    ids = ids_of(6)
+    pol = parse_policy("kvzip:sink=2,heavy=14,recent=6,alpha=0.2")
+    cache = sequence_cache(model.config, pol)
+    assert isinstance(cache, AdaptiveKVCache)
+    torch.testing.assert_close(prefill(model, cache, ids, 32), prefill(model, KVCache(model.config, None), ids, 32))
+    best = hf_best(hf, ids, 32)
+    sure, share = pol.head_budgets(0, 2)
+    uneven = False
+    for layer in range(model.config.num_layers):
+        want = ada_keep(best[layer], 2, 6, sure, share)
+        got = [cache.kept_positions(layer, h) for h in range(model.config.num_kv_heads)]
+        assert got == want, layer
+        uneven |= len(got[0]) != len(got[1])
+    assert uneven
+    out = list(generate_ids(model, ids_of(7, T + 9).tolist(), SamplingParams(max_tokens=5, ignore_eos=True),
+                            sequence_cache(model.config, pol), (), 32, question_start=T))
+    assert len(out) == 5

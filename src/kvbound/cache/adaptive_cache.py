@@ -20,9 +20,9 @@ from copy import copy
 import torch
 
 from ..errors import KvboundError
-from .policies import pinned_count
+from .policies import pinned_count, refuse_prompt_scoring
 from .stacked import layer_places, place_slots, release
-from .steps import shared_piece
+from .steps import keep_places, shared_piece
 from .store import DenseStore
 
 
@@ -71,6 +71,7 @@ class AdaptiveKVCache:
         self.held = [0] * layers  # entries each layer holds
         self.reach = 0  # the place rows this step's pieces reach in any layer: `used` after it
         self.seen = 0
+        self.prompt_scored = False  # as `KVCache.prompt_scored`
 
     @property
     def capacity(self) -> int:
@@ -197,6 +198,8 @@ class AdaptiveKVCache:
         """Attend the t new tokens over the layer's entries and themselves, fold this step's attention into the
         scores, keep the layer's budget if over it, and write the kept new tokens into free places: the batched step
         (`steps.shared_piece`) for this one cache."""
+        if self.policy.reconstructs and not self.prompt_scored:
+            refuse_prompt_scoring(self.policy, "a model forward over the cache")
         plan = self.piece_plan(layer, k.shape[0])  # (rows held, rows the piece may take: at least as many, evicts)
         storage, table = self.layer_table(layer, plan[1])
         rows = torch.zeros(1, dtype=torch.long, device=k.device)
@@ -207,6 +210,29 @@ class AdaptiveKVCache:
                            self.policy, sure, share, *plan, spare=self.spare[layer][None] if spares else None)
         self.after_piece(layer, k.shape[0], *plan)
         return out[0]
+
+    def keep_scored(self, held, score: torch.Tensor):
+        """`KVCache.keep_scored` with head budgets: each layer keeps its heads' shares of the n tokens the unbounded
+        cache `held` holds by `score` [layers, n, H], as a prefill piece of them would (`steps.keep_places`)."""
+        n, h = held.n[0], self.heads
+        if self.seen or n < self.capacity:
+            raise KvboundError(f"keep_scored: needs an empty cache and more than {self.capacity - 1} tokens, got "
+                               f"{self.seen} held and {n}")
+        rows = torch.zeros(1, dtype=torch.long, device=self.device)
+        own = torch.arange(h, dtype=self.owner.dtype, device=self.device).repeat(n)[None]
+        cand_pos = torch.arange(n, dtype=self.pos.dtype, device=self.device).repeat_interleave(h)[None]
+        for layer in range(len(self.rows)):
+            plan = self.piece_plan(layer, n)
+            storage, table = self.layer_table(layer, plan[1])
+            k, v = held.store.storage.gather(layer, held.store.slot_table(n)[None].long())
+            spares = plan[2] and self.policy.evict_every == 1
+            meta = (x[layer][None] for x in (self.owner, self.pos, self.score))
+            keep_places(storage, 0, table[None], rows, *meta, self.policy, k, v, own, cand_pos,
+                        score[layer].flatten()[None], 0, *self.budgets[layer], plan[1], plan[2],
+                        spare=self.spare[layer][None] if spares else None)
+            self.after_piece(layer, n, *plan)
+        self.advance(n)
+        self.prompt_scored = True
 
     def piece_plan(self, layer: int, t: int) -> tuple[int, int, bool]:
         """(place rows the layer's entries are in, place rows its new entries may take, whether it evicts) for a

@@ -519,7 +519,8 @@ class KVzipPolicy(H2OPolicy):
     reproduce the context stays, whatever question follows. The pass holds the prompt in a full cache meanwhile
     and reads it a second time (`engine.generate.prefill`, single-sequence caches); with a `question_start`, the
     context before the question is scored and the question read after. Decoding then accumulates attention as
-    H2O."""
+    H2O. With `alpha`, a layer's heads share its budget by these scores (AdaKV's rule; KVzip's own budgets are
+    uneven across heads too)."""
     name: str = "kvzip"
     score_choices = ("cumulative", "ema")
     reconstructs = True
@@ -573,7 +574,7 @@ SPEC_KEYS = {"full": (), "window": ("budget", "sink", "evict_every"), "h2o": _H2
              "pyramidkv": _H2O_KEYS + ("window", "kernel"),
              "knorm": ("budget", "sink", "heavy", "recent", "granularity", "evict_every", "alpha", "beta", "merge"),
              "keydiff": ("budget", "sink", "heavy", "recent", "granularity", "evict_every", "alpha", "beta", "merge"),
-             "kvzip": ("budget", "sink", "heavy", "recent", "score", "ema_decay")}
+             "kvzip": ("budget", "sink", "heavy", "recent", "score", "ema_decay", "alpha")}
 
 
 def named_policy(name: str, budget: int | None, pinned=()):

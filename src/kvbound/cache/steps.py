@@ -419,10 +419,24 @@ def shared_piece(q, k, v, storage, layer, table, rows, positions, owner, pos, sc
         out, step = owner_attention(q, ks, vs, mask, policy, first)
     cand_score = torch.cat([score_c, fresh_scores(policy, k, score).flatten(1)], 1)
     folded = piece_places(policy, step, own, cand_pos, ks, cand_score, t, h)
+    keep_places(storage, layer, table, rows, owner, pos, score, policy, k, v, own, cand_pos, folded, n, sure, share,
+                room, evict, spare)
+    return out
+
+
+def keep_places(storage, layer, table, rows, owner, pos, score, policy, k, v, own, cand_pos, folded, n: int, sure: int,
+                share: int, room: int, evict: bool, spare=None):
+    """`shared_piece`'s keep: of the n place rows' entries and the piece's t tokens k, v [B, t, H, D] (candidates
+    `own`, `cand_pos`, `folded` [B, n * H + t * H], the piece's token-major), the keep rule keeps heads x share if
+    `evict`, the dropped places are freed and the kept new tokens fill the lowest free places (`fill_places`);
+    spare [R, H]: then each cache's first free places."""
+    h = k.shape[2]
+    e = n * h
+    own_c, pos_c, score_c = (x[rows, :n].flatten(1) for x in (owner, pos, score))
     held = own >= 0
     keep = policy.keep_entries(cand_pos, folded, own, h, sure, h * share) if evict else held
     drop = held[:, :e] & ~keep[:, :e]
-    shape = (bsz, n, h)
+    shape = (k.shape[0], n, h)
     owner[rows, :n] = torch.where(drop, -1, own_c).view(shape).to(owner.dtype)
     pos[rows, :n] = torch.where(drop, -1, pos_c).view(shape)
     score[rows, :n] = torch.where(held[:, :e], folded[:, :e], score_c).view(shape)
@@ -431,7 +445,6 @@ def shared_piece(q, k, v, storage, layer, table, rows, positions, owner, pos, sc
     if spare is not None:
         free = owner[rows, :room].flatten(1) < 0
         spare[rows] = marked_first(free, 1)[:, :h]
-    return out
 
 
 def piece_places(policy, step, own, pos, ks, score, t: int, heads: int) -> torch.Tensor:
