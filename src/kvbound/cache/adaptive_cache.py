@@ -21,6 +21,7 @@ import torch
 
 from ..errors import KvboundError
 from .policies import pinned_count, refuse_prompt_scoring
+from .reconstruct import check_scorable
 from .stacked import layer_places, place_slots, release
 from .steps import keep_places, shared_piece
 from .store import DenseStore
@@ -214,10 +215,7 @@ class AdaptiveKVCache:
     def keep_scored(self, held, score: torch.Tensor):
         """`KVCache.keep_scored` with head budgets: each layer keeps its heads' shares of the n tokens the unbounded
         cache `held` holds by `score` [layers, n, H], as a prefill piece of them would (`steps.keep_places`)."""
-        n, h = held.n[0], self.heads
-        if self.seen or n < self.capacity:
-            raise KvboundError(f"keep_scored: needs an empty cache and more than {self.capacity - 1} tokens, got "
-                               f"{self.seen} held and {n}")
+        n, h = check_scorable(self, held), self.heads
         rows = torch.zeros(1, dtype=torch.long, device=self.device)
         own = torch.arange(h, dtype=self.owner.dtype, device=self.device).repeat(n)[None]
         cand_pos = torch.arange(n, dtype=self.pos.dtype, device=self.device).repeat_interleave(h)[None]

@@ -23,6 +23,7 @@ import torch
 from ..errors import KvboundError
 from .adaptive_cache import AdaptiveKVCache
 from .policies import FullPolicy, refuse_prompt_scoring
+from .reconstruct import check_scorable
 from .quant import QuantizedStore, RecentResiduals, check_mixed_policy
 from .stacked import StackedMeta, release
 from .merge import attention_bias
@@ -361,10 +362,7 @@ class KVCache:
         past this cache's room), each layer's heads keep the policy's choice by `score` [layers, n, H], in slots
         [0, budget) as a prefill piece past the room leaves them, quantized once on a packed store. The prompt then
         counts as processed."""
-        n = held.n[0]
-        if self.seen or n < self.capacity:
-            raise KvboundError(f"keep_scored: needs an empty cache and more than {self.capacity - 1} tokens, got "
-                               f"{self.seen} held and {n}")
+        n = check_scorable(self, held)
         pos = torch.arange(n, dtype=self.pos.dtype, device=self.device)[:, None].expand(n, self.pos.shape[2])
         table = self.store.slot_table(self.capacity)[None]
         for layer in range(len(self.n)):

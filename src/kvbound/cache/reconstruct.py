@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import KvboundError
+
 
 class ReconstructionPass:
     """A `models.llama.LayerAttention` for the second reading: each piece attends over the full cache `held` (an
@@ -41,3 +43,13 @@ def attention_and_best(q, k, v, n: int):
     probs = logits.masked_fill(~seen, float("-inf")).softmax(-1)
     out = torch.einsum("hgts,shd->thgd", probs, v.float()).reshape(t, hq, d).to(q.dtype)
     return out, probs[..., :n].amax(dim=(1, 2)).T
+
+
+def check_scorable(cache, held) -> int:
+    """`keep_scored`'s precondition: an empty `cache` and more tokens in the full cache `held` than its room. Returns
+    their number."""
+    n = held.n[0]
+    if cache.seen or n < cache.capacity:
+        raise KvboundError(f"keep_scored: needs an empty cache and more than {cache.capacity - 1} tokens, got "
+                           f"{cache.seen} held and {n}")
+    return n
