@@ -118,7 +118,7 @@ def test_kvzip_short_prompt_and_named_shape(pair):
     assert cache.n == [30, 30] and cache.prompt_scored
     full = KVCache(model.config, None)
     prefill(model, full, ids_of(4, 30), 16)
-    with pytest.raises(KvboundError, match="keep_scored: needs an empty cache and more than 80 tokens, got 30 held"):
+    with pytest.raises(KvboundError, match="keep_scored: needs an empty cache and more than 82 tokens, got 30 held"):
         cache.keep_scored(full, torch.zeros(2, 30, 2))
     with pytest.raises(KvboundError, match="unknown option 'evict_every'"):
         parse_policy("kvzip:sink=2,heavy=4,recent=4,evict_every=4")
