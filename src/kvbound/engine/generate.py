@@ -28,7 +28,8 @@ def check_question_start(question_start: int | None, length: int):
 def prefill(model, cache: KVCache, ids: list[int] | torch.Tensor, chunk: int = 512,
             question_start: int | None = None) -> torch.Tensor:
     """Feed `ids` in pieces of `chunk` tokens, the question (from `question_start`) starting a piece of its
-    own (a bounded cache evicts between pieces); returns the last logits."""
+    own (a bounded cache evicts between pieces); returns the last logits. A policy that scores its prompt at once
+    (KVzip) first takes the context before the question, or the whole prompt, through `scored_prefill`."""
     if chunk < 1:
         raise KvboundError(f"prefill chunk must be >= 1, got {chunk}")
     check_question_start(question_start, len(ids))
