@@ -1053,10 +1053,11 @@ def test_owned_attention_matches_the_masked_reference(mode, first, g, dtype):
 
 
 @pytest.mark.parametrize("mode, last, n, d", [("cumulative", None, 50, 64), ("normalized", None, 0, 64),
-                                              ("ema", 8, 70, 48), ("cumulative", 100, 3, 64)])
+                                              ("ema", 8, 70, 48), ("cumulative", 100, 3, 64), ("max", None, 50, 64)])
 def test_prefill_key_scores_from_lse_match_the_reference(mode, last, n, d):
-    """The one-pass key scores of a prefill piece (q.k again, p = exp(logit - LSE), summed down the queries)
-    against the reference's masked softmax, over cached keys and the piece's own (causal), GQA, windows."""
+    """The one-pass key scores of a prefill piece (q.k again, p = exp(logit - LSE), summed down the queries, or their
+    highest: KVzip's) against the reference's masked softmax, over cached keys and the piece's own (causal), GQA,
+    windows."""
     from kvbound.kernels import causal_attention_batch
     from kvbound.kernels.triton_prefill import key_scores
     gen = torch.Generator().manual_seed(n + d)
@@ -1069,12 +1070,14 @@ def test_prefill_key_scores_from_lse_match_the_reference(mode, last, n, d):
     mask = torch.arange(n + t)[None, :] <= n + torch.arange(t)[:, None]
     lse = logits.masked_fill(~mask, float("-inf")).logsumexp(-1)  # [b, hq, t]
     lse = lse.permute(1, 0, 2).reshape(hq, b * t).contiguous()  # FlashAttention's varlen layout
-    got = key_scores(q.to(DEV), k.to(DEV), lse.to(DEV), t - min(t, last or t), mode == "normalized")
+    got = key_scores(q.to(DEV), k.to(DEV), lse.to(DEV), t - min(t, last or t), mode == "normalized",
+                     best=mode == "max")
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="FlashAttention and the compiled score kernel run on CUDA only")
-@pytest.mark.parametrize("mode, last", [(None, None), ("cumulative", None), ("normalized", None), ("ema", 16)])
+@pytest.mark.parametrize("mode, last", [(None, None), ("cumulative", None), ("normalized", None), ("ema", 16),
+                                        ("max", None)])
 def test_causal_attention_batch_on_cuda_matches_the_float32_reference(mode, last):
     from kvbound.kernels import causal_attention_batch
     gen = torch.Generator().manual_seed(1)

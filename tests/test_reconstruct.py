@@ -182,15 +182,3 @@ def test_kvzip_with_head_budgets_keeps_adakvs_choice_by_those_scores(pair):
                             sequence_cache(model.config, pol), (), 32, question_start=T))
     assert len(out) == 5
 
-
-def test_reconstruction_in_blocks_of_queries_equals_one_block(monkeypatch):
-    """A long piece's queries go in blocks that bound the probabilities' scratch (`PROBS`): the same output and maxima
-    as all at once, each block seeing the context and its piece's tokens up to itself."""
-    from kvbound.cache import reconstruct
-    gen = torch.Generator().manual_seed(0)
-    n, t = 40, 23
-    q, k, v = (torch.randn(*shape, generator=gen) for shape in ((t, 4, 16), (n + t, 2, 16), (n + t, 2, 16)))
-    whole = reconstruct.attention_and_best(q, k, v, n)
-    monkeypatch.setattr(reconstruct, "PROBS", 4 * (n + t) * 5)  # blocks of 5 queries
-    for x, y in zip(reconstruct.attention_and_best(q, k, v, n), whole):
-        torch.testing.assert_close(x, y)

@@ -12,11 +12,17 @@ import torch
 import torch.nn.functional as F
 
 SCORE_MODES = (None, "cumulative", "normalized", "ema")
+PIECE_MODES = SCORE_MODES + ("max",)  # a prefill piece's also: each key's highest probability (KVzip's score)
 
 
-def _check_mode(score_mode):
-    if score_mode not in SCORE_MODES:
-        raise ValueError(f"unknown score_mode {score_mode!r} (choose from {', '.join(map(str, SCORE_MODES[1:]))})")
+def _check_mode(score_mode, modes=SCORE_MODES):
+    if score_mode not in modes:
+        raise ValueError(f"unknown score_mode {score_mode!r} (choose from {', '.join(map(str, modes[1:]))})")
+
+
+def _reduced(probs, score_mode: str, dims) -> torch.Tensor:
+    """Probabilities summed over `dims` (the queries and a group's heads), or their maximum with "max"."""
+    return probs.amax(dim=dims) if score_mode == "max" else probs.sum(dim=dims)
 
 
 def layer_sum(step: torch.Tensor) -> torch.Tensor:
@@ -49,8 +55,9 @@ def causal_attention_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     """`causal_attention` for B sequences at once, each with the same numbers of cached and new tokens:
     q [B, T, Hq, D], k and v [B, n + T, Hkv, D]; returns out [B, T, Hq, D] and key_scores [B, n + T, Hkv].
     With `last_queries`, only the last that many queries' probabilities count (SnapKV's observation window).
-    bias [B, n + T, Hkv]: added to each key's logits (merged keys' log counts, `cache.merge`)."""
-    _check_mode(score_mode)
+    bias [B, n + T, Hkv]: added to each key's logits (merged keys' log counts, `cache.merge`). score_mode "max":
+    each key's highest probability instead of their sum."""
+    _check_mode(score_mode, PIECE_MODES)
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     n = k.shape[1] - t
@@ -82,7 +89,7 @@ def causal_attention_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     if score_mode == "normalized":
         seen = torch.arange(n + first + 1, n + t + 1, device=q.device, dtype=torch.float32)
         probs = probs * seen[:, None]
-    return out, probs.sum(dim=(2, 3)).transpose(1, 2).contiguous()
+    return out, _reduced(probs, score_mode, (2, 3)).transpose(1, 2).contiguous()
 
 
 BIASED_ELEMENTS = 1 << 27  # the most logits one `_biased_batch` call holds: more sequences go in chunks of them
@@ -110,7 +117,7 @@ def _biased_batch(q, k, v, score_mode, last_queries, bias):
     probs = probs[:, :, :, first:]
     if score_mode == "normalized":
         probs = probs * torch.arange(m - t + first + 1, m + 1, device=q.device, dtype=torch.float32)[:, None]
-    return out, probs.sum(dim=(2, 3)).transpose(1, 2).contiguous()
+    return out, _reduced(probs, score_mode, (2, 3)).transpose(1, 2).contiguous()
 
 
 def fused_sdpa(*args, **kw):
@@ -194,7 +201,7 @@ def _flash_batch(q, k, v, score_mode, last_queries):
         return out, None
     from .triton_prefill import key_scores
     first = t - min(t, last_queries or t)
-    return out, key_scores(q, k, lse, first, score_mode == "normalized")
+    return out, key_scores(q, k, lse, first, score_mode == "normalized", best=score_mode == "max")
 
 
 def _causal_cuda(q, k, v, n, scale):

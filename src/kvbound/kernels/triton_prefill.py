@@ -1,4 +1,5 @@
-"""Triton key scores of a prefill piece: what each key's attention probabilities add up to, in one pass.
+"""Triton key scores of a prefill piece: what each key's attention probabilities add up to (or their highest), in
+one pass.
 
 A bounded cache's prefill piece needs, per key and KV head, the post-softmax probability it received, summed
 over the query heads of its group and over the piece's queries (H2O's scores; SnapKV's observation window is
@@ -24,7 +25,8 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2
 def _key_scores_kernel(Q, K, Lse, Out, Starts, Used, t, m_keys, n_cached, first, scale_log2,
                        stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_lh, stride_ob, stride_ot,
                        G: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, NORMALIZED: tl.constexpr, IEEE: tl.constexpr, VARLEN: tl.constexpr):
+                       BLOCK_N: tl.constexpr, NORMALIZED: tl.constexpr, IEEE: tl.constexpr, VARLEN: tl.constexpr,
+                       BEST: tl.constexpr = False):
     jb = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
@@ -60,17 +62,20 @@ def _key_scores_kernel(Q, K, Lse, Out, Starts, Used, t, m_keys, n_cached, first,
             p = tl.where(seen, tl.exp2(s), 0.0)
             if NORMALIZED:  # each query's probabilities weighted by the number of keys it saw
                 p = p * (n_cached + offs_m + 1).to(tl.float32)[:, None]
-            acc += tl.sum(p, 0)
+            if BEST:  # KVzip's score: the highest probability, not their sum
+                acc = tl.maximum(acc, tl.max(p, 0))
+            else:
+                acc += tl.sum(p, 0)
     tl.store(Out + offs_n * stride_ot + kvh, acc, mask=key_ok)
 
 
 def key_scores(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, first: int = 0,
                normalized: bool = False, starts: torch.Tensor | None = None, used: torch.Tensor | None = None,
-               max_keys: int = 0) -> torch.Tensor:
+               max_keys: int = 0, best: bool = False) -> torch.Tensor:
     """q [B, t, Hq, D] (the piece's queries), k [B, n + t, Hkv, D] (its cached keys, then its own), lse
     [Hq, B * t] (natural-log LSE of each query's logits, scaled by D^-0.5, as FlashAttention returns it).
     Returns [B, n + t, Hkv] float32: each key's probability summed over its group's query heads and over
-    queries first..t-1 that see it (weighted by n + i + 1 with `normalized`).
+    queries first..t-1 that see it (weighted by n + i + 1 with `normalized`; with `best`, its highest one).
     Varlen (`varlen_attention_lse`'s packing): k [rows, Hkv, D], sequence b's keys the used[b] rows from
     starts[b] (int32 [B], at most max_keys), its own t last; returns [rows, Hkv], 0 in rows no sequence uses."""
     bsz, t, hq, d = q.shape
@@ -93,5 +98,5 @@ def key_scores(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, first: int =
                              q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), lse.stride(0),
                              out.stride(0), out.stride(1), G=hq // hkv, D=d, D_P=max(16, triton.next_power_of_2(d)),
                              BLOCK_M=64, BLOCK_N=block_n, NORMALIZED=normalized,
-                             IEEE=q.dtype == torch.float32, VARLEN=varlen, num_warps=4, num_stages=2)
+                             IEEE=q.dtype == torch.float32, VARLEN=varlen, BEST=best, num_warps=4, num_stages=2)
     return out[:, 0] if varlen else out
