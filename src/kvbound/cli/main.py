@@ -35,8 +35,8 @@ def engine_tokens(engine, ids, params, report):
 
 def cmd_generate(args):
     """Through the engine (LLMEngine) with one request, its pool packed with --kv-bits 8 / 4 / heavy=4,recent=8;
-    --quantized-kv-start and re-indexed positions use a single-sequence cache. Speeds and peak KV memory go to
-    stderr."""
+    --quantized-kv-start, re-indexed positions and a policy that scores its prompt at once (kvzip) use a
+    single-sequence cache. Speeds and peak KV memory go to stderr."""
     from ..cache import parse_kv_bits, sequence_cache
     from ..engine import LLMEngine, SamplingParams, generate_ids
     from ..models.tokenizer import StreamDecoder
@@ -47,6 +47,9 @@ def cmd_generate(args):
     if bits == "fp8" and args.reindex_positions:
         raise KvboundError("--kv-cache-dtype fp8 lives in the engine's pool; --reindex-positions needs a cache of "
                            "its own (float32 K/V)")
+    if bits == "fp8" and policy.reconstructs:
+        raise KvboundError(f"--kv-cache-dtype fp8 lives in the engine's pool; {policy.name} runs on a cache of its "
+                           "own (--kv-bits 8 or 4 there)")
     text = sys.stdin.read().rstrip("\n") if args.prompt == "-" else args.prompt
     model, tok, dtype = load_model(args)
     prompt = tok.apply_chat_template([{"role": "user", "content": text}]) if args.chat else text
@@ -54,7 +57,7 @@ def cmd_generate(args):
     if not args.reindex_positions:
         model.config.check_length(len(ids), args.max_tokens)
     report = {}
-    own_cache = args.quantized_kv_start or args.reindex_positions
+    own_cache = args.quantized_kv_start or args.reindex_positions or policy.reconstructs
     if not own_cache:
         need = policy.capacity if policy.bounded else len(ids) + args.max_tokens
         engine = LLMEngine(model, tok, policy=policy, num_blocks=-(-need // 16), block_size=16,
