@@ -47,7 +47,8 @@ def main():
                         generator=torch.Generator("cuda").manual_seed(0))
     rows = {spec: timed_prefill(model, spec, ids, args.budget) for spec in args.policies.split(",")}
     full = rows.get("full")
-    print(f"{args.shape}, {args.context}-token prompt in one piece, budget {args.budget}, {torch.cuda.get_device_name()}")
+    print(f"{args.shape}, {args.context}-token prompt in one piece, budget {args.budget}, "
+          f"{torch.cuda.get_device_name()}")
     print(f"{'policy':24s} {'prefill ms':>10s} {'x full':>7s}")
     for spec, ms in rows.items():
         print(f"{spec:24s} {ms:10.1f} {ms / full if full else float('nan'):7.2f}")

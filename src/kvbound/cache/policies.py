@@ -530,8 +530,8 @@ def refuse_prompt_scoring(policy, where: str):
     """One line for a policy that scores a whole prompt at once (KVzip) where tokens come a piece at a time."""
     if policy is not None and policy.reconstructs:
         raise KvboundError(f"{policy.name} scores a whole prompt at once, reading it twice on a single-sequence cache "
-                           f"(kvbound generate, eval ruler / needle without --engine, or engine.generate.prefill); {where} "
-                           "does not run it")
+                           "(kvbound generate, eval ruler / needle without --engine, or engine.generate.prefill); "
+                           f"{where} does not run it")
 
 
 def pyramid(heavy: int, beta: float, layers: int) -> list[int]:
