@@ -126,7 +126,8 @@ def test_kvzip_short_prompt_and_named_shape(pair):
 
 def test_kvzip_is_refused_where_tokens_come_a_piece_at_a_time(pair):
     """The engine, transformers' generate() and a model forward straight over the cache each refuse kvzip in one
-    line, instead of running it as H2O."""
+    line, instead of running it as H2O; so does a cache that re-indexes positions, whose keys it would leave
+    rotated where they were read."""
     from kvbound.engine import LLMEngine
     from kvbound.integrations.hf import install_kv_eviction
     hf, model = pair
@@ -140,6 +141,8 @@ def test_kvzip_is_refused_where_tokens_come_a_piece_at_a_time(pair):
         install_kv_eviction(hf, "kvzip", budget=16)
     with pytest.raises(KvboundError, match="a model forward over the cache does not run it"):
         model(ids_of(5), torch.arange(T), KVCache(model.config, pol))
+    with pytest.raises(KvboundError, match="kvzip keeps a prompt's keys where they were read"):
+        KVCache(model.config, pol, rotate_keys=model.rerotate)
 
 
 def ada_keep(best, sink, recent, sure, share):

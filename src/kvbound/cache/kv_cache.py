@@ -77,6 +77,9 @@ class KVCache:
         self.budget = self.policy.budget
         if self.policy.merge and rotate_keys is not None:
             raise KvboundError(f"merge={self.policy.merge}: merging needs stream positions (no re-indexed positions)")
+        if self.policy.reconstructs and rotate_keys is not None:
+            raise KvboundError(f"{self.policy.name} keeps a prompt's keys where they were read (no re-indexed "
+                               "positions)")
         layers, h = config.num_layers, config.num_kv_heads
         cap = self.policy.capacity if self.bounded else initial_slots
         self.ring = None  # mixed widths' residuals: a one-row view (row 0 is this cache, as for pos and score)
