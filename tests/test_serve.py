@@ -280,6 +280,7 @@ def test_flood_past_max_waiting_gets_200_or_429_and_nothing_mixed(smollm, offlin
     ({"prompt": "x", "kv_budget": 64}, 400, "kv_budget"),
     ({"prompt": "x", "kv_policy": "h2o:sink=4,heavy=4,recent=8", "kv_budget": 64}, 400, "kv_budget"),
     ({"prompt": "x", "kv_policy": "pyramidkv:budget=64,beta=0.5"}, 400, "kv_policy"),
+    ({"prompt": "x", "kv_policy": "kvzip:budget=64"}, 400, "kv_policy"),
     ({"prompt": "x", "kv_policy": "window:budget=64", "pin": [[5, 2]]}, 400, "pin"),
     ({"prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"prompt": "x", "n": 10 ** 6}, 400, "n"),
