@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from .packing import head_dim
-from .triton_decode import _put_residual, _quant_args, _resid_args, _ring_entry, _victim_rank
-from .triton_merge import WEIGHTS, _merge_weight, _most_similar, _token_kv, _write_row, search_tile
+from .triton_decode import _quant_args, _resid_args, _victim_rank
+from .triton_merge import WEIGHTS, _merge_weight, _most_similar, _rewrite_residuals, _token_kv, _write_row, search_tile
 
 
 @triton.jit
@@ -84,10 +84,8 @@ def _merge_evicted(K, V, KS, KB, VS, VB, Table, Pos, Count, b, row, h, offs, pos
             _write_row(k_m, K, KS, KB, slot_t, h, stride_ks, stride_kh, stride_qs, stride_qh, D, BITS, GS, FP8)
             _write_row(v_m, V, VS, VB, slot_t, h, stride_ks, stride_kh, stride_qs, stride_qh, D, BITS, GS, FP8)
             if RESID:
-                if (p_t >= SINK) & (p_t >= newest - RECENT):  # the ring holds it after the step
-                    rslot = row * entries + _ring_entry(p_t, SINK, RECENT)
-                    _put_residual(k_m, RK, RKS, RKB, rslot, h, stride_rs, stride_rh, stride_rqs, stride_rqh, D, GS)
-                    _put_residual(v_m, RV, RVS, RVB, rslot, h, stride_rs, stride_rh, stride_rqs, stride_rqh, D, GS)
+                _rewrite_residuals(k_m, v_m, p_t, newest, RK, RKS, RKB, RV, RVS, RVB, row, entries, h, stride_rs,
+                                   stride_rh, stride_rqs, stride_rqh, D, GS, SINK, RECENT)
             cnt = tl.where(offs == t, c_t, cnt)
     tl.store(Count + row * stride_pr + offs * stride_pj + h, cnt, mask=offs < CAP)
     tl.debug_barrier()  # the moves below read what the merge wrote, in other threads

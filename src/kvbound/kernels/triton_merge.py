@@ -81,6 +81,18 @@ def _token_kv(K, V, KS, KB, VS, VB, slot, p, h, stride_ks, stride_kh, stride_ss,
 
 
 @triton.jit
+def _rewrite_residuals(k, v, p, newest, RK, RKS, RKB, RV, RVS, RVB, ring_row, entries, h, stride_rs, stride_rh,
+                       stride_qs, stride_qh, D: tl.constexpr, GS: tl.constexpr, SINK: tl.constexpr,
+                       RECENT: tl.constexpr):
+    """A merged key k and value v [D] at position p: their residuals into the ring if it holds p after the step
+    from `newest` (past the sinks, within `recent`), as `RecentResiduals.rewrite` writes them."""
+    if (p >= SINK) & (p >= newest - RECENT):
+        rslot = ring_row * entries + _ring_entry(p, SINK, RECENT)
+        _put_residual(k, RK, RKS, RKB, rslot, h, stride_rs, stride_rh, stride_qs, stride_qh, D, GS)
+        _put_residual(v, RV, RVS, RVB, rslot, h, stride_rs, stride_rh, stride_qs, stride_qh, D, GS)
+
+
+@triton.jit
 def _write_row(x, P, S, B, slot, h, stride_ps, stride_ph, stride_ss, stride_sh, D: tl.constexpr, BITS: tl.constexpr,
                GS: tl.constexpr, FP8: tl.constexpr):
     if BITS == 16 and not FP8:
@@ -186,10 +198,8 @@ def _merge_victim_kernel(K, V, KS, KB, VS, VB, Table, Rows, Pos, Score, Count, V
             _write_row(v_m, V, VS, VB, slot_t, h, stride_ks, stride_kh, stride_ss, stride_sh, D, BITS, GS, FP8)
             tl.store(Count + at_t, c_t + c_v)
             if RESID:
-                if (p_t >= SINK) & (p_t >= newest - RECENT):  # the ring holds it after the step
-                    rslot = row * entries + _ring_entry(p_t, SINK, RECENT)
-                    _put_residual(k_m, RK, RKS, RKB, rslot, h, stride_rs, stride_rh, stride_qs, stride_qh, D, GS)
-                    _put_residual(v_m, RV, RVS, RVB, rslot, h, stride_rs, stride_rh, stride_qs, stride_qh, D, GS)
+                _rewrite_residuals(k_m, v_m, p_t, newest, RK, RKS, RKB, RV, RVS, RVB, row, entries, h, stride_rs,
+                                   stride_rh, stride_qs, stride_qh, D, GS, SINK, RECENT)
         if FREE:
             tl.store(Pos + at_v, -1)
 
