@@ -21,7 +21,7 @@ import torch
 
 from ..errors import KvboundError
 from .policies import pinned_count, refuse_prompt_scoring
-from .reconstruct import check_scorable
+from .reconstruct import check_scorable, prompt_kv
 from .stacked import layer_places, place_slots, release
 from .steps import keep_places, shared_piece
 from .store import DenseStore
@@ -222,7 +222,7 @@ class AdaptiveKVCache:
         for layer in range(len(self.rows)):
             plan = self.piece_plan(layer, n)
             storage, table = self.layer_table(layer, plan[1])
-            k, v = held.store.storage.gather(layer, held.store.slot_table(n)[None].long())
+            k, v = (x[None] for x in prompt_kv(held, layer))
             spares = plan[2] and self.policy.evict_every == 1
             meta = (x[layer][None] for x in (self.owner, self.pos, self.score))
             keep_places(storage, 0, table[None], rows, *meta, self.policy, k, v, own, cand_pos,

@@ -23,7 +23,7 @@ import torch
 from ..errors import KvboundError
 from .adaptive_cache import AdaptiveKVCache
 from .policies import FullPolicy, refuse_prompt_scoring
-from .reconstruct import check_scorable
+from .reconstruct import check_scorable, prompt_kv
 from .quant import QuantizedStore, RecentResiduals, check_mixed_policy
 from .stacked import StackedMeta, release
 from .merge import attention_bias
@@ -369,7 +369,7 @@ class KVCache:
         pos = torch.arange(n, dtype=self.pos.dtype, device=self.device)[:, None].expand(n, self.pos.shape[2])
         table = self.store.slot_table(self.capacity)[None]
         for layer in range(len(self.n)):
-            k, v = (x[0] for x in held.store.storage.gather(layer, held.store.slot_table(n)[None].long()))
+            k, v = prompt_kv(held, layer)
             if self.store.storage.exact:
                 p, _, sc = self._layer_meta(layer)
                 keep_and_rewrite(self.store.storage, layer, table, 0, self.one_row, p, sc, self.policy, k[None],

@@ -23,9 +23,8 @@ class ReconstructionPass:
         self.best = torch.zeros((layers, self.n, heads), dtype=torch.float32, device=held.device)
 
     def attend(self, layer: int, q, k, v, positions):
-        storage = self.held.store.storage
-        kc, vc = storage.gather(layer, self.held.store.slot_table(self.n)[None].long())
-        keys, values = torch.cat([kc[0].to(k.dtype), k]), torch.cat([vc[0].to(v.dtype), v])
+        kc, vc = prompt_kv(self.held, layer)
+        keys, values = torch.cat([kc.to(k.dtype), k]), torch.cat([vc.to(v.dtype), v])
         out, seen = causal_attention_batch(q[None], keys[None], values[None], "max")  # FlashAttention on CUDA
         self.best[layer] = torch.maximum(self.best[layer], seen[0, :self.n])
         return out[0]
@@ -39,3 +38,9 @@ def check_scorable(cache, held) -> int:
         raise KvboundError(f"keep_scored: needs an empty cache and more than {cache.capacity - 1} tokens, got "
                            f"{cache.seen} held and {n}")
     return n
+
+
+def prompt_kv(held, layer: int):
+    """The K and V [n, H, D] of the n tokens the unbounded cache `held` holds, in one layer."""
+    k, v = held.store.storage.gather(layer, held.store.slot_table(held.n[0])[None].long())
+    return k[0], v[0]
