@@ -249,19 +249,23 @@ def test_ruler_through_the_engine_gives_the_single_caches_replies(tiny):
     assert any(r["reply"] for r in batched)
 
 
-def test_ruler_runs_kvzip_on_single_caches_and_refuses_it_where_it_cannot(tiny, tmp_path):
-    """`--strategies kvzip` scores each context once (question apart) and answers; --engine and `eval ppl`, which
-    would feed it piece by piece, refuse it in one line before any run."""
-    r = run("ruler", "--model", str(tiny), "--context", "160", "--samples", "1", "--tasks", "niah_single,qa",
+def test_ruler_runs_kvzip_alone_and_in_the_engine_and_ppl_refuses_it(tiny, tmp_path):
+    """`--strategies kvzip` scores each context once (question apart) and answers, with the same replies through the
+    engine; `eval ppl`, which would feed it piece by piece, refuses it in one line before any run."""
+    replies = []
+    for extra in ([], ["--engine"]):
+        run("ruler", "--model", str(tiny), "--context", "160", "--samples", "1", "--tasks", "niah_single,qa",
             "--budget-frac", "0.5", "--max-tokens", "3", "--haystack", "noise", "--strategies", "kvzip,snapkv",
-            "--prefill-chunk", "256", "--question-piece", "--json", str(tmp_path / "k.json"), cwd=tmp_path)
-    res = json.loads((tmp_path / "k.json").read_text())["results"]
-    assert {x["strategy"] for x in res} == {"baseline", "kvzip", "snapkv"} and all(0 <= x["score"] <= 1 for x in res)
-    for args in (["ruler", "--context", "160", "--samples", "1", "--engine"], ["ppl", "--samples", "1"]):
-        bad = subprocess.run([sys.executable, "-m", "kvbound.cli", "eval", *args, "--strategies", "kvzip",
-                              "--model", str(tiny)], capture_output=True, text=True, timeout=120)
-        assert bad.returncode == 2 and "kvzip scores a whole prompt at once" in bad.stderr, bad.stderr
-        assert "Traceback" not in bad.stderr
+            "--prefill-chunk", "256", "--question-piece", "--json", str(tmp_path / "k.json"), *extra, cwd=tmp_path)
+        res = json.loads((tmp_path / "k.json").read_text())["results"]
+        assert {x["strategy"] for x in res} == {"baseline", "kvzip", "snapkv"}
+        assert all(0 <= x["score"] <= 1 for x in res)
+        replies.append([x["reply"] for x in res])
+    assert replies[0] == replies[1]
+    bad = subprocess.run([sys.executable, "-m", "kvbound.cli", "eval", "ppl", "--samples", "1", "--strategies",
+                          "kvzip", "--model", str(tiny)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "kvzip scores a whole prompt at once" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 def test_ruler_question_piece_feeds_the_question_apart_in_both_paths(tiny):

@@ -5,9 +5,11 @@ import math
 import pytest
 import torch
 
-from kvbound.cache import KVCache, parse_policy
+from kvbound.cache import KVCache, parse_policy, sequence_cache
 from kvbound.cache.reconstruct import ReconstructionPass
-from kvbound.engine.generate import generate_ids, prefill
+from kvbound.engine import LLM, LLMEngine
+from kvbound.engine import llm_engine
+from kvbound.engine.generate import generate_ids, prefill, read_again
 from kvbound.engine.sampling import SamplingParams
 from kvbound.errors import KvboundError
 
@@ -125,18 +127,12 @@ def test_kvzip_short_prompt_and_named_shape(pair):
 
 
 def test_kvzip_is_refused_where_tokens_come_a_piece_at_a_time(pair):
-    """The engine, transformers' generate() and a model forward straight over the cache each refuse kvzip in one
-    line, instead of running it as H2O; so does a cache that re-indexes positions, whose keys it would leave
-    rotated where they were read."""
-    from kvbound.engine import LLMEngine
+    """transformers' generate() and a model forward straight over the cache each refuse kvzip in one line, instead
+    of running it as H2O; so does a cache that re-indexes positions, whose keys it would leave rotated where they
+    were read."""
     from kvbound.integrations.hf import install_kv_eviction
     hf, model = pair
     pol = parse_policy("kvzip:sink=2,heavy=14,recent=6")
-    with pytest.raises(KvboundError, match="kvzip scores a whole prompt at once.*the engine does not run it"):
-        LLMEngine(model, num_blocks=16, policy=pol)
-    engine = LLMEngine(model, num_blocks=16)
-    with pytest.raises(KvboundError, match="the engine does not run it"):
-        engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), "kvzip:sink=2,heavy=14,recent=6")
     with pytest.raises(KvboundError, match="transformers' generate"):
         install_kv_eviction(hf, "kvzip", budget=16)
     with pytest.raises(KvboundError, match="a model forward over the cache does not run it"):
@@ -185,3 +181,104 @@ def test_kvzip_with_head_budgets_keeps_adakvs_choice_by_those_scores(pair):
                             sequence_cache(model.config, pol), (), 32, question_start=T))
     assert len(out) == 5
 
+
+
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+def engine_outputs(engine, requests) -> list[list[int]]:
+    """Each request's (ids, policy spec or None, question_start) greedy tokens through the engine, which is left with
+    no block held."""
+    rids = [engine.add_request(ids, GREEDY, spec and parse_policy(spec), question_start=q) for ids, spec, q in requests]
+    done = {}
+    while engine.has_unfinished():
+        done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    engine.pool.check()
+    assert engine.pool.num_free == engine.pool.num_blocks and engine.pool.promised == 0, "blocks leaked"
+    return [done[r] for r in rids]
+
+
+def scored_lengths(monkeypatch) -> list[int]:
+    """The contexts the engine reads a second time, recorded while the test runs."""
+    seen = []
+    monkeypatch.setattr(llm_engine, "read_again", lambda model, held, ids, chunk: (
+        seen.append(len(ids)), read_again(model, held, ids, chunk))[1])
+    return seen
+
+
+def test_kvzip_in_the_engine_batched_and_preempted_equals_each_sequence_alone(pair, monkeypatch):
+    """kvzip, with equal and with AdaKV's head budgets, in a batch beside full and h2o caches: a sequence holds its
+    context whole in pool blocks, the engine reads it again once it is in and keeps what that scores in the blocks
+    kept for it, and each sequence's tokens equal its own cache's (`generate_ids`), question apart or not. A
+    context within the room is kept as it is, unread. Under a tight pool, preempted sequences (held, scored, swapped
+    out or recomputed) give the same tokens."""
+    _, model = pair
+    specs = ["kvzip:sink=2,heavy=14,recent=6", "kvzip:sink=2,heavy=14,recent=6,alpha=0.2", None,
+             "h2o:sink=2,heavy=10,recent=10"]
+    reqs = [(ids_of(20 + i, 12 + 11 * i).tolist(), specs[i % 4], 8 + 10 * i if i % 3 == 2 else None)
+            for i in range(8)]
+    scored = scored_lengths(monkeypatch)
+    roomy = engine_outputs(LLMEngine(model, num_blocks=128, block_size=8, prefill_chunk=16), reqs)
+    for (ids, spec, q), out in zip(reqs, roomy):
+        cache = sequence_cache(model.config, spec and parse_policy(spec))
+        assert out == list(generate_ids(model, ids, GREEDY, cache, (), 16, question_start=q)), spec
+    assert sorted(scored) == sorted(q or len(ids) for ids, spec, q in reqs if spec and "kvzip" in spec
+                                    and (q or len(ids)) >= 23)
+    for swap in (4.0, 0.0):
+        engine = LLMEngine(model, num_blocks=22, block_size=8, prefill_chunk=16, swap_space=swap)
+        assert engine_outputs(engine, reqs) == roomy
+        assert engine.scheduler.stats["preemptions"] > 0
+        assert (engine.scheduler.stats["swapped_out_blocks"] > 0) == bool(swap)
+
+
+def test_kvzip_in_the_engine_forks_hits_the_prefix_cache_and_counts_its_peak(pair, monkeypatch):
+    """n completions fork the scored cache (each equal to a seeded run of its own); a second request with the same
+    prompt finds its context's blocks in the prefix cache, as any full cache does, and reads them again; a
+    request's peak memory counts its held context and its bounded cache at once."""
+    _, model = pair
+    ids = ids_of(30, 60).tolist()
+    pol = parse_policy("kvzip:sink=2,heavy=14,recent=6")
+    params = SamplingParams(max_tokens=8, n=3, temperature=1.0, seed=5)
+    llm = LLM(model, num_blocks=64, block_size=8, prefill_chunk=16)
+    out = llm.generate([ids], params, pol, use_tqdm=False)[0]
+    for c in out.outputs:
+        alone = SamplingParams(max_tokens=8, temperature=1.0, seed=5 + c.index)
+        assert c.token_ids == list(generate_ids(model, ids, alone, KVCache(model.config, pol), (), 16)), c.index
+    block = llm.engine.pool.block_bytes
+    assert out.outputs[0].peak_kv_bytes == (60 // 8 + 1 + -(-23 // 8)) * block  # 8 held blocks and 3 bounded
+    scored = scored_lengths(monkeypatch)
+    again = llm.generate([ids], SamplingParams(max_tokens=8, n=3, temperature=1.0, seed=5), pol, use_tqdm=False)[0]
+    assert again.cached_tokens == 56 and scored == [60]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+def packed_alone(model, ids, pol, bits, steps):
+    """A context held at `bits` in a cache of its own, read again, kept by a packed kvzip cache; then greedy decode:
+    what the engine's packed pool does."""
+    held = KVCache(model.config, None, kv_bits=bits, kv_group_size=32)
+    logits = prefill(model, held, ids, 16)
+    cache = KVCache(model.config, pol, kv_bits=bits, kv_group_size=32)
+    cache.keep_scored(held, read_again(model, held, ids, 16))
+    out = []
+    for _ in range(steps):
+        out.append(int(logits.argmax()))
+        logits = model(torch.tensor([out[-1]]), cache.next_positions(1), cache)[0]
+        cache.advance(1)
+    return out
+
+
+@pytest.mark.parametrize("bits", [8, 4, "fp8"])
+def test_kvzip_over_packed_blocks_reads_the_context_at_the_pools_width(pair, bits):
+    """Over packed blocks the context is held packed, as every block of the pool is, and read again from there: the
+    engine's tokens equal a packed cache of the sequence's own that holds the context at that width (fp8, which
+    lives in the pool alone: the tokens run to the end, and the held context is read from fp8 codes, so they part
+    from the full-precision reading's)."""
+    _, model = pair
+    ids = ids_of(31, 64)
+    pol = parse_policy("kvzip:sink=2,heavy=14,recent=6")
+    engine = LLMEngine(model, num_blocks=64, block_size=8, prefill_chunk=16, kv_bits=bits, kv_group_size=32)
+    got = engine_outputs(engine, [(ids.tolist(), "kvzip:sink=2,heavy=14,recent=6", None)])[0]
+    if bits == "fp8":
+        assert len(got) == GREEDY.max_tokens
+        return
+    assert got == packed_alone(model, ids, pol, bits, GREEDY.max_tokens)

@@ -157,7 +157,8 @@ class AdaptiveKVCache:
     def snapshot(self) -> dict:
         return dict(slots=self.store.capacity, bytes=self.store.pool.read_blocks(self.store.blocks),
                     meta=[x.cpu() for x in (self.owner, self.pos, self.score, self.spare)], used=self.used,
-                    seen=self.seen, steady=list(self.steady), filling=self.filling, held=list(self.held))
+                    seen=self.seen, steady=list(self.steady), filling=self.filling, held=list(self.held),
+                    scored=self.prompt_scored)
 
     def restore(self, state: dict):
         if self.seen:
@@ -169,6 +170,7 @@ class AdaptiveKVCache:
         self.used, self.seen, self.steady = state["used"], state["seen"], list(state["steady"])
         self.held = list(state["held"])
         self.filling = state["filling"]
+        self.prompt_scored = state["scored"]
 
     def adopt_prefix(self, t: int):
         """Local slots [0, t) already hold tokens [0, t) in every head (a prefix-cache hit)."""

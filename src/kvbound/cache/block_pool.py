@@ -107,7 +107,9 @@ class BlockPool:
         self.copies = 0  # blocks whose bytes were copied: copy-on-write, or into a stripe (for tests and stats)
         self.reserved = 0  # blocks taken for good (a decode graph's scratch block)
         self.held = 0  # striped: blocks with a reference (the common ones aside), against the num_blocks bound
-        self.promised = 0  # striped: blocks this step's forks will copy into (`Scheduler._take` reserves them)
+        # blocks kept for this step's later takers (`Scheduler._take`): striped, the forks' copies; a KVzip
+        # sequence's bounded cache, taken once its context is scored
+        self.promised = 0
         # every live sequence's block table, one row each, on the pool's device: the batched decode reads
         # its slot tables from here with one gather per step
         rows = max_seqs if self.striped else 16
@@ -252,7 +254,7 @@ class BlockPool:
     def num_free(self) -> int:
         if self.striped:  # cached blocks count: their pages are taken back when wanted
             return self.num_blocks - self.held - self.promised
-        return len(self.free_plain) + len(self.free_cached)
+        return len(self.free_plain) + len(self.free_cached) - self.promised
 
     def allocate(self, at: int | None = None) -> int:
         """A free block (striped: block `at`, which must be free), with a reference."""

@@ -252,6 +252,7 @@ class KVCache:
                     pos=host(self.pos), score=None if self.score is None else host(self.score),
                     count=None if self.count is None else host(self.count),
                     spare=host(self.spare), n=list(self.n), has_spare=list(self.has_spare), seen=self.seen,
+                    scored=self.prompt_scored,
                     ring=None if self.ring is None else [host(t) for t in self.ring.tensors()])
 
     def restore(self, state: dict):
@@ -270,6 +271,7 @@ class KVCache:
             for dst, src in zip(self.ring.tensors(), state["ring"]):
                 dst.copy_(src)
         self.n, self.has_spare, self.seen = list(state["n"]), list(state["has_spare"]), state["seen"]
+        self.prompt_scored = state["scored"]
 
     def adopt_prefix(self, t: int):
         """The store's first t slots already hold tokens [0, t) (a prefix-cache hit): take them as processed."""

@@ -517,8 +517,9 @@ class KVzipPolicy(H2OPolicy):
     """KVzip (Kim et al., 2025): the prompt's tokens are scored once, after it, by the most attention the model
     gives each while it reads the prompt again right after itself (`cache.reconstruct`): what the model needs to
     reproduce the context stays, whatever question follows. The pass holds the prompt in a full cache meanwhile
-    and reads it a second time (`engine.generate.prefill`, single-sequence caches); with a `question_start`, the
-    context before the question is scored and the question read after. Decoding then accumulates attention as
+    and reads it a second time (`engine.generate.prefill` on a sequence's own cache; in the engine, in pool blocks,
+    `LLMEngine._score`); with a `question_start`, the context before the question is scored and the question read
+    after. Decoding then accumulates attention as
     H2O. With `alpha`, a layer's heads share its budget by these scores (AdaKV's rule; KVzip's own budgets are
     uneven across heads too)."""
     name: str = "kvzip"
@@ -529,9 +530,8 @@ class KVzipPolicy(H2OPolicy):
 def refuse_prompt_scoring(policy, where: str):
     """One line for a policy that scores a whole prompt at once (KVzip) where tokens come a piece at a time."""
     if policy is not None and policy.reconstructs:
-        raise KvboundError(f"{policy.name} scores a whole prompt at once, reading it twice on a single-sequence cache "
-                           "(kvbound generate, eval ruler / needle without --engine, or engine.generate.prefill); "
-                           f"{where} does not run it")
+        raise KvboundError(f"{policy.name} scores a whole prompt at once, reading it twice (kvbound generate / serve, "
+                           f"the engine, eval ruler / needle, or engine.generate.prefill); {where} does not run it")
 
 
 def pyramid(heavy: int, beta: float, layers: int) -> list[int]:

@@ -176,7 +176,7 @@ def add_eval_parser(sub):
         p.set_defaults(budget=256)
         p.add_argument("--strategies", type=strategy_list, default=DEFAULT_STRATEGIES,
                        help="comma-separated: baseline, window, h2o-balanced, h2o-heavy, observed, tova, snapkv, "
-                            "knorm, keydiff, adakv, pyramidkv, kvzip (single caches), specs such as "
+                            "knorm, keydiff, adakv, pyramidkv, kvzip, specs such as "
                             "'h2o:budget=256,score=observed,alpha=0.2', +kv8/+kv4/+kvmixed (default: %(default)s)")
         p.add_argument("--json", type=output_file, default=None, help="write the results as JSON to this file")
         p.add_argument("--plot", type=output_file, default=None, help="write a plot to this PNG file")

@@ -35,8 +35,7 @@ def engine_tokens(engine, ids, params, report):
 
 def cmd_generate(args):
     """Through the engine (LLMEngine) with one request, its pool packed with --kv-bits 8 / 4 / heavy=4,recent=8;
-    --quantized-kv-start, re-indexed positions and a policy that scores its prompt at once (kvzip) use a
-    single-sequence cache. Speeds and peak KV memory go to stderr."""
+    --quantized-kv-start and re-indexed positions use a single-sequence cache. Speeds and peak KV memory go to stderr."""
     from ..cache import parse_kv_bits, sequence_cache
     from ..engine import LLMEngine, SamplingParams, generate_ids
     from ..models.tokenizer import StreamDecoder
@@ -47,9 +46,6 @@ def cmd_generate(args):
     if bits == "fp8" and args.reindex_positions:
         raise KvboundError("--kv-cache-dtype fp8 lives in the engine's pool; --reindex-positions needs a cache of "
                            "its own (float32 K/V)")
-    if bits == "fp8" and policy.reconstructs:
-        raise KvboundError(f"--kv-cache-dtype fp8 lives in the engine's pool; {policy.name} runs on a cache of its "
-                           "own (--kv-bits 8 or 4 there)")
     text = sys.stdin.read().rstrip("\n") if args.prompt == "-" else args.prompt
     model, tok, dtype = load_model(args)
     prompt = tok.apply_chat_template([{"role": "user", "content": text}]) if args.chat else text
@@ -57,10 +53,12 @@ def cmd_generate(args):
     if not args.reindex_positions:
         model.config.check_length(len(ids), args.max_tokens)
     report = {}
-    own_cache = args.quantized_kv_start or args.reindex_positions or policy.reconstructs
+    own_cache = args.quantized_kv_start or args.reindex_positions
     if not own_cache:
-        need = policy.capacity if policy.bounded else len(ids) + args.max_tokens
-        engine = LLMEngine(model, tok, policy=policy, num_blocks=-(-need // 16), block_size=16,
+        blocks = lambda tokens: -(-tokens // 16)  # noqa: E731
+        need = (blocks(policy.capacity) + (blocks(len(ids)) if policy.reconstructs else 0) if policy.bounded
+                else blocks(len(ids) + args.max_tokens))  # kvzip holds its prompt whole until it is scored
+        engine = LLMEngine(model, tok, policy=policy, num_blocks=need, block_size=16,
                            prefill_chunk=args.prefill_chunk, max_num_batched_tokens=args.prefill_chunk,
                            kv_dtype=kv_dtype(args, dtype), kv_bits=bits, kv_group_size=args.kv_group_size)
         tokens = engine_tokens(engine, ids, params, report)

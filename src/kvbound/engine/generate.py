@@ -56,13 +56,20 @@ def scored_prefill(model, cache: KVCache, ids: torch.Tensor, chunk: int) -> torc
         return prefill(model, cache, ids, chunk)
     held = KVCache(model.config, None, device=cache.device, dtype=next(model.parameters()).dtype)
     logits = prefill(model, held, ids, chunk)
+    cache.keep_scored(held, read_again(model, held, ids, chunk))
+    held.release()
+    return logits
+
+
+def read_again(model, held, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    """KVzip's second reading: the n tokens `ids` that the unbounded cache `held` holds, fed again in pieces of
+    `chunk` tokens, each right after them (attending over them and itself) and writing nothing. Returns each held
+    token's score [layers, n, H], the most attention any query of the reading gave it (`cache.reconstruct`)."""
     reading = ReconstructionPass(held)
     for start in range(0, len(ids), chunk):
         part = ids[start:start + chunk]
         model(part, torch.arange(len(ids), len(ids) + len(part), device=ids.device), reading, logits_at=-1)
-    cache.keep_scored(held, reading.best)
-    held.release()
-    return logits
+    return reading.best
 
 
 def generate_ids(model, prompt_ids: list[int], params: SamplingParams, cache: KVCache,

@@ -16,14 +16,13 @@ import torch
 
 from ..cache import BlockPool, FullPolicy, KVCache, parse_policy, sequence_cache
 from ..cache.kv_cache import recent_residuals
-from ..cache.policies import refuse_prompt_scoring
 from ..cache.quant import MIXED, Fp8KV, check_mixed_policy
 from ..cache.stacked import StackedMeta, stackable
 from ..cache.store import PagedStore
 from ..errors import KvboundError
 from ..staging import to_device
 from .cuda_graphs import DecodeGraphs
-from .generate import check_question_start
+from .generate import check_question_start, read_again
 from .runner import StepBatch, finish_step
 from .sampling import SamplingParams, next_tokens, with_logprobs
 from .scheduler import FINISHED, RUNNING, Scheduler, Sequence
@@ -177,7 +176,6 @@ class LLMEngine:
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         self.kv_dtype = kv_dtype or next(model.parameters()).dtype
-        refuse_prompt_scoring(policy, "the engine")
         self.default_policy = policy or FullPolicy()
         num_blocks = num_blocks or max(1, kv_cache_tokens // block_size)
         mixed = kv_bits if isinstance(kv_bits, dict) else None
@@ -272,7 +270,6 @@ class LLMEngine:
             raise KvboundError("stop strings need a tokenizer")
         if self.mixed is not None:
             check_mixed_policy(policy or self.default_policy)
-        refuse_prompt_scoring(policy, "the engine")
         check_question_start(question_start, len(prompt))
         seq = Sequence(request_id, 0, prompt, params, policy or self.default_policy, arrival=time.perf_counter(),
                        seed=self._seed(params, 0), question_start=question_start)
@@ -381,7 +378,28 @@ class LLMEngine:
                 launched.draw.settle()
                 return launched.tokens[src]
             fill = (rows, pending_tokens)
-        return batch, sampling, self._forward(batch, keys, sampling, fill)
+        logits = self._forward(batch, keys, sampling, fill)
+        for seq, _ in batch:
+            if seq.reading and seq.cache.seen == seq.context_end:
+                self._score(seq)
+        return batch, sampling, logits
+
+    def _score(self, seq: Sequence):
+        """KVzip (`policies.KVzipPolicy`): the context the sequence holds whole is read a second time, a bounded cache
+        keeps what that reading scores (`engine.generate.scored_prefill`, here in the blocks `Scheduler._take` kept for
+        it), and the held blocks go back. The draw after it reads the full cache's logits, as the sequence's own
+        cache's prefill returns them."""
+        held = seq.cache
+        self.scheduler.publish(seq)  # its context's full blocks, as any full cache's, for the next such prompt
+        ids = torch.tensor(seq.prompt[:seq.context_end], device=self.device)
+        best = read_again(self.model, held, ids, self.scheduler.chunk)
+        self.pool.promised -= self.scheduler.scored_blocks(seq)
+        seq.cache = self.caches(seq.policy, [])
+        seq.cache.prepare(seq.context_end)
+        seq.cache.keep_scored(held, best)
+        seq.scored = True
+        seq.peak_blocks = max(seq.peak_blocks, len(held.store.blocks) + len(seq.cache.store.blocks))
+        held.release()
 
     def _draw(self, batch, sampling, logits) -> Launched:
         """Each sampling row's next token, left on the device: a `sampling.Draw`, whose host check (top-p
@@ -479,7 +497,7 @@ class LLMEngine:
         for i in range(1, seq.params.n):
             kid = Sequence(seq.request_id, i, seq.prompt, seq.params, seq.policy, arrival=seq.arrival,
                            status=RUNNING, cache=seq.cache.fork(), seed=self._seed(seq.params, i), forked=True,
-                           question_start=seq.question_start)
+                           question_start=seq.question_start, scored=seq.scored)
             self.scheduler.running.append(kid)
             self.requests[seq.request_id].append(kid)
             kids.append(kid)

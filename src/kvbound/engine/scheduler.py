@@ -23,11 +23,13 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..cache import KVCache
+from ..cache.policies import FullPolicy
 from ..cache.block_pool import block_hash
 from ..errors import KvboundError
 from .generate import piece_end
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+HELD = FullPolicy()  # the cache of a KVzip sequence's context until it is scored (`Sequence.reading`)
 
 
 @dataclass
@@ -62,6 +64,7 @@ class Sequence:
     seen_at_preemption: int = 0  # tokens its cache had processed when it was last preempted
     pending: int = 0  # tokens sampled on the device and not yet read here (the engine's run-ahead)
     question_start: int | None = None  # a bounded prefill piece ends here (generate.piece_end)
+    scored: bool = False  # KVzip: its bounded cache holds what the second reading of its context kept (`reading`)
 
     @property
     def tokens(self) -> list[int]:
@@ -77,8 +80,24 @@ class Sequence:
         return self.prompt[a:] + self.output[:b - p]
 
     @property
+    def context_end(self) -> int:
+        """Where its context ends: its question's start, or its prompt's end."""
+        return self.question_start or len(self.prompt)
+
+    @property
+    def reading(self) -> bool:
+        """A KVzip sequence (`policy.reconstructs`) holding its context whole in an unbounded cache, until the
+        engine reads it a second time and a bounded cache keeps what that reading scores (`LLMEngine._score`);
+        meanwhile it runs as an unbounded sequence."""
+        return self.policy.reconstructs and not self.scored
+
+    @property
     def bounded(self) -> bool:
-        return self.policy.bounded
+        return self.policy.bounded and not self.reading
+
+    @property
+    def cache_policy(self):
+        return HELD if self.reading else self.policy
 
     def drop_cache(self):
         """Give the cache's blocks back (finished, preempted, or not admitted this step)."""
@@ -109,7 +128,7 @@ class Sequence:
         attend as one batch); a bounded one whole chunks, whose ends its evictions follow."""
         seen, left = (self.cache.seen if self.cache is not None else 0), self.to_feed()
         if not self.bounded:
-            piece = min(left, chunk)
+            piece = min(left, chunk, self.context_end - seen if self.reading else left)
             return min(piece, room)
         if seen >= len(self.prompt):  # replaying generated tokens: one per step, as decoding fed them
             return 1 if room >= 1 else 0
@@ -138,6 +157,8 @@ class Scheduler:
     def blocks_to_finish(self, seq: Sequence) -> int:
         """Blocks one sequence needs at its largest (alone in the pool)."""
         bs = self.pool.block_size
+        if seq.reading:  # its context held whole, and the bounded cache the scores fill
+            return -(-seq.context_end // bs) + self.scored_blocks(seq)
         if seq.bounded:
             return -(-seq.policy.capacity // bs)
         return -(-(len(seq.prompt) + seq.params.max_tokens) // bs)
@@ -238,7 +259,8 @@ class Scheduler:
     def _take(self, seq: Sequence, t: int) -> bool:
         """Reserve the blocks (new and copy-on-write) that feeding t tokens needs, if there are enough."""
         cache = seq.cache
-        if t == 1 and not seq.bounded:  # the common decode: room left in a private last block
+        scoring = self.scored_blocks(seq) if seq.reading and cache.seen + t == seq.context_end else 0
+        if t == 1 and not seq.bounded and not scoring:  # the common decode: room left in a private last block
             n, bs = len(cache), self.pool.block_size
             if n < cache.store.capacity and self.pool.ref[cache.store.blocks[n // bs]] == 1:
                 return True
@@ -247,11 +269,16 @@ class Scheduler:
             if cache.store.private and cache.slots_needed(1) <= cache.store.capacity:
                 return True  # a bounded decode within its blocks, none of them shared
         forks = self.fork_blocks(seq, t)
-        if self._blocks_needed(seq, t) + forks > self.pool.num_free:
+        if self._blocks_needed(seq, t) + forks + scoring > self.pool.num_free:
             return False
         seq.cache.prepare(t)
-        self.pool.promised += forks
+        self.pool.promised += forks + scoring
         return True
+
+    def scored_blocks(self, seq: Sequence) -> int:
+        """Blocks a KVzip sequence's bounded cache takes when its context has been read (kept for it from the step
+        that feeds the context's last piece until `LLMEngine._score` takes them)."""
+        return -(-seq.policy.capacity // self.pool.block_size)
 
     def _blocks_needed(self, seq: Sequence, t: int) -> int:
         cache = seq.cache
@@ -264,6 +291,8 @@ class Scheduler:
         share: all full blocks but the one holding the last prompt token (which must be computed to give
         logits), and for a bounded sequence only blocks inside its protected prefix (it never writes those)."""
         bs = self.pool.block_size
+        if seq.swapped is None and seq.policy.reconstructs:  # (again, after a preemption recomputes it) KVzip:
+            seq.scored = seq.context_end < seq.policy.capacity  # a context within the room is kept as it is
         if seq.swapped is not None and seq.bounded:
             if not self._restore(seq):
                 return
@@ -273,9 +302,12 @@ class Scheduler:
             limit = (len(tokens) - 1) // bs
             if seq.bounded:
                 limit = min(limit, seq.policy.protected_prefix // bs)
+            if seq.reading:  # its context's last piece is computed: the step that feeds it scores the context
+                limit = min(limit, (seq.context_end - 1) // bs)
             hits = self.pool.match_prefix(tokens, limit)
             hashes = [self.pool.block_info[b][0] for b in hits]
-            seq.cache = self.make_cache(seq.policy, hits)
+            seq.cache = self.make_cache(seq.cache_policy, hits)
+            seq.cache.prompt_scored = seq.scored
             kept = len(seq.cache.store.blocks)  # a striped pool keeps the hits it had room for
             chain = hashes[kept - 1] if kept else None  # the hash chain goes on from the last one kept
             if seq.swapped is not None and not self._swap_in(seq, tokens, kept, limit, chain):

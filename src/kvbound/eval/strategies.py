@@ -6,7 +6,6 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import parse_kv_bits, parse_policy, sequence_cache
-from ..cache.policies import refuse_prompt_scoring
 from ..cache.quant import MIXED, check_mixed_policy
 from ..errors import KvboundError
 
@@ -89,8 +88,6 @@ def check_engine_strategies(strategies: dict, options: CacheOptions):
     stays on single-sequence caches."""
     if options.quantized_kv_start:
         raise KvboundError("--quantized-kv-start runs on single-sequence caches; drop --engine")
-    for pol, _ in strategies.values():
-        refuse_prompt_scoring(pol, "--engine")
 
 
 

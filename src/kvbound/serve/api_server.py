@@ -19,7 +19,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from ..cache import parse_policy
-from ..cache.policies import refuse_prompt_scoring
 from ..engine.chat import with_pinned_system
 from ..errors import KvboundError
 from .engine_loop import EngineClient, EngineGone, Mailbox, QueueFull
@@ -74,10 +73,6 @@ class Server:
             field = ("pin" if body.pin and "pinned" in str(e) else "kv_budget" if str(e).startswith("budget ")
                      else "kv_policy" if body.kv_policy else "kv_budget")
             raise BadField(field, str(e)) from None
-        try:
-            refuse_prompt_scoring(policy, "the server's engine")
-        except KvboundError as e:
-            raise BadField("kv_policy", str(e)) from None
         if not policy.bounded and (body.kv_budget or body.pin):
             name = "kv_budget" if body.kv_budget else "pin"
             raise BadField(name, f"{name} has no effect with the unbounded policy {spec!r}: ask for a bounded "
