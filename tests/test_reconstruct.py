@@ -211,7 +211,7 @@ def test_kvzip_in_the_engine_batched_and_preempted_equals_each_sequence_alone(pa
     context whole in pool blocks, the engine reads it again once it is in and keeps what that scores in the blocks
     kept for it, and each sequence's tokens equal its own cache's (`generate_ids`), question apart or not. A
     context within the room is kept as it is, unread. Under a tight pool, preempted sequences (held, scored, swapped
-    out or recomputed) give the same tokens."""
+    out or recomputed; in virtual storage too) give the same tokens, and so does async scheduling."""
     _, model = pair
     specs = ["kvzip:sink=2,heavy=14,recent=6", "kvzip:sink=2,heavy=14,recent=6,alpha=0.2", None,
              "h2o:sink=2,heavy=10,recent=10"]
@@ -224,11 +224,13 @@ def test_kvzip_in_the_engine_batched_and_preempted_equals_each_sequence_alone(pa
         assert out == list(generate_ids(model, ids, GREEDY, cache, (), 16, question_start=q)), spec
     assert sorted(scored) == sorted(q or len(ids) for ids, spec, q in reqs if spec and "kvzip" in spec
                                     and (q or len(ids)) >= 23)
-    for swap in (4.0, 0.0):
-        engine = LLMEngine(model, num_blocks=22, block_size=8, prefill_chunk=16, swap_space=swap)
-        assert engine_outputs(engine, reqs) == roomy
+    for kw in (dict(swap_space=4.0), dict(swap_space=0.0), dict(kv_storage="virtual")):
+        engine = LLMEngine(model, num_blocks=22, block_size=8, prefill_chunk=16, **kw)
+        assert engine_outputs(engine, reqs) == roomy, kw
         assert engine.scheduler.stats["preemptions"] > 0
-        assert (engine.scheduler.stats["swapped_out_blocks"] > 0) == bool(swap)
+        assert (engine.scheduler.stats["swapped_out_blocks"] > 0) == bool(kw.get("swap_space", 4.0))
+    engine = LLMEngine(model, num_blocks=128, block_size=8, prefill_chunk=16, async_scheduling=True)
+    assert engine_outputs(engine, reqs) == roomy
 
 
 def test_kvzip_in_the_engine_forks_hits_the_prefix_cache_and_counts_its_peak(pair, monkeypatch):

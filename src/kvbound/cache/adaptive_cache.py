@@ -204,12 +204,12 @@ class AdaptiveKVCache:
         if self.policy.reconstructs and not self.prompt_scored:
             refuse_prompt_scoring(self.policy, "a model forward over the cache")
         plan = self.piece_plan(layer, k.shape[0])  # (rows held, rows the piece may take: at least as many, evicts)
-        storage, table = self.layer_table(layer, plan[1])
+        storage, at, table = self.layer_table(layer, plan[1])
         rows = torch.zeros(1, dtype=torch.long, device=k.device)
         sure, share = self.budgets[layer]
         spares = plan[2] and self.policy.evict_every == 1  # evicting one step's tokens leaves its spares free
         meta = (x[layer][None] for x in (self.owner, self.pos, self.score))
-        out = shared_piece(q[None], k[None], v[None], storage, 0, table[None], rows, positions[None], *meta,
+        out = shared_piece(q[None], k[None], v[None], storage, at, table[None], rows, positions[None], *meta,
                            self.policy, sure, share, *plan, spare=self.spare[layer][None] if spares else None)
         self.after_piece(layer, k.shape[0], *plan)
         return out[0]
@@ -223,11 +223,11 @@ class AdaptiveKVCache:
         cand_pos = torch.arange(n, dtype=self.pos.dtype, device=self.device).repeat_interleave(h)[None]
         for layer in range(len(self.rows)):
             plan = self.piece_plan(layer, n)
-            storage, table = self.layer_table(layer, plan[1])
+            storage, at, table = self.layer_table(layer, plan[1])
             k, v = (x[None] for x in prompt_kv(held, layer))
             spares = plan[2] and self.policy.evict_every == 1
             meta = (x[layer][None] for x in (self.owner, self.pos, self.score))
-            keep_places(storage, 0, table[None], rows, *meta, self.policy, k, v, own, cand_pos,
+            keep_places(storage, at, table[None], rows, *meta, self.policy, k, v, own, cand_pos,
                         score[layer].flatten()[None], 0, *self.budgets[layer], plan[1], plan[2],
                         spare=self.spare[layer][None] if spares else None)
             self.after_piece(layer, n, *plan)
@@ -261,12 +261,15 @@ class AdaptiveKVCache:
         self.advance(t)
 
     def layer_table(self, layer: int, n: int):
-        """(storage, slots [n]): the layer's first n place rows as slots of the store's view of every layer's slots
-        (`all_layers`), borrowed rows included."""
-        at_layer, row = self.places[layer]
+        """(storage, its layer, slots [n]) of the layer's first n place rows: the store's own layer where every layer
+        keeps as many rows (as the engine's groups read them, `runner.layer_slots`), else slots of its view of every
+        layer's slots (`all_layers`, layer 0), borrowed rows included."""
         storage = self.store.storage
         local = self.store.slot_table(self.store_rows if n > self.store_rows else n)
-        return storage.all_layers(), place_slots((at_layer[:n], row[:n]), local, storage.layer_slots)
+        if len(set(self.rows)) == 1:
+            return storage, layer, local[:n]
+        at_layer, row = self.places[layer]
+        return storage.all_layers(), 0, place_slots((at_layer[:n], row[:n]), local, storage.layer_slots)
 
     # --- introspection ------------------------------------------------------------------------
     def positions_held(self, layer: int) -> torch.Tensor:
