@@ -231,6 +231,9 @@ def test_kvzip_in_the_engine_batched_and_preempted_equals_each_sequence_alone(pa
         assert (engine.scheduler.stats["swapped_out_blocks"] > 0) == bool(kw.get("swap_space", 4.0))
     engine = LLMEngine(model, num_blocks=128, block_size=8, prefill_chunk=16, async_scheduling=True)
     assert engine_outputs(engine, reqs) == roomy
+    with pytest.raises(KvboundError, match=r"its context \(60 tokens, held whole until it is read again\) and its "
+                       r"cache bound \(22 tokens\) need 11 blocks of 8 tokens, but the pool has only 10"):
+        LLMEngine(model, num_blocks=10, block_size=8).add_request(ids_of(1, 60).tolist(), GREEDY, parse_policy(specs[0]))
 
 
 def test_kvzip_in_the_engine_forks_hits_the_prefix_cache_and_counts_its_peak(pair, monkeypatch):

@@ -10,6 +10,10 @@ cached are taken as they are), so only its last, partial block is computed again
 state (blocks, positions, scores), restored as it was. Without room there it is recomputed. A request that
 could never fit in the pool is refused when it is added.
 
+A KVzip sequence (`Sequence.reading`) runs as an unbounded one while its context comes in, and the step that feeds
+the context's last piece keeps room for its bounded cache, which the engine fills once it has read the context
+again (`LLMEngine._score`).
+
 Chunk boundaries of a bounded (evicting) sequence are fixed by the sequence alone: its prompt is fed in
 pieces ending at multiples of `prefill_chunk` (and where its question starts, if the request says), and
 tokens it generated (replayed after a preemption) one at a time, as its decode fed them. Eviction runs at
@@ -170,9 +174,11 @@ class Scheduler:
         need = self.blocks_to_finish(seq)
         usable = self.pool.usable_blocks
         if need > usable:
-            what = (f"its cache bound ({seq.policy.budget} tokens)" if seq.bounded else
-                    f"prompt ({len(seq.prompt)}) + max_tokens ({seq.params.max_tokens})")
-            raise KvboundError(f"request {seq.request_id}: {what} needs {need} blocks of "
+            what = (f"its context ({seq.context_end} tokens, held whole until it is read again) and its cache bound "
+                    f"({seq.policy.budget} tokens)" if seq.reading else f"its cache bound ({seq.policy.budget} tokens)"
+                    if seq.bounded else f"prompt ({len(seq.prompt)}) + max_tokens ({seq.params.max_tokens})")
+            verb = "need" if seq.reading else "needs"
+            raise KvboundError(f"request {seq.request_id}: {what} {verb} {need} blocks of "
                                f"{self.pool.block_size} tokens, but the pool has only {usable}")
         self.waiting.append(seq)
 
