@@ -38,6 +38,7 @@ def cmd_generate(args):
     --quantized-kv-start and re-indexed positions use a single-sequence cache. Speeds and peak KV memory go to stderr."""
     from ..cache import parse_kv_bits, sequence_cache
     from ..engine import LLMEngine, SamplingParams, generate_ids
+    from ..engine.scheduler import peak_blocks
     from ..models.tokenizer import StreamDecoder
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
@@ -55,9 +56,7 @@ def cmd_generate(args):
     report = {}
     own_cache = args.quantized_kv_start or args.reindex_positions
     if not own_cache:
-        blocks = lambda tokens: -(-tokens // 16)  # noqa: E731
-        need = (blocks(policy.capacity) + (blocks(len(ids)) if policy.reconstructs else 0) if policy.bounded
-                else blocks(len(ids) + args.max_tokens))  # kvzip holds its prompt whole until it is scored
+        need = peak_blocks(policy, len(ids), len(ids) + args.max_tokens, 16)
         engine = LLMEngine(model, tok, policy=policy, num_blocks=need, block_size=16,
                            prefill_chunk=args.prefill_chunk, max_num_batched_tokens=args.prefill_chunk,
                            kv_dtype=kv_dtype(args, dtype), kv_bits=bits, kv_group_size=args.kv_group_size)

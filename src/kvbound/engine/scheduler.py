@@ -36,6 +36,21 @@ WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 HELD = FullPolicy()  # the cache of a KVzip sequence's context until it is scored (`Sequence.reading`)
 
 
+def reads_again(policy, context: int) -> bool:
+    """KVzip (`policy.reconstructs`) reads a context past its cache's room a second time; one within the room is kept
+    as it is."""
+    return policy.reconstructs and context >= policy.capacity
+
+
+def peak_blocks(policy, context: int, total: int, block_size: int) -> int:
+    """Blocks one request needs at its largest, alone in the pool: a bounded cache's room (beside a KVzip context
+    held whole until it is read again), or all `total` tokens of an unbounded one."""
+    blocks = lambda tokens: -(-tokens // block_size)  # noqa: E731
+    if not policy.bounded:
+        return blocks(total)
+    return blocks(policy.capacity) + (blocks(context) if reads_again(policy, context) else 0)
+
+
 @dataclass
 class Sequence:
     """One completion: its prompt, what it generated, its policy, and (while admitted) its cache."""
@@ -101,6 +116,7 @@ class Sequence:
 
     @property
     def cache_policy(self):
+        """The policy of the cache it is admitted with: a full one while it reads its context."""
         return HELD if self.reading else self.policy
 
     def drop_cache(self):
@@ -158,26 +174,19 @@ class Scheduler:
                           swapped_in_blocks=0, recomputed_tokens=0, host_hit_tokens=0)
 
     # --- requests -------------------------------------------------------------------------------
-    def blocks_to_finish(self, seq: Sequence) -> int:
-        """Blocks one sequence needs at its largest (alone in the pool)."""
-        bs = self.pool.block_size
-        if seq.reading:  # its context held whole, and the bounded cache the scores fill
-            return -(-seq.context_end // bs) + self.scored_blocks(seq)
-        if seq.bounded:
-            return -(-seq.policy.capacity // bs)
-        return -(-(len(seq.prompt) + seq.params.max_tokens) // bs)
-
     def add(self, seq: Sequence):
         if seq.params.n > self.max_num_seqs:
             raise KvboundError(f"request {seq.request_id}: n={seq.params.n} completions, but at most "
                                f"{self.max_num_seqs} sequences run at once (max_num_seqs)")
-        need = self.blocks_to_finish(seq)
+        need = peak_blocks(seq.policy, seq.context_end, len(seq.prompt) + seq.params.max_tokens, self.pool.block_size)
         usable = self.pool.usable_blocks
         if need > usable:
-            what = (f"its context ({seq.context_end} tokens, held whole until it is read again) and its cache bound "
-                    f"({seq.policy.budget} tokens)" if seq.reading else f"its cache bound ({seq.policy.budget} tokens)"
-                    if seq.bounded else f"prompt ({len(seq.prompt)}) + max_tokens ({seq.params.max_tokens})")
-            verb = "need" if seq.reading else "needs"
+            what = (f"its cache bound ({seq.policy.budget} tokens)" if seq.policy.bounded else
+                    f"prompt ({len(seq.prompt)}) + max_tokens ({seq.params.max_tokens})")
+            verb = "needs"
+            if reads_again(seq.policy, seq.context_end):
+                what = f"its context ({seq.context_end} tokens, held whole until it is read again) and {what}"
+                verb = "need"
             raise KvboundError(f"request {seq.request_id}: {what} {verb} {need} blocks of "
                                f"{self.pool.block_size} tokens, but the pool has only {usable}")
         self.waiting.append(seq)
@@ -297,8 +306,8 @@ class Scheduler:
         share: all full blocks but the one holding the last prompt token (which must be computed to give
         logits), and for a bounded sequence only blocks inside its protected prefix (it never writes those)."""
         bs = self.pool.block_size
-        if seq.swapped is None and seq.policy.reconstructs:  # (again, after a preemption recomputes it) KVzip:
-            seq.scored = seq.context_end < seq.policy.capacity  # a context within the room is kept as it is
+        if seq.swapped is None:  # (again, after a preemption recomputes it)
+            seq.scored = not reads_again(seq.policy, seq.context_end)
         if seq.swapped is not None and seq.bounded:
             if not self._restore(seq):
                 return
