@@ -9,7 +9,7 @@ from kvbound.cache import KVCache, parse_policy, sequence_cache
 from kvbound.cache.reconstruct import ReconstructionPass
 from kvbound.engine import LLM, LLMEngine
 from kvbound.engine import llm_engine
-from kvbound.engine.generate import generate_ids, prefill, read_again
+from kvbound.engine.generate import SecondReading, generate_ids, prefill, read_again
 from kvbound.engine.sampling import SamplingParams
 from kvbound.errors import KvboundError
 
@@ -201,8 +201,12 @@ def engine_outputs(engine, requests) -> list[list[int]]:
 def scored_lengths(monkeypatch) -> list[int]:
     """The contexts the engine reads a second time, recorded while the test runs."""
     seen = []
-    monkeypatch.setattr(llm_engine, "read_again", lambda model, held, ids, chunk: (
-        seen.append(len(ids)), read_again(model, held, ids, chunk))[1])
+
+    class Recorded(SecondReading):
+        def __init__(self, held, ids, chunk):
+            seen.append(len(ids))
+            super().__init__(held, ids, chunk)
+    monkeypatch.setattr(llm_engine, "SecondReading", Recorded)
     return seen
 
 
@@ -234,6 +238,29 @@ def test_kvzip_in_the_engine_batched_and_preempted_equals_each_sequence_alone(pa
     with pytest.raises(KvboundError, match=r"its context \(60 tokens, held whole until it is read again\) and its "
                        r"cache bound \(22 tokens\) need 11 blocks of 8 tokens, but the pool has only 10"):
         LLMEngine(model, num_blocks=10, block_size=8).add_request(ids_of(1, 60).tolist(), GREEDY, parse_policy(specs[0]))
+
+
+def test_kvzip_in_the_engine_reads_a_piece_a_step_while_the_others_decode(pair, monkeypatch):
+    """The second reading goes a prefill piece a step, within the step's token budget, so a sequence decoding beside
+    it gets a token every step instead of waiting for a whole context to be read again."""
+    _, model = pair
+    engine = LLMEngine(model, num_blocks=64, block_size=8, prefill_chunk=16, max_num_batched_tokens=32)
+    steps, read = [], []
+    orig = SecondReading.step
+    monkeypatch.setattr(SecondReading, "step", lambda self, m: (read.append(len(steps)), orig(self, m))[1])
+    decoding = engine.add_request(ids_of(40, 6).tolist(), SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()
+    ids = ids_of(41, 80).tolist()
+    zipped = engine.add_request(ids, GREEDY, parse_policy("kvzip:sink=2,heavy=14,recent=6"))
+    done = {}
+    while engine.has_unfinished():
+        outs = {o.request_id: o for o in engine.step()}
+        steps.append(len(outs[decoding].outputs[0].token_ids) if decoding in outs else None)
+        done.update((r, o.outputs[0].token_ids) for r, o in outs.items() if o.finished)
+    assert read == [5, 6, 7, 8, 9]  # after the 5 steps that held the context (16 tokens a step): one piece a step
+    assert steps[:11] == list(range(2, 13))  # the other sequence drew a token in every one of those steps
+    assert done[zipped] == list(generate_ids(model, ids, GREEDY, KVCache(model.config, parse_policy(
+        "kvzip:sink=2,heavy=14,recent=6")), (), 16))
 
 
 def test_kvzip_in_the_engine_forks_hits_the_prefix_cache_and_counts_its_peak(pair, monkeypatch):

@@ -62,14 +62,41 @@ def scored_prefill(model, cache: KVCache, ids: torch.Tensor, chunk: int) -> torc
 
 
 def read_again(model, held, ids: torch.Tensor, chunk: int) -> torch.Tensor:
-    """KVzip's second reading: the n tokens `ids` that the unbounded cache `held` holds, fed again in pieces of
-    `chunk` tokens, each right after them (attending over them and itself) and writing nothing. Returns each held
-    token's score [layers, n, H], the most attention any query of the reading gave it (`cache.reconstruct`)."""
-    reading = ReconstructionPass(held)
-    for start in range(0, len(ids), chunk):
-        part = ids[start:start + chunk]
-        model(part, torch.arange(len(ids), len(ids) + len(part), device=ids.device), reading, logits_at=-1)
+    """KVzip's second reading of the n tokens `ids` that the unbounded cache `held` holds, whole (`SecondReading`).
+    Returns each held token's score [layers, n, H]."""
+    reading = SecondReading(held, ids, chunk)
+    while not reading.done:
+        reading.step(model)
     return reading.best
+
+
+class SecondReading:
+    """KVzip's second reading, a piece at a time: the n tokens `ids` that the unbounded cache `held` holds, fed again
+    in pieces of `chunk` tokens, each right after them (attending over them and itself) and writing nothing. `best`
+    [layers, n, H]: each held token's score, the most attention any query of the reading gave it
+    (`cache.reconstruct`). The engine reads a piece a step (`LLMEngine._read_on`), as it prefills."""
+
+    def __init__(self, held, ids: torch.Tensor, chunk: int):
+        self.held, self.ids, self.chunk, self.at = held, ids, chunk, 0
+        self.pass_ = ReconstructionPass(held)
+
+    @property
+    def done(self) -> bool:
+        return self.at >= len(self.ids)
+
+    @property
+    def best(self) -> torch.Tensor:
+        return self.pass_.best
+
+    @property
+    def piece(self) -> int:
+        """Tokens the next piece reads."""
+        return min(self.chunk, len(self.ids) - self.at)
+
+    def step(self, model):
+        n, part = len(self.ids), self.ids[self.at:self.at + self.chunk]
+        model(part, torch.arange(n, n + len(part), device=part.device), self.pass_, logits_at=-1)
+        self.at += len(part)
 
 
 def generate_ids(model, prompt_ids: list[int], params: SamplingParams, cache: KVCache,

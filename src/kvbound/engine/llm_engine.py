@@ -22,7 +22,7 @@ from ..cache.store import PagedStore
 from ..errors import KvboundError
 from ..staging import to_device
 from .cuda_graphs import DecodeGraphs
-from .generate import check_question_start, read_again
+from .generate import SecondReading, check_question_start
 from .runner import StepBatch, finish_step
 from .sampling import SamplingParams, next_tokens, with_logprobs
 from .scheduler import FINISHED, RUNNING, Scheduler, Sequence
@@ -346,6 +346,7 @@ class LLMEngine:
             self.graphs.drop(meta)
         launched, self._inflight = self._inflight, None
         self._sampled, touched = [], {}
+        reading = [s for s in self.scheduler.running if s.rereading is not None]  # this step's budget has their pieces
         if launched is not None:
             batch = self.scheduler.schedule(run_ahead=True)  # pending tokens only come from `_plain` sequences
             if batch:  # the next step's forward goes first, then the last step's tokens are read, then its draw
@@ -353,6 +354,7 @@ class LLMEngine:
                 self._read(launched, only_finished, touched)
                 self._publish(ran[0])
                 self._keep_or_read(self._draw(*ran), only_finished, touched)
+                self._read_on(reading, only_finished, touched)
                 return self._outputs(touched, only_finished)
             self._read(launched, only_finished, touched)
         batch = self.scheduler.schedule()
@@ -360,6 +362,7 @@ class LLMEngine:
             ran = self._forward_step(batch)
             self._publish(ran[0])
             self._keep_or_read(self._draw(*ran), only_finished, touched)
+        self._read_on(reading, only_finished, touched)
         return self._outputs(touched, only_finished)
 
     def _forward_step(self, batch, launched: Launched | None = None) -> tuple:
@@ -379,27 +382,45 @@ class LLMEngine:
                 return launched.tokens[src]
             fill = (rows, pending_tokens)
         logits = self._forward(batch, keys, sampling, fill)
-        for seq, _ in batch:
-            if seq.reading and seq.cache.seen == seq.context_end:
-                self._score(seq)
+        held = [i for i, (seq, _) in enumerate(batch) if seq.reading and seq.cache.seen == seq.context_end]
+        if held:  # KVzip: their first draws wait for their contexts' second reading
+            for i in held:
+                self._start_reading(batch[i][0], logits[sampling.index(i)] if i in sampling else None)
+            rows = [r for r, i in enumerate(sampling) if i not in held]
+            sampling = [sampling[r] for r in rows]
+            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
         return batch, sampling, logits
 
-    def _score(self, seq: Sequence):
-        """KVzip (`policies.KVzipPolicy`): the context the sequence holds whole is read a second time, a bounded cache
-        keeps what that reading scores (`engine.generate.scored_prefill`, here in the blocks `Scheduler._take` kept for
-        it), and the held blocks go back. The draw after it reads the full cache's logits, as the sequence's own
-        cache's prefill returns them."""
-        held = seq.cache
+    def _start_reading(self, seq: Sequence, logits):
+        """KVzip (`policies.KVzipPolicy`): the sequence holds its whole context, which it now reads a second time, a
+        piece a step (`_read_on`); its bounded cache takes the blocks `Scheduler._take` kept for it. `logits`: the
+        full cache's last ones (None when a question follows), drawn from once the context is kept, as the
+        sequence's own cache's prefill returns them (`engine.generate.scored_prefill`), so that forks copy the kept
+        cache."""
         self.scheduler.publish(seq)  # its context's full blocks, as any full cache's, for the next such prompt
-        ids = torch.tensor(seq.prompt[:seq.context_end], device=self.device)
-        best = read_again(self.model, held, ids, self.scheduler.chunk)
         self.pool.promised -= self.scheduler.scored_blocks(seq)
-        seq.cache = self.caches(seq.policy, [])
-        seq.cache.prepare(seq.context_end)
-        seq.cache.keep_scored(held, best)
-        seq.scored = True
-        seq.peak_blocks = max(seq.peak_blocks, len(held.store.blocks) + len(seq.cache.store.blocks))
-        held.release()
+        bounded = self.caches(seq.policy, [])
+        bounded.prepare(seq.context_end)
+        ids = torch.tensor(seq.prompt[:seq.context_end], device=self.device)
+        seq.rereading = (SecondReading(seq.cache, ids, self.scheduler.chunk), bounded, logits)
+
+    def _read_on(self, seqs, only_finished: bool, touched: dict):
+        """Each of `seqs` still reading its context again reads its next piece (one a step, counted in the step's
+        token budget as a prefill piece is, so the others' decodes never wait for a whole context); one that has read
+        it all keeps what that scores in its bounded cache, and its held blocks go back."""
+        for seq in seqs:
+            if seq.rereading is None:  # preempted since
+                continue
+            reading, bounded, logits = seq.rereading
+            reading.step(self.model)
+            if reading.done:
+                held = seq.cache
+                bounded.keep_scored(held, reading.best)
+                seq.peak_blocks = max(seq.peak_blocks, len(held.store.blocks) + len(bounded.store.blocks))
+                seq.cache, seq.rereading, seq.scored = bounded, None, True
+                held.release()
+                if logits is not None:  # its first token, read at once
+                    self._read(self._draw([(seq, 0)], [0], logits[None]), only_finished, touched)
 
     def _draw(self, batch, sampling, logits) -> Launched:
         """Each sampling row's next token, left on the device: a `sampling.Draw`, whose host check (top-p

@@ -84,6 +84,8 @@ class Sequence:
     pending: int = 0  # tokens sampled on the device and not yet read here (the engine's run-ahead)
     question_start: int | None = None  # a bounded prefill piece ends here (generate.piece_end)
     scored: bool = False  # KVzip: its bounded cache holds what the second reading of its context kept (`reading`)
+    # KVzip: (its context's `generate.SecondReading` under way, the bounded cache, the logits of its first draw)
+    rereading: tuple | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -126,6 +128,9 @@ class Sequence:
         self.tokens_evicted = self.cache.seen - len(self.cache)
         self.cache.release()
         self.cache = None
+        if self.rereading is not None:
+            self.rereading[1].release()
+            self.rereading = None
 
     def to_feed(self) -> int:
         """Tokens not yet in the cache (the last sampled token included, even while it is pending)."""
@@ -205,6 +210,9 @@ class Scheduler:
         self.pool.promised = 0  # room for the last step's forks was taken by them
         prefills = []
         for seq in list(self.running):  # decodes first
+            if seq.rereading is not None:  # KVzip: its context's next piece is read again in this step
+                room -= seq.rereading[0].piece
+                continue
             if seq.status != RUNNING or seq.finishing:  # its last token is drawn: no step more
                 continue
             if seq.to_feed() != 1:
@@ -252,7 +260,8 @@ class Scheduler:
             self.running.append(seq)
             batch.append((seq, t))
             room -= t
-        if not batch and self.running and not run_ahead:  # running prefills all wait for blocks: free some, retry
+        waits = any(s.rereading is None for s in self.running)
+        if not batch and waits and not run_ahead:  # running prefills all wait for blocks: free some, retry
             self.preempt(self.running[-1])
             return self.schedule()
         if batch or not run_ahead:
