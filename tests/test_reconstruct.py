@@ -241,24 +241,32 @@ def test_kvzip_in_the_engine_batched_and_preempted_equals_each_sequence_alone(pa
 
 
 def test_kvzip_in_the_engine_reads_a_piece_a_step_while_the_others_decode(pair, monkeypatch):
-    """The second reading goes a prefill piece a step, within the step's token budget, so a sequence decoding beside
-    it gets a token every step instead of waiting for a whole context to be read again."""
+    """The second reading goes a prefill piece a step, counted in the step's token budget, so a sequence decoding
+    beside it gets a token every step instead of waiting for a whole context to be read again, and a prompt
+    prefilled meanwhile takes what the budget leaves."""
     _, model = pair
     engine = LLMEngine(model, num_blocks=64, block_size=8, prefill_chunk=16, max_num_batched_tokens=32)
-    steps, read = [], []
-    orig = SecondReading.step
-    monkeypatch.setattr(SecondReading, "step", lambda self, m: (read.append(len(steps)), orig(self, m))[1])
+    steps, read, fed = [], [], []
+    orig, schedule = SecondReading.step, engine.scheduler.schedule
+    monkeypatch.setattr(SecondReading, "step", lambda self, m: (read.append((len(steps), self.piece)),
+                                                                 orig(self, m))[1])
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda **kw: (lambda b: (fed.append(
+        sum(t for _, t in b or [])), b)[1])(schedule(**kw)))
     decoding = engine.add_request(ids_of(40, 6).tolist(), SamplingParams(max_tokens=20, ignore_eos=True))
     engine.step()
     ids = ids_of(41, 80).tolist()
     zipped = engine.add_request(ids, GREEDY, parse_policy("kvzip:sink=2,heavy=14,recent=6"))
+    engine.add_request(ids_of(42, 150).tolist(), SamplingParams(max_tokens=2, ignore_eos=True))
     done = {}
     while engine.has_unfinished():
         outs = {o.request_id: o for o in engine.step()}
         steps.append(len(outs[decoding].outputs[0].token_ids) if decoding in outs else None)
         done.update((r, o.outputs[0].token_ids) for r, o in outs.items() if o.finished)
-    assert read == [5, 6, 7, 8, 9]  # after the 5 steps that held the context (16 tokens a step): one piece a step
+    # after the 5 steps that held the context (16 tokens a step): one piece a step
+    assert [at for at, _ in read] == [5, 6, 7, 8, 9]
     assert steps[:11] == list(range(2, 13))  # the other sequence drew a token in every one of those steps
+    pieces = dict(read)
+    assert all(fed[i + 1] + pieces.get(i, 0) <= 32 for i in range(len(steps))), (fed, read)
     assert done[zipped] == list(generate_ids(model, ids, GREEDY, KVCache(model.config, parse_policy(
         "kvzip:sink=2,heavy=14,recent=6")), (), 16))
 
