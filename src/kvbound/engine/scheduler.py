@@ -10,9 +10,9 @@ cached are taken as they are), so only its last, partial block is computed again
 state (blocks, positions, scores), restored as it was. Without room there it is recomputed. A request that
 could never fit in the pool is refused when it is added.
 
-A KVzip sequence (`Sequence.reading`) runs as an unbounded one while its context comes in, and the step that feeds
-the context's last piece keeps room for its bounded cache, which the engine fills once it has read the context
-again (`LLMEngine._score`).
+A KVzip sequence (`Sequence.reading`) runs as an unbounded one while its context comes in; the step that feeds the
+context's last piece keeps room for its bounded cache. The engine then reads the context again, a piece a step
+(`Sequence.rereading`, counted in the step's token budget), and the bounded cache keeps what that scores.
 
 Chunk boundaries of a bounded (evicting) sequence are fixed by the sequence alone: its prompt is fed in
 pieces ending at multiples of `prefill_chunk` (and where its question starts, if the request says), and
@@ -108,8 +108,8 @@ class Sequence:
     @property
     def reading(self) -> bool:
         """A KVzip sequence (`policy.reconstructs`) holding its context whole in an unbounded cache, until the
-        engine reads it a second time and a bounded cache keeps what that reading scores (`LLMEngine._score`);
-        meanwhile it runs as an unbounded sequence."""
+        engine has read it a second time and a bounded cache keeps what that reading scores
+        (`LLMEngine._start_reading`); meanwhile it runs as an unbounded sequence."""
         return self.policy.reconstructs and not self.scored
 
     @property
