@@ -518,10 +518,9 @@ class KVzipPolicy(H2OPolicy):
     gives each while it reads the prompt again right after itself (`cache.reconstruct`): what the model needs to
     reproduce the context stays, whatever question follows. The pass holds the prompt in a full cache meanwhile
     and reads it a second time (`engine.generate.prefill` on a sequence's own cache; in the engine, in pool blocks,
-    `LLMEngine._start_reading`); with a `question_start`, the context before the question is scored and the question read
-    after. Decoding then accumulates attention as
-    H2O. With `alpha`, a layer's heads share its budget by these scores (AdaKV's rule; KVzip's own budgets are
-    uneven across heads too)."""
+    `LLMEngine._start_reading`); with a `question_start`, the context before the question is scored and the
+    question read after. Decoding then accumulates attention as H2O. With `alpha`, a layer's heads share its budget
+    by these scores (AdaKV's rule; KVzip's own budgets are uneven across heads too)."""
     name: str = "kvzip"
     score_choices = ("cumulative", "ema")
     reconstructs = True
