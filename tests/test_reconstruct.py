@@ -243,7 +243,7 @@ def test_kvzip_in_the_engine_batched_and_preempted_equals_each_sequence_alone(pa
 def test_kvzip_in_the_engine_reads_a_piece_a_step_while_the_others_decode(pair, monkeypatch):
     """The second reading goes a prefill piece a step, counted in the step's token budget, so a sequence decoding
     beside it gets a token every step instead of waiting for a whole context to be read again, and a prompt
-    prefilled meanwhile takes what the budget leaves."""
+    prefilled meanwhile takes what the budget leaves. A request aborted while it reads gives every block back."""
     _, model = pair
     engine = LLMEngine(model, num_blocks=64, block_size=8, prefill_chunk=16, max_num_batched_tokens=32)
     steps, read, fed = [], [], []
@@ -269,6 +269,11 @@ def test_kvzip_in_the_engine_reads_a_piece_a_step_while_the_others_decode(pair, 
     assert all(fed[i + 1] + pieces.get(i, 0) <= 32 for i in range(len(steps))), (fed, read)
     assert done[zipped] == list(generate_ids(model, ids, GREEDY, KVCache(model.config, parse_policy(
         "kvzip:sink=2,heavy=14,recent=6")), (), 16))
+    aborted = engine.add_request(ids, GREEDY, parse_policy("kvzip:sink=2,heavy=14,recent=6"))
+    while engine.requests[aborted][0].rereading is None:
+        engine.step()
+    engine.abort(aborted)  # mid-reading: its held and bounded blocks go back at once
+    assert engine.pool.num_free == engine.pool.num_blocks and not engine.has_unfinished()
 
 
 def test_kvzip_in_the_engine_forks_hits_the_prefix_cache_and_counts_its_peak(pair, monkeypatch):
