@@ -83,7 +83,7 @@ class Sequence:
     seen_at_preemption: int = 0  # tokens its cache had processed when it was last preempted
     pending: int = 0  # tokens sampled on the device and not yet read here (the engine's run-ahead)
     question_start: int | None = None  # a bounded prefill piece ends here (generate.piece_end)
-    scored: bool = False  # KVzip: its bounded cache holds what the second reading of its context kept (`reading`)
+    scored: bool = False  # False while a KVzip sequence's context is still to be read again (`reading`)
     # KVzip: (its context's `generate.SecondReading` under way, the bounded cache, the logits of its first draw)
     rereading: tuple | None = None
 
@@ -300,8 +300,8 @@ class Scheduler:
         return True
 
     def scored_blocks(self, seq: Sequence) -> int:
-        """Blocks a KVzip sequence's bounded cache takes when its context has been read (kept for it from the step
-        that feeds the context's last piece until `LLMEngine._score` takes them)."""
+        """Blocks a KVzip sequence's bounded cache takes once its context is in (kept for it from the step that feeds
+        the context's last piece, as `LLMEngine._start_reading` takes them)."""
         return -(-seq.policy.capacity // self.pool.block_size)
 
     def _blocks_needed(self, seq: Sequence, t: int) -> int:
