@@ -35,7 +35,8 @@ def engine_tokens(engine, ids, params, report):
 
 def cmd_generate(args):
     """Through the engine (LLMEngine) with one request, its pool packed with --kv-bits 8 / 4 / heavy=4,recent=8;
-    --quantized-kv-start and re-indexed positions use a single-sequence cache. Speeds and peak KV memory go to stderr."""
+    --quantized-kv-start and re-indexed positions use a single-sequence cache. Speeds and peak KV memory go to
+    stderr."""
     from ..cache import parse_kv_bits, sequence_cache
     from ..engine import LLMEngine, SamplingParams, generate_ids
     from ..engine.scheduler import peak_blocks
