@@ -51,7 +51,8 @@ class AdaptiveKVCache:
         self.rows = [share + policy.evict_every for _, share in self.budgets]  # place rows each layer may use
         self.slots = max(self.rows)
         self.store_rows = -(-sum(self.rows) // layers)  # what the store holds per layer: the mean layer's rows
-        self.places = layer_places(self.rows, device)
+        # layers of different budgets: where each layer's place rows are (`layer_places`), as `StackedMeta.places`
+        self.places = layer_places(self.rows, device) if policy.layered else None
         self.store = store if store is not None else DenseStore(layers, self.store_rows, self.heads,
                                                                 config.head_dim, device, dtype)
         self.stacked = stacked
@@ -263,10 +264,10 @@ class AdaptiveKVCache:
     def layer_table(self, layer: int, n: int):
         """(storage, its layer, slots [n]) of the layer's first n place rows: the store's own layer where every layer
         keeps as many rows (as the engine's groups read them, `runner.layer_slots`), else slots of its view of every
-        layer's slots (`all_layers`, layer 0), borrowed rows included."""
+        layer's slots (`all_layers`, layer 0), borrowed rows included (layers of different budgets)."""
         storage = self.store.storage
         local = self.store.slot_table(self.store_rows if n > self.store_rows else n)
-        if len(set(self.rows)) == 1:
+        if self.places is None:
             return storage, layer, local[:n]
         at_layer, row = self.places[layer]
         return storage.all_layers(), 0, place_slots((at_layer[:n], row[:n]), local, storage.layer_slots)

@@ -77,7 +77,7 @@ class SecondReading:
     (`cache.reconstruct`). The engine reads a piece a step (`LLMEngine._read_on`), as it prefills."""
 
     def __init__(self, held, ids: torch.Tensor, chunk: int):
-        self.held, self.ids, self.chunk, self.at = held, ids, chunk, 0
+        self.ids, self.chunk, self.at = ids, chunk, 0
         self.pass_ = ReconstructionPass(held)
 
     @property

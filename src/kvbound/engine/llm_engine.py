@@ -346,7 +346,6 @@ class LLMEngine:
             self.graphs.drop(meta)
         launched, self._inflight = self._inflight, None
         self._sampled, touched = [], {}
-        reading = [s for s in self.scheduler.running if s.rereading is not None]  # this step's budget has their pieces
         if launched is not None:
             batch = self.scheduler.schedule(run_ahead=True)  # pending tokens only come from `_plain` sequences
             if batch:  # the next step's forward goes first, then the last step's tokens are read, then its draw
@@ -354,7 +353,7 @@ class LLMEngine:
                 self._read(launched, only_finished, touched)
                 self._publish(ran[0])
                 self._keep_or_read(self._draw(*ran), only_finished, touched)
-                self._read_on(reading, only_finished, touched)
+                self._read_on(self.scheduler.rereads, only_finished, touched)
                 return self._outputs(touched, only_finished)
             self._read(launched, only_finished, touched)
         batch = self.scheduler.schedule()
@@ -362,7 +361,7 @@ class LLMEngine:
             ran = self._forward_step(batch)
             self._publish(ran[0])
             self._keep_or_read(self._draw(*ran), only_finished, touched)
-        self._read_on(reading, only_finished, touched)
+        self._read_on(self.scheduler.rereads, only_finished, touched)
         return self._outputs(touched, only_finished)
 
     def _forward_step(self, batch, launched: Launched | None = None) -> tuple:

@@ -175,6 +175,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swap_left = swap_bytes  # host memory left for preempted sequences' blocks
+        self.rereads: list[Sequence] = []  # KVzip: the sequences whose next second-reading piece this step counts
         self.stats = dict(preemptions=0, prompt_tokens=0, prefix_hit_tokens=0, steps=0, swapped_out_blocks=0,
                           swapped_in_blocks=0, recomputed_tokens=0, host_hit_tokens=0)
 
@@ -208,10 +209,11 @@ class Scheduler:
         batch: list[tuple[Sequence, int]] = []
         room = self.max_tokens_per_step
         self.pool.promised = 0  # room for the last step's forks was taken by them
-        prefills = []
+        prefills, self.rereads = [], []
         for seq in list(self.running):  # decodes first
             if seq.rereading is not None:  # KVzip: its context's next piece is read again in this step
                 room -= seq.rereading[0].piece
+                self.rereads.append(seq)
                 continue
             if seq.status != RUNNING or seq.finishing:  # its last token is drawn: no step more
                 continue
