@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from kvbound.cache import KVCache, parse_policy, sequence_cache
+from kvbound.cache import BlockPool, KVCache, parse_policy, sequence_cache
+from kvbound.cache.store import PagedStore
 from kvbound.cache.reconstruct import ReconstructionPass
 from kvbound.engine import LLM, LLMEngine
 from kvbound.engine import llm_engine
@@ -298,11 +299,19 @@ def test_kvzip_in_the_engine_forks_hits_the_prefix_cache_and_counts_its_peak(pai
 
 
 def packed_alone(model, ids, pol, bits, steps):
-    """A context held at `bits` in a cache of its own, read again, kept by a packed kvzip cache; then greedy decode:
-    what the engine's packed pool does."""
-    held = KVCache(model.config, None, kv_bits=bits, kv_group_size=32)
+    """A context held at `bits`, read again, kept by a kvzip cache at that width; then greedy decode: what the engine's
+    packed pool does, in stores of their own (fp8, which lives in pools alone: in blocks of a pool of their own)."""
+    cfg = model.config
+    if bits == "fp8":
+        pool = BlockPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, 8, kv_bits=bits, group_size=32)
+        make = lambda p: KVCache(cfg, p, store=PagedStore(pool))  # noqa: E731
+    else:
+        make = lambda p: KVCache(cfg, p, kv_bits=bits, kv_group_size=32)  # noqa: E731
+    held, cache = make(None), make(pol)
+    if bits == "fp8":  # pool blocks are taken when asked for, as the engine asks
+        held.prepare(len(ids))
+        cache.prepare(len(ids))
     logits = prefill(model, held, ids, 16)
-    cache = KVCache(model.config, pol, kv_bits=bits, kv_group_size=32)
     cache.keep_scored(held, read_again(model, held, ids, 16))
     out = []
     for _ in range(steps):
@@ -315,15 +324,13 @@ def packed_alone(model, ids, pol, bits, steps):
 @pytest.mark.parametrize("bits", [8, 4, "fp8"])
 def test_kvzip_over_packed_blocks_reads_the_context_at_the_pools_width(pair, bits):
     """Over packed blocks the context is held packed, as every block of the pool is, and read again from there: the
-    engine's tokens equal a packed cache of the sequence's own that holds the context at that width (fp8, which
-    lives in the pool alone: the tokens run to the end, and the held context is read from fp8 codes, so they part
-    from the full-precision reading's)."""
+    engine's tokens equal a packed cache of the sequence's own that holds the context at that width; in fp8 they
+    part from the full-precision reading's."""
     _, model = pair
     ids = ids_of(31, 64)
     pol = parse_policy("kvzip:sink=2,heavy=14,recent=6")
     engine = LLMEngine(model, num_blocks=64, block_size=8, prefill_chunk=16, kv_bits=bits, kv_group_size=32)
     got = engine_outputs(engine, [(ids.tolist(), "kvzip:sink=2,heavy=14,recent=6", None)])[0]
-    if bits == "fp8":
-        assert len(got) == GREEDY.max_tokens
-        return
     assert got == packed_alone(model, ids, pol, bits, GREEDY.max_tokens)
+    if bits == "fp8":
+        assert got != list(generate_ids(model, ids.tolist(), GREEDY, KVCache(model.config, pol), (), 16))
