@@ -106,8 +106,8 @@ def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=
     for p in prompts(n, context, vocab, 1):
         eng.add_request(p, params)
     t0 = sync_time()
-    while eng.scheduler.waiting or any(s.to_feed() > 1 for s in eng.scheduler.running):
-        eng.step()
+    while eng.scheduler.waiting or any(s.to_feed() > 1 or s.reading for s in eng.scheduler.running):
+        eng.step()  # a KVzip prompt's prefill ends when its second reading has scored it (`Sequence.reading`)
     # the first decode of the caches that finished prefill last runs eagerly (and compiles that path's
     # kernels); a few steps later every step replays a graph: those are the steady state timed below
     t1 = sync_time()
