@@ -10,7 +10,7 @@ from kvbound.cache.store import PagedStore
 from kvbound.cache.reconstruct import ReconstructionPass
 from kvbound.engine import LLM, LLMEngine
 from kvbound.engine import llm_engine
-from kvbound.engine.generate import SecondReading, generate_ids, prefill, read_again
+from kvbound.engine.generate import SecondReading, generate_ids, prefill, read_again, read_pieces
 from kvbound.engine.sampling import SamplingParams
 from kvbound.errors import KvboundError
 
@@ -68,6 +68,26 @@ def test_reconstruction_scores_equal_transformers_attention_over_the_prompt_read
         part = ids[start:start + chunk]
         model(part, torch.arange(T, T + len(part)), reading)
     torch.testing.assert_close(reading.best, hf_best(hf, ids, chunk), atol=1e-5, rtol=1e-4)
+
+
+def test_readings_of_several_contexts_in_one_forward_score_each_as_transformers(pair):
+    """`read_pieces` reads the next piece of several second readings in one forward (the engine's step), contexts of
+    different lengths whose last pieces differ too: each context's scores equal transformers' for it alone."""
+    hf, model = pair
+    contexts = [ids_of(10 + i, n) for i, n in enumerate((37, 70, 16))]
+    readings = []
+    for ids in contexts:
+        held = KVCache(model.config, None)
+        prefill(model, held, ids, 32)
+        readings.append(SecondReading(held, ids, 24))
+    widths = []
+    while not all(r.done for r in readings):
+        under_way = [r for r in readings if not r.done]
+        widths.append(sum(r.piece for r in under_way))
+        read_pieces(model, under_way)
+    assert widths == [24 + 24 + 16, 13 + 24, 22]
+    for ids, reading in zip(contexts, readings):
+        torch.testing.assert_close(reading.best, hf_best(hf, ids, 24), atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("bits", [None, 8])
@@ -222,8 +242,11 @@ def test_kvzip_in_the_engine_batched_and_preempted_equals_each_sequence_alone(pa
              "h2o:sink=2,heavy=10,recent=10"]
     reqs = [(ids_of(20 + i, 12 + 11 * i).tolist(), specs[i % 4], 8 + 10 * i if i % 3 == 2 else None)
             for i in range(8)]
-    scored = scored_lengths(monkeypatch)
+    scored, together = scored_lengths(monkeypatch), []
+    read = llm_engine.read_pieces
+    monkeypatch.setattr(llm_engine, "read_pieces", lambda m, rs: (together.append(len(rs)), read(m, rs))[1])
     roomy = engine_outputs(LLMEngine(model, num_blocks=128, block_size=8, prefill_chunk=16), reqs)
+    assert max(together) >= 2  # contexts read again in one forward
     for (ids, spec, q), out in zip(reqs, roomy):
         cache = sequence_cache(model.config, spec and parse_policy(spec))
         assert out == list(generate_ids(model, ids, GREEDY, cache, (), 16, question_start=q)), spec
@@ -248,9 +271,9 @@ def test_kvzip_in_the_engine_reads_a_piece_a_step_while_the_others_decode(pair, 
     _, model = pair
     engine = LLMEngine(model, num_blocks=64, block_size=8, prefill_chunk=16, max_num_batched_tokens=32)
     steps, read, fed = [], [], []
-    orig, schedule = SecondReading.step, engine.scheduler.schedule
-    monkeypatch.setattr(SecondReading, "step", lambda self, m: (read.append((len(steps), self.piece)),
-                                                                 orig(self, m))[1])
+    orig, schedule = llm_engine.read_pieces, engine.scheduler.schedule
+    monkeypatch.setattr(llm_engine, "read_pieces", lambda m, rs: (read.extend((len(steps), r.piece) for r in rs),
+                                                                   orig(m, rs))[1])
     monkeypatch.setattr(engine.scheduler, "schedule", lambda **kw: (lambda b: (fed.append(
         sum(t for _, t in b or [])), b)[1])(schedule(**kw)))
     decoding = engine.add_request(ids_of(40, 6).tolist(), SamplingParams(max_tokens=20, ignore_eos=True))

@@ -30,6 +30,18 @@ class ReconstructionPass:
         return out[0]
 
 
+class ReadingBatch:
+    """A `models.llama.LayerAttention` for one forward over several second readings' pieces: the rows of piece i
+    (`lengths[i]` of them, in order) go to `passes[i]`, so the weights are read once for them all."""
+
+    def __init__(self, passes: list[ReconstructionPass], lengths: list[int]):
+        self.passes, self.lengths = passes, lengths
+
+    def attend(self, layer: int, q, k, v, positions):
+        parts = zip(self.passes, q.split(self.lengths), k.split(self.lengths), v.split(self.lengths))
+        return torch.cat([part.attend(layer, qs, ks, vs, None) for part, qs, ks, vs in parts])
+
+
 def check_scorable(cache, held) -> int:
     """`keep_scored`'s precondition: an empty `cache` and more tokens in the full cache `held` than its room. Returns
     their number."""

@@ -7,7 +7,7 @@ from typing import Iterator
 import torch
 
 from ..cache import KVCache
-from ..cache.reconstruct import ReconstructionPass
+from ..cache.reconstruct import ReadingBatch, ReconstructionPass
 from ..errors import KvboundError
 from .sampling import SamplingParams, sample_batch
 
@@ -66,7 +66,7 @@ def read_again(model, held, ids: torch.Tensor, chunk: int) -> torch.Tensor:
     Returns each held token's score [layers, n, H]."""
     reading = SecondReading(held, ids, chunk)
     while not reading.done:
-        reading.step(model)
+        read_pieces(model, [reading])
     return reading.best
 
 
@@ -74,7 +74,8 @@ class SecondReading:
     """KVzip's second reading, a piece at a time: the n tokens `ids` that the unbounded cache `held` holds, fed again
     in pieces of `chunk` tokens, each right after them (attending over them and itself) and writing nothing. `best`
     [layers, n, H]: each held token's score, the most attention any query of the reading gave it
-    (`cache.reconstruct`). The engine reads a piece a step (`LLMEngine._read_on`), as it prefills."""
+    (`cache.reconstruct`). The engine reads a piece a step (`LLMEngine._read_on`), as it prefills; `read_pieces`
+    reads the next piece of several at once."""
 
     def __init__(self, held, ids: torch.Tensor, chunk: int):
         self.ids, self.chunk, self.at = ids, chunk, 0
@@ -93,10 +94,17 @@ class SecondReading:
         """Tokens the next piece reads."""
         return min(self.chunk, len(self.ids) - self.at)
 
-    def step(self, model):
-        n, part = len(self.ids), self.ids[self.at:self.at + self.chunk]
-        model(part, torch.arange(n, n + len(part), device=part.device), self.pass_, logits_at=-1)
-        self.at += len(part)
+
+def read_pieces(model, readings: list[SecondReading]):
+    """One forward reads the next piece of each of `readings`, each right after its own context (positions n on)
+    and over it alone (`cache.reconstruct.ReadingBatch`): the engine reads every second reading under way at once."""
+    parts = [r.ids[r.at:r.at + r.piece] for r in readings]
+    ids = torch.cat(parts)
+    positions = torch.cat([torch.arange(len(r.ids), len(r.ids) + len(p), device=ids.device)
+                           for r, p in zip(readings, parts)])
+    model(ids, positions, ReadingBatch([r.pass_ for r in readings], [len(p) for p in parts]), logits_at=-1)
+    for r, p in zip(readings, parts):
+        r.at += len(p)
 
 
 def generate_ids(model, prompt_ids: list[int], params: SamplingParams, cache: KVCache,

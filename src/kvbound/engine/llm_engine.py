@@ -22,7 +22,7 @@ from ..cache.store import PagedStore
 from ..errors import KvboundError
 from ..staging import to_device
 from .cuda_graphs import DecodeGraphs
-from .generate import SecondReading, check_question_start
+from .generate import SecondReading, check_question_start, read_pieces
 from .runner import StepBatch, finish_step
 from .sampling import SamplingParams, next_tokens, with_logprobs
 from .scheduler import FINISHED, RUNNING, Scheduler, Sequence
@@ -404,14 +404,14 @@ class LLMEngine:
         seq.rereading = (SecondReading(seq.cache, ids, self.scheduler.chunk), bounded, logits)
 
     def _read_on(self, seqs, only_finished: bool, touched: dict):
-        """Each of `seqs` still reading its context again reads its next piece (one a step, counted in the step's
-        token budget as a prefill piece is, so the others' decodes never wait for a whole context); one that has read
-        it all keeps what that scores in its bounded cache, and its held blocks go back."""
+        """Each of `seqs` still reading its context again reads its next piece, all in one forward (one piece a
+        step, counted in the step's token budget as a prefill piece is, so the others' decodes never wait for a whole
+        context); one that has read it all keeps what that scores in its bounded cache, and its held blocks go back."""
+        seqs = [seq for seq in seqs if seq.rereading is not None]  # not preempted since
+        if seqs:
+            read_pieces(self.model, [seq.rereading[0] for seq in seqs])
         for seq in seqs:
-            if seq.rereading is None:  # preempted since
-                continue
             reading, bounded, logits = seq.rereading
-            reading.step(self.model)
             if reading.done:
                 held = seq.cache
                 bounded.keep_scored(held, reading.best)
