@@ -142,7 +142,8 @@ def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=
     res = dict(fit=fit, running=running, prefill_s=t1 - t0, prefill_tok_s=n * context / (t1 - t0),
                decode_tok_s=running * steps / (t2 - td), step_ms=1000 * (t2 - td) / steps,
                graph_ms=replay_ms(eng), write_ms=write_ms(eng.pool, running, model.config.num_layers),
-               committed_gib=eng.pool.committed_bytes / 2**30,
+               committed_gib=eng.pool.committed_bytes / 2**30, preemptions=eng.scheduler.stats["preemptions"],
+               recomputed_tokens=eng.scheduler.stats["recomputed_tokens"],
                map_ms=1000 * (after[0] - before[0]) / steps, maps_per_step=(after[1] - before[1]) / steps, **growth)
     if tile_sweep and eng.graphs is not None and eng.graphs.last is not None:
         res["graph_ms_tiles"] = {}

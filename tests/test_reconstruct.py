@@ -264,6 +264,24 @@ def test_kvzip_in_the_engine_batched_and_preempted_equals_each_sequence_alone(pa
         LLMEngine(model, num_blocks=10, block_size=8).add_request(ids_of(1, 60).tolist(), GREEDY, parse_policy(specs[0]))
 
 
+def test_kvzip_contexts_start_only_while_their_peaks_fit_so_none_is_preempted(pair):
+    """Six kvzip prompts in a pool that holds two of their contexts whole at once: each starts only when the rest of
+    its peak fits beside the others' still to come, so none is preempted (and computed again) and each equals its
+    own cache; h2o prompts beside them start at once."""
+    _, model = pair
+    spec = "kvzip:sink=2,heavy=14,recent=6"  # 60-token contexts: 8 blocks held, 3 for the bound
+    reqs = [(ids_of(60 + i, 60).tolist(), spec, None) for i in range(6)] + [(ids_of(70, 30).tolist(), "h2o:sink=2,heavy=10,recent=10", None)]
+    engine = LLMEngine(model, num_blocks=26, block_size=8, prefill_chunk=16, max_num_batched_tokens=512)
+    reading = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda **kw: (lambda b: (reading.append(sum(
+        s.reading for s in engine.scheduler.running)), b)[1])(schedule(**kw))
+    outs = engine_outputs(engine, reqs)
+    assert engine.scheduler.stats["preemptions"] == 0 and max(reading) == 2
+    for (ids, spec_, _), out in zip(reqs, outs):
+        assert out == list(generate_ids(model, ids, GREEDY, sequence_cache(model.config, parse_policy(spec_)), (), 16))
+
+
 def test_kvzip_in_the_engine_reads_a_piece_a_step_while_the_others_decode(pair, monkeypatch):
     """The second reading goes a prefill piece a step, counted in the step's token budget, so a sequence decoding
     beside it gets a token every step instead of waiting for a whole context to be read again, and a prompt

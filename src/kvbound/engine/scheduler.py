@@ -245,7 +245,7 @@ class Scheduler:
                 if seq.cache is None:  # its swapped-out blocks do not fit yet: it waits for room, in order
                     break
             t = seq.next_piece(room, self.chunk)
-            if not t or not self._take(seq, t):
+            if not t or not self._reading_fits(seq) or not self._take(seq, t):
                 if not self.running:  # nothing will free blocks: must not happen when `add` checked
                     raise KvboundError(f"request {seq.request_id} cannot be scheduled in an empty pool")
                 seq.drop_cache()
@@ -269,6 +269,22 @@ class Scheduler:
         if batch or not run_ahead:
             self.stats["steps"] += 1
         return batch
+
+    def _reading_fits(self, seq: Sequence) -> bool:
+        """A KVzip sequence starts only when the rest of its peak (its context held whole, then its bound) fits beside
+        the rest of the peaks of those already reading: contexts that together overfill the pool would preempt one
+        another before any is read again, and be computed again and again."""
+        if not seq.reading:
+            return True
+        return sum(map(self._left_to_read, [*self.running, seq])) <= self.pool.num_free
+
+    def _left_to_read(self, seq: Sequence) -> int:
+        """Blocks a sequence still reading its context takes before its peak (none once its second reading is under
+        way: its bounded cache has its blocks)."""
+        if not seq.reading or seq.rereading is not None:
+            return 0
+        peak = peak_blocks(seq.policy, seq.context_end, 0, self.pool.block_size)
+        return max(0, peak - len(seq.cache.store.blocks))
 
     @staticmethod
     def _members(seq: Sequence) -> int:
