@@ -102,6 +102,10 @@ def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=
     n = min(fit, cap)
     eng = LLMEngine(model, None, policy=policy, num_blocks=blocks, max_num_seqs=n, max_num_batched_tokens=8192,
                     prefill_chunk=512, kv_bits=kv_bits, kv_storage=kv_storage)
+    for p in prompts(2, min(context, 1024), vocab, 98):  # the policy's kernels compile before the timing
+        eng.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
     params = SamplingParams(max_tokens=out_len, ignore_eos=True)
     for p in prompts(n, context, vocab, 1):
         eng.add_request(p, params)
@@ -438,10 +442,11 @@ def main():
                     res["bounded"][key] = dict(r, blocks=blocks)
                     rows.append((f"{args.context}-token prompts, {key}", r["running"], float("nan"),
                                  r["decode_tok_s"], r["fit"], r["step_ms"], r["graph_ms"], r["write_ms"], r["map_ms"],
-                                 r.get("map_ms_expected", float("nan")), r["committed_gib"]))
+                                 r.get("map_ms_expected", float("nan")), r["committed_gib"], r["prefill_tok_s"]))
                     for spec, ms in r.get("graph_ms_tiles", {}).items():
                         rows.append((f"  tiles {spec}", r["running"], float("nan"), float("nan"), r["fit"],
-                                     float("nan"), ms, float("nan"), float("nan"), float("nan"), float("nan")))
+                                     float("nan"), ms, float("nan"), float("nan"), float("nan"), float("nan"),
+                                     float("nan")))
                     print(key, {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -450,7 +455,7 @@ def main():
     print(f"\n{args.shape} on {res['device']}, bf16, random weights; offline: {args.input_len} in / "
           f"{args.output_len} out")
     print(f"{'run':<50} {'seqs':>6} {'out tok/s':>10} {'decode tok/s':>13} {'peak / fit':>11} {'step ms':>8} "
-          f"{'graph ms':>9} {'write ms':>9} {'map ms':>8} {'map ms, growth':>14} {'GiB':>6}")
+          f"{'graph ms':>9} {'write ms':>9} {'map ms':>8} {'map ms, growth':>14} {'GiB':>6} {'prefill tok/s':>14}")
     for name, n, tps, dec, peak, *step in rows:
         step = "".join(f" {x:>8.2f} " for x in step)
         print(f"{name:<50} {n:>6} {tps:>10.0f} {dec:>13.0f} {peak:>11}{step}")
