@@ -90,6 +90,31 @@ def test_readings_of_several_contexts_in_one_forward_score_each_as_transformers(
         torch.testing.assert_close(reading.best, hf_best(hf, ids, 24), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention's varlen kernel")
+def test_readings_on_cuda_pieces_of_one_length_in_one_varlen_call_score_as_each_alone(pair, monkeypatch):
+    """On CUDA, in bf16, the pieces of one length from several readings attend in one FlashAttention varlen call
+    (`reconstruct.PiecesOfOneLength`), with `key_scores`' varlen mode: each context's scores equal its reading
+    alone's (a piece at a time through `causal_attention_batch`)."""
+    import copy
+    from kvbound.cache import reconstruct
+    gpu = copy.deepcopy(pair[1]).to("cuda", torch.bfloat16)
+    calls, varlen = [], reconstruct.varlen_attention_lse
+    monkeypatch.setattr(reconstruct, "varlen_attention_lse", lambda q, *a: calls.append(len(a[2]) - 1) or varlen(q, *a))
+    contexts = [ids_of(20 + i, n).cuda() for i, n in enumerate((40, 56, 40, 23))]
+    readings, alone = [], []
+    for ids in contexts:
+        held = KVCache(gpu.config, None, device="cuda", dtype=torch.bfloat16)
+        prefill(gpu, held, ids, 32)
+        readings.append(SecondReading(held, ids, 16))
+        alone.append(read_again(gpu, held, ids, 16))
+    assert not calls
+    while not all(r.done for r in readings):
+        read_pieces(gpu, [r for r in readings if not r.done])
+    assert max(calls) == 4 and 2 in calls  # four pieces of 16, then the two 8-token last pieces of the 40s
+    for reading, best in zip(readings, alone):
+        torch.testing.assert_close(reading.best, best, atol=1e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("bits", [None, 8])
 def test_kvzip_keeps_each_heads_sinks_window_and_best_scored_tokens(pair, bits):
     """After a kvzip prefill each layer's heads hold their sinks, the recent window and the heavy tokens of highest
@@ -261,16 +286,18 @@ def test_kvzip_in_the_engine_batched_and_preempted_equals_each_sequence_alone(pa
     assert engine_outputs(engine, reqs) == roomy
     with pytest.raises(KvboundError, match=r"its context \(60 tokens, held whole until it is read again\) and its "
                        r"cache bound \(22 tokens\) need 11 blocks of 8 tokens, but the pool has only 10"):
-        LLMEngine(model, num_blocks=10, block_size=8).add_request(ids_of(1, 60).tolist(), GREEDY, parse_policy(specs[0]))
+        LLMEngine(model, num_blocks=10, block_size=8).add_request(ids_of(1, 60).tolist(), GREEDY,
+                                                                  parse_policy(specs[0]))
 
 
 def test_kvzip_contexts_start_only_while_their_peaks_fit_so_none_is_preempted(pair):
     """Six kvzip prompts in a pool that holds two of their contexts whole at once: each starts only when the rest of
     its peak fits beside the others' still to come, so none is preempted (and computed again) and each equals its
-    own cache; h2o prompts beside them start at once."""
+    own cache, as does an h2o prompt beside them."""
     _, model = pair
     spec = "kvzip:sink=2,heavy=14,recent=6"  # 60-token contexts: 8 blocks held, 3 for the bound
-    reqs = [(ids_of(60 + i, 60).tolist(), spec, None) for i in range(6)] + [(ids_of(70, 30).tolist(), "h2o:sink=2,heavy=10,recent=10", None)]
+    reqs = [(ids_of(60 + i, 60).tolist(), spec, None) for i in range(6)]
+    reqs.append((ids_of(70, 30).tolist(), "h2o:sink=2,heavy=10,recent=10", None))
     engine = LLMEngine(model, num_blocks=26, block_size=8, prefill_chunk=16, max_num_batched_tokens=512)
     reading = []
     schedule = engine.scheduler.schedule

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import KvboundError
-from ..kernels.reference import causal_attention_batch
+from ..kernels.reference import causal_attention_batch, flash_ok, varlen_attention_lse
 
 
 class ReconstructionPass:
@@ -32,14 +32,58 @@ class ReconstructionPass:
 
 class ReadingBatch:
     """A `models.llama.LayerAttention` for one forward over several second readings' pieces: the rows of piece i
-    (`lengths[i]` of them, in order) go to `passes[i]`, so the weights are read once for them all."""
+    (`lengths[i]` of them, in order) go to `passes[i]`, so the weights are read once for them all. On CUDA the pieces
+    of one length attend in one FlashAttention varlen call (`PiecesOfOneLength`), which fills the GPU where one piece's
+    heads alone would not."""
 
     def __init__(self, passes: list[ReconstructionPass], lengths: list[int]):
         self.passes, self.lengths = passes, lengths
+        self.groups: dict[int, list[int]] = {}  # piece length -> the pieces of that length
+        for i, t in enumerate(lengths):
+            self.groups.setdefault(t, []).append(i)
+        self.together: dict[int, PiecesOfOneLength] = {}
 
     def attend(self, layer: int, q, k, v, positions):
-        parts = zip(self.passes, q.split(self.lengths), k.split(self.lengths), v.split(self.lengths))
-        return torch.cat([part.attend(layer, qs, ks, vs, None) for part, qs, ks, vs in parts])
+        qs, ks, vs = q.split(self.lengths), k.split(self.lengths), v.split(self.lengths)
+        outs = [None] * len(self.passes)
+        for t, rows in self.groups.items():
+            if len(rows) > 1 and flash_ok(q):
+                if t not in self.together:
+                    self.together[t] = PiecesOfOneLength([self.passes[i] for i in rows], t, q.device)
+                read = self.together[t].attend(layer, [qs[i] for i in rows], [ks[i] for i in rows],
+                                               [vs[i] for i in rows])
+            else:
+                read = [self.passes[i].attend(layer, qs[i], ks[i], vs[i], None) for i in rows]
+            for i, out in zip(rows, read):
+                outs[i] = out
+        return torch.cat(outs)
+
+
+class PiecesOfOneLength:
+    """B pieces of t tokens, each after its own held context, attended in one varlen call: the keys of piece b are
+    its context's n_b, then its own t, from row starts[b]; each context's scores come from `key_scores`' varlen
+    mode, as `causal_attention_batch(..., "max")` gives them one piece at a time."""
+
+    def __init__(self, passes: list[ReconstructionPass], t: int, device):
+        self.passes, self.t = passes, t
+        used = [p.n + t for p in passes]
+        self.max_keys = max(used)
+        self.cu_k = torch.tensor([0] + used, device=device).cumsum(0).to(torch.int32)
+        self.starts = self.cu_k[:-1].tolist()
+        self.used = torch.tensor(used, dtype=torch.int32, device=device)
+        self.cu_q = torch.arange(0, (len(passes) + 1) * t, t, dtype=torch.int32, device=device)
+
+    def attend(self, layer: int, qs, ks, vs):
+        from ..kernels.triton_prefill import key_scores
+        held = [prompt_kv(p.held, layer) for p in self.passes]
+        keys = torch.cat([x for (kc, _), k in zip(held, ks) for x in (kc.to(k.dtype), k)])
+        values = torch.cat([x for (_, vc), v in zip(held, vs) for x in (vc.to(v.dtype), v)])
+        q = torch.stack(qs)
+        out, lse = varlen_attention_lse(q.flatten(0, 1), keys, values, self.cu_q, self.cu_k, self.t, self.max_keys)
+        seen = key_scores(q, keys, lse, 0, False, self.cu_k[:-1], self.used, self.max_keys, best=True)
+        for p, start in zip(self.passes, self.starts):
+            p.best[layer] = torch.maximum(p.best[layer], seen[start:start + p.n])
+        return out.view(q.shape).unbind(0)
 
 
 def check_scorable(cache, held) -> int:
