@@ -25,7 +25,7 @@ from .cuda_graphs import DecodeGraphs
 from .generate import SecondReading, check_question_start, read_pieces
 from .runner import StepBatch, finish_step
 from .sampling import SamplingParams, next_tokens, with_logprobs
-from .scheduler import FINISHED, RUNNING, Scheduler, Sequence
+from .scheduler import FINISHED, RUNNING, Rereading, Scheduler, Sequence
 
 
 @dataclass
@@ -401,7 +401,7 @@ class LLMEngine:
         bounded = self.caches(seq.policy, [])
         bounded.prepare(seq.context_end)
         ids = torch.tensor(seq.prompt[:seq.context_end], device=self.device)
-        seq.rereading = (SecondReading(seq.cache, ids, self.scheduler.chunk), bounded, logits)
+        seq.rereading = Rereading(SecondReading(seq.cache, ids, self.scheduler.chunk), bounded, logits)
 
     def _read_on(self, seqs, only_finished: bool, touched: dict):
         """Each of `seqs` still reading its context again reads its next piece, all in one forward (one piece a
@@ -409,17 +409,17 @@ class LLMEngine:
         context); one that has read it all keeps what that scores in its bounded cache, and its held blocks go back."""
         seqs = [seq for seq in seqs if seq.rereading is not None]  # not preempted since
         if seqs:
-            read_pieces(self.model, [seq.rereading[0] for seq in seqs])
+            read_pieces(self.model, [seq.rereading.reading for seq in seqs])
         for seq in seqs:
-            reading, bounded, logits = seq.rereading
-            if reading.done:
-                held = seq.cache
-                bounded.keep_scored(held, reading.best)
-                seq.peak_blocks = max(seq.peak_blocks, len(held.store.blocks) + len(bounded.store.blocks))
-                seq.cache, seq.rereading, seq.scored = bounded, None, True
-                held.release()
-                if logits is not None:  # its first token, read at once
-                    self._read(self._draw([(seq, 0)], [0], logits[None]), only_finished, touched)
+            held, done = seq.cache, seq.rereading
+            if not done.reading.done:
+                continue
+            done.bounded.keep_scored(held, done.reading.best)
+            seq.peak_blocks = max(seq.peak_blocks, len(held.store.blocks) + len(done.bounded.store.blocks))
+            seq.cache, seq.rereading, seq.scored = done.bounded, None, True
+            held.release()
+            if done.logits is not None:  # its first token, read at once
+                self._read(self._draw([(seq, 0)], [0], done.logits[None]), only_finished, touched)
 
     def _draw(self, batch, sampling, logits) -> Launched:
         """Each sampling row's next token, left on the device: a `sampling.Draw`, whose host check (top-p

@@ -30,9 +30,20 @@ from ..cache import KVCache
 from ..cache.policies import FullPolicy
 from ..cache.block_pool import block_hash
 from ..errors import KvboundError
-from .generate import piece_end
+from .generate import SecondReading, piece_end
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass
+class Rereading:
+    """A KVzip sequence's second reading under way (`LLMEngine._start_reading`): the reading of its held context,
+    the bounded cache that keeps its choice, and the full cache's last logits, its first draw's (None when a question
+    follows)."""
+    reading: SecondReading
+    bounded: KVCache
+    logits: object = None
+
 HELD = FullPolicy()  # the cache of a KVzip sequence's context until it is scored (`Sequence.reading`)
 
 
@@ -84,8 +95,7 @@ class Sequence:
     pending: int = 0  # tokens sampled on the device and not yet read here (the engine's run-ahead)
     question_start: int | None = None  # a bounded prefill piece ends here (generate.piece_end)
     scored: bool = False  # False while a KVzip sequence's context is still to be read again (`reading`)
-    # KVzip: (its context's `generate.SecondReading` under way, the bounded cache, the logits of its first draw)
-    rereading: tuple | None = None
+    rereading: Rereading | None = None  # KVzip: its context's second reading, while under way
 
     @property
     def tokens(self) -> list[int]:
@@ -129,7 +139,7 @@ class Sequence:
         self.cache.release()
         self.cache = None
         if self.rereading is not None:
-            self.rereading[1].release()
+            self.rereading.bounded.release()
             self.rereading = None
 
     def to_feed(self) -> int:
@@ -212,7 +222,7 @@ class Scheduler:
         prefills, self.rereads = [], []
         for seq in list(self.running):  # decodes first
             if seq.rereading is not None:  # KVzip: its context's next piece is read again in this step
-                room -= seq.rereading[0].piece
+                room -= seq.rereading.reading.piece
                 self.rereads.append(seq)
                 continue
             if seq.status != RUNNING or seq.finishing:  # its last token is drawn: no step more
