@@ -90,8 +90,8 @@ def kept_by_kvbound(cache, cfg):
             for layer in range(cfg.num_hidden_layers)]
 
 
-def kept_by_hf(cache):
-    return [[sorted(p for p in layer.pos[0, :, h].tolist() if p >= 0) for h in range(layer.pos.shape[2])]
+def kept_by_hf(cache, row=0):
+    return [[sorted(p for p in layer.pos[row, :, h].tolist() if p >= 0) for h in range(layer.pos.shape[2])]
             for layer in cache.layers]
 
 
@@ -147,21 +147,69 @@ def test_kept_tokens_at_every_step_and_outputs_equal_kvbounds_own_cache(name, sp
     assert greedy(m, ids, 16)[0, 24:].tolist() == toks
 
 
+@pytest.mark.parametrize("chunk", [512, 7])
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_kvzip_reads_the_prompt_again_and_keeps_what_kvbounds_own_cache_keeps(name, chunk, monkeypatch):
+    """KVzip in generate(): the forward that feeds the prompt holds it whole, a hook reads it again through the
+    decoder (whole, or in pieces of 7 tokens) storing nothing, and each layer keeps its choice by that reading's
+    scores: the same positions in every layer and head as kvbound's own cache (`engine.generate.prefill`), after
+    the prompt and at every step after it, the same logits, and generate() gives those tokens."""
+    from kvbound.engine.generate import prefill
+    monkeypatch.setattr("kvbound.integrations.hf.READ_CHUNK", chunk)
+    m, ids, policy = model_of(name, seed=2).double(), ids_of(24, seed=3), parse_policy("kvzip:sink=2,heavy=6,recent=6")
+    hf_cfg = {**m.config.to_dict(), "architectures": [type(m).__name__]}
+    ours = build_model(ModelConfig.from_hf(hf_cfg), m.state_dict(), dtype=torch.float64)
+    kv = KVCache(ours.config, policy, dtype=torch.float64)
+    kh.install_kv_eviction(m, policy)
+    hf_cache = transformers.DynamicCache(config=m.config)
+    x, toks = ids, []
+    with torch.no_grad():
+        for step in range(12):
+            if step == 0:
+                want = prefill(ours, kv, x[0], chunk)[None]
+            else:
+                want = ours(x[0], kv.next_positions(1), kv)
+                kv.advance(1)
+            got = m(x, past_key_values=hf_cache).logits[0]
+            assert kept_by_hf(hf_cache) == kept_by_kvbound(kv, m.config), f"step {step}"
+            assert hf_cache.get_seq_length() == 24 + step  # tokens processed: the second reading is not counted
+            torch.testing.assert_close(got[-1].double(), want[-1].double(), atol=1e-6, rtol=1e-6)
+            toks.append(int(want[-1].argmax()))
+            x = torch.tensor([toks[-1:]])
+    assert greedy(m, ids, 12)[0, 24:].tolist() == toks
+
+
+def test_kvzip_refuses_sliding_window_layers_and_prompts_without_token_ids():
+    with pytest.raises(KvboundError, match="sliding-window layers would store that reading"):
+        kh.install_kv_eviction(model_of("gemma3"), "kvzip", budget=8)
+    m = model_of("llama")
+    kh.install_kv_eviction(m, "kvzip", budget=4)
+    with pytest.raises(KvboundError, match="kvzip reads the prompt's token ids again: pass input_ids"):
+        m(inputs_embeds=m.get_input_embeddings()(ids_of(30)), use_cache=True)
+
+
 @pytest.mark.parametrize("name,policy", [("llama", "h2o"), ("llama", "observed-merge"),
-                                         ("deepseek_v3", "observed-merge")])
-def test_left_padded_batch_gives_each_sequence_what_it_gets_alone(name, policy):
+                                         ("deepseek_v3", "observed-merge"), ("llama", "kvzip"),
+                                         ("deepseek_v3", "kvzip")])
+def test_left_padded_batch_gives_each_sequence_what_it_gets_alone(name, policy, monkeypatch):
     """Left padding is never kept over a real token, nor merged into one (DeepSeek's values are narrower than its
-    keys: merging averages each at its own width)."""
+    keys: merging averages each at its own width). KVzip reads each prompt again in pieces aligned to its own first
+    token (8 tokens here); the 9-token prompt, within the room, keeps its own scores though the batch reads it."""
+    monkeypatch.setattr("kvbound.integrations.hf.READ_CHUNK", 8)
     m = model_of(name, seed=4)
     kh.install_kv_eviction(m, policy, budget=5, n_sink=2, n_recent=4)
     prompts = [ids_of(n, seed=10 + n)[0] for n in (9, 17, 25)]
-    alone = [greedy(m, p[None], 20)[0, len(p):] for p in prompts]
+    alone = [greedy(m, p[None], 20, return_dict_in_generate=True) for p in prompts]
     width = max(map(len, prompts))
     batch = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p]) for p in prompts])
     mask = torch.stack([torch.cat([torch.zeros(width - len(p)), torch.ones(len(p))]) for p in prompts]).long()
-    together = greedy(m, batch, 20, attention_mask=mask, pad_token_id=0)[:, width:]
-    for a, b in zip(alone, together):
-        assert a.tolist() == b.tolist()
+    together = greedy(m, batch, 20, attention_mask=mask, pad_token_id=0, return_dict_in_generate=True)
+    for row, (p, a) in enumerate(zip(prompts, alone)):
+        assert a.sequences[0, len(p):].tolist() == together.sequences[row, width:].tolist()
+        assert kept_by_hf(a.past_key_values) == kept_by_hf(together.past_key_values, row)  # in every layer and head
+        for one, many in zip(a.past_key_values.layers, together.past_key_values.layers):  # with the same scores
+            real = many.pos[row, :, 0] >= 0
+            torch.testing.assert_close(many.score[row, real], one.score[0], atol=1e-4, rtol=1e-4)
 
 
 def test_sampling_with_budget_over_length_is_the_unpatched_models():

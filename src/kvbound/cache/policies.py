@@ -530,7 +530,8 @@ def refuse_prompt_scoring(policy, where: str):
     """One line for a policy that scores a whole prompt at once (KVzip) where tokens come a piece at a time."""
     if policy is not None and policy.reconstructs:
         raise KvboundError(f"{policy.name} scores a whole prompt at once, reading it twice (kvbound generate / serve, "
-                           f"the engine, eval ruler / needle, or engine.generate.prefill); {where} does not run it")
+                           f"the engine, eval ruler / needle, engine.generate.prefill, or transformers' generate() "
+                           f"under kvbound.hf); {where} does not run it")
 
 
 def pyramid(heavy: int, beta: float, layers: int) -> list[int]:

@@ -7,10 +7,13 @@ over the step's queries), then lets the cache layer evict (or merge, `cache.merg
 model meets becomes an `EvictingLayer` (same tensors, plus positions, scores, merged counts and the policy):
 every sequence of a batch and every cached head keeps its own tokens, left padding included. Positions keep
 counting the tokens processed: the layer reports its logical length, so transformers never derives RoPE
-positions from the physical one.
+positions from the physical one. KVzip (`kvzip`) holds the prompt whole through the forward that feeds it; a hook
+on the model then reads the prompt again through the model's decoder, storing nothing, and each layer keeps its
+choice by that reading's scores (`read_again`).
 """
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import torch
@@ -21,7 +24,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..cache.merge import attention_bias
-from ..cache.policies import H2OPolicy, Policy, parse_policy, refuse_prompt_scoring
+from ..cache.policies import H2OPolicy, Policy, parse_policy
 from ..cache.steps import fresh_scores, kept_order, merge_dropped, piece_fold, policy_fold, rescored
 from ..errors import KvboundError
 
@@ -29,6 +32,7 @@ ATTENTION = "kvbound"
 SUPPORTED = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention", "Gemma3Attention",
              "DeepseekV3Attention")
 QUERY_BLOCK = 64  # queries whose probabilities are computed at once (bounds a long prefill's scratch memory)
+READ_CHUNK = 512  # KVzip's second reading goes in pieces of this many tokens (kvbound's default prefill chunk)
 
 
 # --- the user's functions -------------------------------------------------------------------------------
@@ -43,7 +47,7 @@ def install_kv_eviction(model, policy="h2o", budget: int | None = None, n_sink: 
     lets every cached head keep its own tokens, "layer" shares one choice per layer (None: the policy's own,
     kv-head except for tova). Call `remove_kv_eviction(model)` to restore the model."""
     chosen = _policy(policy, budget, n_sink, n_recent, evict_every, granularity, score)
-    _prepare(model)
+    _prepare(model, chosen)
     for module in _attention_modules(model):
         module._kvbound_policy = chosen
     return chosen
@@ -85,7 +89,7 @@ class KVBoundCache(DynamicCache):
                  evict_every: int = 1, granularity: str | None = None, score: str = "cumulative"):
         super().__init__(config=model.config)
         chosen = _policy(policy, budget, n_sink, n_recent, evict_every, granularity, score)
-        _prepare(model)
+        _prepare(model, chosen)
         for layer in self.layers:
             if type(layer) is DynamicLayer:
                 EvictingLayer.convert(layer, chosen)
@@ -102,9 +106,12 @@ class EvictingLayer(DynamicLayer):
     def convert(cls, layer: DynamicLayer, policy: Policy):
         layer.__class__ = cls
         layer.policy, layer.pos, layer.score, layer.count, layer.seen, layer.logical = policy, None, None, None, None, 0
+        layer.unread, layer.best, layer.read_queries = False, None, None
         return layer
 
     def update(self, key_states, value_states, *args, **kwargs):
+        if self.best is not None:  # KVzip's second reading: the piece attends over the held tokens, nothing is stored
+            return torch.cat([self.keys, key_states], -2), torch.cat([self.values, value_states], -2)
         self.logical += key_states.shape[-2]
         return super().update(key_states, value_states, *args, **kwargs)
 
@@ -118,8 +125,8 @@ class EvictingLayer(DynamicLayer):
 
     def reset(self):
         super().reset()
-        self.pos = self.score = self.count = self.seen = None
-        self.logical = 0
+        self.pos = self.score = self.count = self.seen = self.best = self.read_queries = None
+        self.logical, self.unread = 0, False
 
     def reset_scores(self):
         if self.score is not None:
@@ -142,6 +149,8 @@ class EvictingLayer(DynamicLayer):
     def attend(self, query, key, value, attention_mask, scaling):
         """Attention of query [B, Hq, t, D] over key/value [B, Hk, L, D] (the cache's, expanded for MLA),
         then this step's scores and eviction. Returns the output [B, t, Hq, Dv]."""
+        if self.best is not None:
+            return self._read(query, key, value, scaling)
         t, held = query.shape[2], self.keys.shape[-2]
         first = self.pos is None
         valid = self._admit(t, attention_mask if first else None)  # [B, L]: not left padding
@@ -150,8 +159,31 @@ class EvictingLayer(DynamicLayer):
         out = _attention(query, key, value, None if bool(valid.all()) else valid, scaling, bias)
         self._score(query, key, valid, scaling, t, bias)
         if held > self.policy.budget + self.policy.evict_every - 1:
-            self._evict(valid)
+            if first and self.policy.reconstructs:  # KVzip: held whole until the prompt is read again (`read_again`)
+                self.unread = True
+            else:
+                self._evict(valid)
         return out.transpose(1, 2).contiguous()
+
+    def _read(self, query, key, value, scaling):
+        """A piece of KVzip's second reading, key/value [B, Hk, L + t, D] the held tokens and then the piece's: its
+        attention output, and into `best` [B, L, H] each held token's highest probability from the piece's real
+        queries (`read_queries` [B, t]), over the query heads of its cached head."""
+        b, t, held = query.shape[0], query.shape[2], self.keys.shape[-2]
+        valid = torch.cat([self.pos[:, :, 0] >= 0, torch.ones(b, t, dtype=torch.bool, device=query.device)], 1)
+        out = _attention(query, key, value, None if bool(valid.all()) else valid, scaling)
+        seen = _key_probs(query, key, valid, scaling, self.keys.shape[1], None, best_of=self.read_queries)
+        self.best = torch.maximum(self.best, seen[:, :held])
+        return out.transpose(1, 2).contiguous()
+
+    def keep_read(self):
+        """After KVzip's second reading: each sequence whose prompt passed the cache's room keeps the policy's choice
+        by the reading's scores (a shorter one, read only because it shares the batch, keeps its own scores)."""
+        valid = self.pos[:, :, 0] >= 0
+        read = valid.sum(1) >= self.policy.capacity
+        self.score = torch.where((valid & read[:, None])[..., None], self.best, self.score)
+        self.best = self.read_queries = None
+        self._evict(valid)
 
     def _admit(self, t, attention_mask) -> torch.Tensor:
         """Positions of the step's t new tokens: on the first step from the mask's padding (pads get -1),
@@ -286,10 +318,11 @@ def _per_query_head(bias, heads: int) -> torch.Tensor:
     return bias.transpose(1, 2).repeat_interleave(heads // bias.shape[2], 1)
 
 
-def _key_probs(query, key, valid, scaling, cached_heads, last, bias=None) -> torch.Tensor:
+def _key_probs(query, key, valid, scaling, cached_heads, last, bias=None, best_of=None) -> torch.Tensor:
     """[B, L, H]: each held key's attention probability summed over the query heads of its cached head and
     over the step's real queries (the last `last` of them, if given), in float32, in blocks of queries, with
-    each key's logit `bias` [B, L, H] (merged keys)."""
+    each key's logit `bias` [B, L, H] (merged keys). best_of [B, t]: the highest probability over those heads and
+    the queries it marks instead (KVzip's score)."""
     b, hq, t, d = query.shape
     hk, held = key.shape[1], key.shape[2]
     g = hq // hk
@@ -303,8 +336,14 @@ def _key_probs(query, key, valid, scaling, cached_heads, last, bias=None) -> tor
         if bias is not None:
             logits += _per_query_head(bias, hk).float()[:, :, None, None, :]
         allowed = valid[:, None, None, None, :] & _causal(t, held, start, tq, query.device)
-        total += logits.masked_fill_(~allowed, float("-inf")).softmax(-1).nan_to_num_(0.0).sum((2, 3))
-    return total.view(b, cached_heads, hk // cached_heads, held).sum(2).transpose(1, 2)
+        probs = logits.masked_fill_(~allowed, float("-inf")).softmax(-1).nan_to_num_(0.0)
+        if best_of is None:
+            total += probs.sum((2, 3))
+        else:
+            real = best_of[:, None, None, start:start + tq, None]
+            total = torch.maximum(total, probs.masked_fill_(~real, 0.0).amax((2, 3)))
+    total = total.view(b, cached_heads, hk // cached_heads, held)
+    return (total.sum(2) if best_of is None else total.amax(2)).transpose(1, 2)
 
 
 # --- wiring ---------------------------------------------------------------------------------------------
@@ -340,17 +379,64 @@ def _capture(module, args, kwargs):
                            f"a {type(layer).__name__}")
 
 
-def _prepare(model):
-    """Register the attention function once, switch the model to it and hook its attention modules."""
+def read_again(model, args, kwargs, output):
+    """KVzip (a forward hook on the model): after the forward that fed a prompt past the room of layers under a
+    prompt-scoring policy (`EvictingLayer.unread`), the model's decoder reads each sequence's prompt again in pieces
+    of READ_CHUNK tokens, each right after the prompt (positions n on) and over it alone, storing nothing; then each
+    layer keeps its choice by the most attention each token drew (`engine.generate.read_again`'s score)."""
+    layers = getattr(getattr(output, "past_key_values", None), "layers", None) or []
+    unread = [layer for layer in layers if isinstance(layer, EvictingLayer) and layer.unread]
+    if not unread:
+        return
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        raise KvboundError(f"{unread[0].policy.name} reads the prompt's token ids again: pass input_ids, not "
+                           "inputs_embeds")
+    valid = unread[0].pos[:, :, 0] >= 0  # [B, n]: real tokens, left padding first
+    decoder = model.get_decoder()
+    cache = {"cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values":
+             output.past_key_values}  # transformers 5.24 renamed it
+    for layer in unread:  # reading from here on: a forward hook of the decoder's own sees nothing unread
+        layer.unread, layer.best = False, torch.zeros(layer.pos.shape, device=layer.pos.device)
+    with torch.no_grad():
+        for piece, real, positions in _pieces(ids, valid, READ_CHUNK):
+            for layer in unread:
+                layer.read_queries = real
+            decoder(input_ids=piece, position_ids=positions, use_cache=True, **cache)
+    for layer in unread:
+        layer.keep_read()
+
+
+def _pieces(ids, valid, chunk: int):
+    """Each sequence's real tokens (left padding dropped) in pieces of `chunk`, aligned to its own first token so
+    that a batch reads as each sequence alone: (ids [B, t], right-padded; which are real [B, t]; positions [B, t],
+    from the sequence's length on)."""
+    n = valid.sum(1)
+    start = valid.shape[1] - n
+    for at in range(0, int(n.max()), chunk):
+        t = min(chunk, int(n.max()) - at)
+        offs = torch.arange(t, device=ids.device)
+        real = at + offs[None] < n[:, None]
+        src = (start[:, None] + at + offs[None]).clamp(max=valid.shape[1] - 1)
+        yield torch.where(real, ids.gather(1, src), ids[:, -1:]), real, n[:, None] + offs[None]
+
+
+def _prepare(model, policy: Policy):
+    """Register the attention function once, switch the model to it and hook its attention modules (and, for a
+    policy that scores the prompt by reading it again, the model's forward)."""
     if not isinstance(model, torch.nn.Module):
         raise KvboundError(f"install_kv_eviction needs a transformers model, got {type(model).__name__}")
+    modules = _attention_modules(model)
+    if policy.reconstructs and any(getattr(m, "is_sliding", False) for m in modules):
+        raise KvboundError(f"{policy.name} reads the prompt again through every layer, and {type(model).__name__}'s "
+                           "sliding-window layers would store that reading; use another policy")
     if "_kvbound" in vars(model):
         return
-    modules = _attention_modules(model)
     AttentionInterface.register(ATTENTION, kvbound_attention)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     previous = model.config._attn_implementation
     hooks = [m.register_forward_pre_hook(_capture, with_kwargs=True) for m in modules]
+    hooks.append(model.register_forward_hook(read_again, with_kwargs=True))
     model.set_attn_implementation(ATTENTION)
     model._kvbound = {"previous": previous, "hooks": hooks}
 
@@ -370,7 +456,6 @@ def _policy(policy, budget, n_sink, n_recent, evict_every, granularity, score) -
         raise KvboundError(f"{chosen.name} gives heads and layers budgets of their own, which transformers' cache "
                            "(one length for all heads of a layer) does not hold; run it on kvbound's own cache "
                            "(kvbound generate, kvbound eval)")
-    refuse_prompt_scoring(chosen, "transformers' generate()")
     return chosen
 
 
