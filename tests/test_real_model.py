@@ -283,3 +283,24 @@ def test_transformers_under_kvbound_hf_gives_kvbounds_perplexity(smollm, hf_smol
         theirs = math.exp(nll / (len(ids) - prefill))
         assert cache.layers[0].keys.shape[-2] == prefill
         assert abs(theirs / ours[name]["ppl"] - 1) < 1e-3, (name, theirs, ours[name]["ppl"])
+
+
+def test_kvzip_in_transformers_generate_gives_kvbounds_tokens(smollm, hf_smollm, shared_data):
+    """SmolLM2 read by transformers from the shipped GGUF under `kvbound.hf` with kvzip (a 300-token passage,
+    budget 64): the prompt read again through transformers' decoder keeps what kvbound's own cache keeps, and
+    generate() gives kvbound's greedy tokens."""
+    import kvbound.hf as kh
+    from kvbound.cache import KVCache, parse_policy
+    from kvbound.engine.generate import generate_ids
+    from kvbound.engine.sampling import SamplingParams
+    model, tok = smollm
+    ids = tok.encode((shared_data / "wikipedia" / "Aristotle.txt").read_text())[:300]
+    policy = parse_policy("kvzip", 64)
+    ours = list(generate_ids(model, ids, SamplingParams(max_tokens=8, temperature=0.0), KVCache(model.config, policy),
+                             (), 512))
+    kh.install_kv_eviction(hf_smollm, policy)
+    try:
+        theirs = hf_smollm.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    finally:
+        kh.remove_kv_eviction(hf_smollm)
+    assert theirs[0, len(ids):].tolist() == ours
