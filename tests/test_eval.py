@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -171,16 +172,18 @@ def test_generate_past_the_context_only_with_reindexed_positions(tiny):
     positions re-indexed within a bounded cache (StreamingLLM)."""
     prompt = " ".join(WORDS[i % len(WORDS)] for i in range(700))
 
-    def gen(*args):
+    def gen(args):
         return subprocess.run([sys.executable, "-m", "kvbound", "generate", "-", "--model", str(tiny),
                                "--max-tokens", "3", *args], input=prompt, capture_output=True, text=True, timeout=300)
-    r = gen()
-    assert r.returncode == 2 and "the prompt has 700 tokens, more than the model's context of 512" in r.stderr
-    r = gen("--policy", "window", "--budget", "64", "--prefill-chunk", "128", "--reindex-positions")
-    assert r.returncode == 0, r.stderr
-    assert "prompt: 700 tokens" in r.stderr and "generation:" in r.stderr
-    r = gen("--policy", "window", "--budget", "500", "--reindex-positions")
-    assert r.returncode == 2 and "pass the model's context of 512" in r.stderr
+    with ThreadPoolExecutor(2) as pool:  # CI's two cores: one process's imports beside another's arithmetic
+        refused, ran, too_wide = pool.map(gen, [(), ("--policy", "window", "--budget", "64", "--prefill-chunk", "128",
+                                                     "--reindex-positions"),
+                                                ("--policy", "window", "--budget", "500", "--reindex-positions")])
+    assert refused.returncode == 2
+    assert "the prompt has 700 tokens, more than the model's context of 512" in refused.stderr
+    assert ran.returncode == 0, ran.stderr
+    assert "prompt: 700 tokens" in ran.stderr and "generation:" in ran.stderr
+    assert too_wide.returncode == 2 and "pass the model's context of 512" in too_wide.stderr
 
 
 @pytest.mark.parametrize("policy, shown", [("adakv", "alpha=0.2"), ("pyramidkv", "beta=20.0")])
@@ -378,14 +381,18 @@ def test_needle_of_ones_own_with_samples_over_depths(smollm, tmp_path):
     text = tok.decode(ids)
     assert "mandolin" in text and text.count("What opens the blue door?") == 2 and "San Francisco" not in text
     assert spread_depths(3) == [0.1, 0.5, 0.9] and spread_depths(1) == [0.5]
-    r = run("needle", "--context", "300", "--samples", "2", "--budget-frac", "0.5", "--max-tokens", "4",
+    def bad(args):
+        return subprocess.run([sys.executable, "-m", "kvbound.cli", "eval", "needle", *args], capture_output=True,
+                              text=True, timeout=120)
+    with ThreadPoolExecutor(2) as pool:  # the refusals beside the run
+        refusals = pool.map(bad, (["--needle", "x"], ["--samples", "2", "--depths", "0.5"]))
+        run("needle", "--context", "300", "--samples", "2", "--budget-frac", "0.5", "--max-tokens", "4",
             "--needle", needle.text, "--question", needle.question, "--answer", "mandolin", "--strategies", "window",
             "--json", str(tmp_path / "n.json"), cwd=tmp_path)
+        refusals = list(refusals)
     found = json.loads((tmp_path / "n.json").read_text())["found"]
     assert set(found) == {"baseline", "window"} and all(len(v) == 2 for v in found.values())
-    for bad in (["--needle", "x"], ["--samples", "2", "--depths", "0.5"]):
-        b = subprocess.run([sys.executable, "-m", "kvbound.cli", "eval", "needle", *bad], capture_output=True,
-                           text=True, timeout=120)
+    for b in refusals:
         assert b.returncode == 2 and "Traceback" not in b.stderr, b.stderr
 
 

@@ -44,6 +44,7 @@ class Rereading:
     bounded: KVCache
     logits: object = None
 
+
 HELD = FullPolicy()  # the cache of a KVzip sequence's context until it is scored (`Sequence.reading`)
 
 
