@@ -124,27 +124,7 @@ def test_kept_tokens_at_every_step_and_outputs_equal_kvbounds_own_cache(name, sp
     weights keep the same positions in every layer and head and pick the same tokens (so RoPE positions
     kept counting the tokens processed after eviction); generate() gives those tokens too. Merging policies
     merge the same tokens into the same kept ones (the logits see the merged keys and their log counts)."""
-    # float64: a kept set follows near-ties (KNorm ranks single key norms), which two implementations' float32
-    # summation orders can flip (transformers 5.23's Qwen3 did at one step)
-    m, ids, policy = model_of(name, seed=2).double(), ids_of(24, seed=3), parse_policy(spec)
-    hf_cfg = {**m.config.to_dict(), "architectures": [type(m).__name__]}
-    ours = build_model(ModelConfig.from_hf(hf_cfg), m.state_dict(), dtype=torch.float64)
-    kv = KVCache(ours.config, policy, dtype=torch.float64)
-    kh.install_kv_eviction(m, policy)
-    hf_cache = transformers.DynamicCache(config=m.config)
-    x, toks = ids, []
-    with torch.no_grad():
-        for step in range(16):
-            want = ours(x[0], kv.next_positions(x.shape[1]), kv)
-            kv.advance(x.shape[1])
-            got = m(x, past_key_values=hf_cache).logits[0]
-            assert kept_by_hf(hf_cache) == kept_by_kvbound(kv, m.config), f"step {step}"
-            if policy.merge:  # the merged keys stand for the same tokens
-                assert counts_by_hf(hf_cache) == counts_by_kvbound(kv, m.config), f"step {step}"
-            torch.testing.assert_close(got[-1].double(), want[-1].double(), atol=1e-4, rtol=1e-4)
-            toks.append(int(want[-1].argmax()))
-            x = torch.tensor([toks[-1:]])
-    assert greedy(m, ids, 16)[0, 24:].tolist() == toks
+    same_steps_as_kvbounds_own_cache(name, parse_policy(spec), 16)
 
 
 @pytest.mark.parametrize("chunk", [512, 7])
@@ -154,9 +134,19 @@ def test_kvzip_reads_the_prompt_again_and_keeps_what_kvbounds_own_cache_keeps(na
     decoder (whole, or in pieces of 7 tokens) storing nothing, and each layer keeps its choice by that reading's
     scores: the same positions in every layer and head as kvbound's own cache (`engine.generate.prefill`), after
     the prompt and at every step after it, the same logits, and generate() gives those tokens."""
-    from kvbound.engine.generate import prefill
     monkeypatch.setattr("kvbound.integrations.hf.READ_CHUNK", chunk)
-    m, ids, policy = model_of(name, seed=2).double(), ids_of(24, seed=3), parse_policy("kvzip:sink=2,heavy=6,recent=6")
+    same_steps_as_kvbounds_own_cache(name, parse_policy("kvzip:sink=2,heavy=6,recent=6"), 12, chunk)
+
+
+def same_steps_as_kvbounds_own_cache(name, policy, steps: int, chunk: int = 512):
+    """A 24-token prompt, then `steps` - 1 greedy tokens, through kvbound.hf and through kvbound's own model and
+    KVCache on the same weights (its prompt prefilled in `chunk` pieces): after each step, the same kept positions in
+    every layer and head (and merged counts), the same logits and the same count of tokens processed; generate()
+    gives those tokens."""
+    from kvbound.engine.generate import prefill
+    # float64: a kept set follows near-ties (KNorm ranks single key norms), which two implementations' float32
+    # summation orders can flip (transformers 5.23's Qwen3 did at one step)
+    m, ids = model_of(name, seed=2).double(), ids_of(24, seed=3)
     hf_cfg = {**m.config.to_dict(), "architectures": [type(m).__name__]}
     ours = build_model(ModelConfig.from_hf(hf_cfg), m.state_dict(), dtype=torch.float64)
     kv = KVCache(ours.config, policy, dtype=torch.float64)
@@ -164,7 +154,7 @@ def test_kvzip_reads_the_prompt_again_and_keeps_what_kvbounds_own_cache_keeps(na
     hf_cache = transformers.DynamicCache(config=m.config)
     x, toks = ids, []
     with torch.no_grad():
-        for step in range(12):
+        for step in range(steps):
             if step == 0:
                 want = prefill(ours, kv, x[0], chunk)[None]
             else:
@@ -172,11 +162,13 @@ def test_kvzip_reads_the_prompt_again_and_keeps_what_kvbounds_own_cache_keeps(na
                 kv.advance(1)
             got = m(x, past_key_values=hf_cache).logits[0]
             assert kept_by_hf(hf_cache) == kept_by_kvbound(kv, m.config), f"step {step}"
-            assert hf_cache.get_seq_length() == 24 + step  # tokens processed: the second reading is not counted
-            torch.testing.assert_close(got[-1].double(), want[-1].double(), atol=1e-6, rtol=1e-6)
+            if policy.merge:  # the merged keys stand for the same tokens
+                assert counts_by_hf(hf_cache) == counts_by_kvbound(kv, m.config), f"step {step}"
+            assert hf_cache.get_seq_length() == 24 + step  # tokens processed (KVzip's second reading not counted)
+            torch.testing.assert_close(got[-1].double(), want[-1].double(), atol=1e-4, rtol=1e-4)
             toks.append(int(want[-1].argmax()))
             x = torch.tensor([toks[-1:]])
-    assert greedy(m, ids, 12)[0, 24:].tolist() == toks
+    assert greedy(m, ids, steps)[0, 24:].tolist() == toks
 
 
 def test_kvzip_refuses_sliding_window_layers_and_prompts_without_token_ids():
