@@ -298,13 +298,13 @@ def test_hf_generate_benchmark_gives_a_row_per_context_and_policy(tmp_path):
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "hf_generate.py"), "--shape", "tiny", "--device",
                         "cpu", "--contexts", "48", "--budget", "8", "--new-tokens", "4", "--policies",
-                        "h2o,observed-merge", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(root / "src")})
+                        "h2o,observed-merge,kvzip", "--out", str(tmp_path)], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(root / "src")})
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads((tmp_path / "hf_generate_tiny.json").read_text())["rows"]
-    assert [(x["context"], x["policy"]) for x in rows] == [(48, "h2o"), (48, "observed-merge")]
+    assert [(x["context"], x["policy"]) for x in rows] == [(48, "h2o"), (48, "observed-merge"), (48, "kvzip")]
     assert all(x["kvbound"]["held_tokens"] == 4 + 8 + 8 and x["unpatched"]["held_tokens"] == 48 + 3 for x in rows)
-    assert "observed-merge" in r.stdout.splitlines()[-1]
+    assert "kvzip" in r.stdout.splitlines()[-1]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two GPUs (a CPU entry in a device_map is offload: it "
