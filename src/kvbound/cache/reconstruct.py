@@ -1,7 +1,8 @@
 """KVzip's score of a prompt's tokens (`policies.KVzipPolicy`; Kim et al., 2025): the model reads the prompt a
 second time, right after itself, and each held key scores the most attention any query of that second reading gives
 it, over the query heads of its KV head. Tokens the model needs to reproduce the context score high, whatever
-question comes next. `engine.generate.prefill` runs the pass; `KVCache.keep_scored` keeps by its scores.
+question comes next. `engine.generate.prefill` runs the pass, and the engine reads the pieces of every second reading
+under way in one forward (`ReadingBatch`); `KVCache.keep_scored` keeps by the scores.
 """
 from __future__ import annotations
 
@@ -41,16 +42,16 @@ class ReadingBatch:
         self.groups: dict[int, list[int]] = {}  # piece length -> the pieces of that length
         for i, t in enumerate(lengths):
             self.groups.setdefault(t, []).append(i)
-        self.together: dict[int, PiecesOfOneLength] = {}
+        self.by_length: dict[int, PiecesOfOneLength] = {}  # CUDA: the varlen call of each length's pieces
 
     def attend(self, layer: int, q, k, v, positions):
         qs, ks, vs = q.split(self.lengths), k.split(self.lengths), v.split(self.lengths)
         outs = [None] * len(self.passes)
         for t, rows in self.groups.items():
             if len(rows) > 1 and flash_ok(q):
-                if t not in self.together:
-                    self.together[t] = PiecesOfOneLength([self.passes[i] for i in rows], t, q.device)
-                read = self.together[t].attend(layer, [qs[i] for i in rows], [ks[i] for i in rows],
+                if t not in self.by_length:
+                    self.by_length[t] = PiecesOfOneLength([self.passes[i] for i in rows], t, q.device)
+                read = self.by_length[t].attend(layer, [qs[i] for i in rows], [ks[i] for i in rows],
                                                [vs[i] for i in rows])
             else:
                 read = [self.passes[i].attend(layer, qs[i], ks[i], vs[i], None) for i in rows]
