@@ -164,6 +164,11 @@ class Policy:
         token is written into before the victim leaves); None when unbounded."""
         return None if self.budget is None else self.budget + self.evict_every
 
+    def reads_again(self, context):
+        """Whether a prompt-scoring policy (KVzip) reads a context of this many tokens a second time: one past the
+        bounded cache's room; one within it is kept as it is. (A tensor of lengths gives a mask.)"""
+        return self.reconstructs and context >= self.capacity
+
     @property
     def protected_prefix(self) -> int:
         """Length of the run of positions [0, P) that the policy never evicts (sinks and pinned spans)."""

@@ -48,19 +48,13 @@ class Rereading:
 HELD = FullPolicy()  # the cache of a KVzip sequence's context until it is scored (`Sequence.reading`)
 
 
-def reads_again(policy, context: int) -> bool:
-    """KVzip (`policy.reconstructs`) reads a context past its cache's room a second time; one within the room is kept
-    as it is."""
-    return policy.reconstructs and context >= policy.capacity
-
-
 def peak_blocks(policy, context: int, total: int, block_size: int) -> int:
     """Blocks one request needs at its largest, alone in the pool: a bounded cache's room (beside a KVzip context
     held whole until it is read again), or all `total` tokens of an unbounded one."""
     blocks = lambda tokens: -(-tokens // block_size)  # noqa: E731
     if not policy.bounded:
         return blocks(total)
-    return blocks(policy.capacity) + (blocks(context) if reads_again(policy, context) else 0)
+    return blocks(policy.capacity) + (blocks(context) if policy.reads_again(context) else 0)
 
 
 @dataclass
@@ -201,7 +195,7 @@ class Scheduler:
             what = (f"its cache bound ({seq.policy.budget} tokens)" if seq.policy.bounded else
                     f"prompt ({len(seq.prompt)}) + max_tokens ({seq.params.max_tokens})")
             verb = "needs"
-            if reads_again(seq.policy, seq.context_end):
+            if seq.policy.reads_again(seq.context_end):
                 what = f"its context ({seq.context_end} tokens, held whole until it is read again) and {what}"
                 verb = "need"
             raise KvboundError(f"request {seq.request_id}: {what} {verb} {need} blocks of "
@@ -345,7 +339,7 @@ class Scheduler:
         logits), and for a bounded sequence only blocks inside its protected prefix (it never writes those)."""
         bs = self.pool.block_size
         if seq.swapped is None:  # (again, after a preemption recomputes it)
-            seq.scored = not reads_again(seq.policy, seq.context_end)
+            seq.scored = not seq.policy.reads_again(seq.context_end)
         if seq.swapped is not None and seq.bounded:
             if not self._restore(seq):
                 return

@@ -180,7 +180,7 @@ class EvictingLayer(DynamicLayer):
         """After KVzip's second reading: each sequence whose prompt passed the cache's room keeps the policy's choice
         by the reading's scores (a shorter one, read only because it shares the batch, keeps its own scores)."""
         valid = self.pos[:, :, 0] >= 0
-        read = valid.sum(1) >= self.policy.capacity
+        read = self.policy.reads_again(valid.sum(1))
         self.score = torch.where((valid & read[:, None])[..., None], self.best, self.score)
         self.best = self.read_queries = None
         self._evict(valid)
