@@ -6,6 +6,8 @@ under way in one forward (`ReadingBatch`); `KVCache.keep_scored` keeps by the sc
 """
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from ..errors import KvboundError
@@ -69,8 +71,8 @@ class PiecesOfOneLength:
         self.passes, self.t = passes, t
         used = [p.n + t for p in passes]
         self.max_keys = max(used)
-        self.cu_k = torch.tensor([0] + used, device=device).cumsum(0).to(torch.int32)
-        self.starts = self.cu_k[:-1].tolist()
+        self.starts = list(accumulate(used[:-1], initial=0))  # on the host: no device sync to read them back
+        self.cu_k = torch.tensor(self.starts + [sum(used)], dtype=torch.int32, device=device)
         self.used = torch.tensor(used, dtype=torch.int32, device=device)
         self.cu_q = torch.arange(0, (len(passes) + 1) * t, t, dtype=torch.int32, device=device)
 
