@@ -90,8 +90,10 @@ def _shared_order(pos, rank, protected, owner, heads: int):
     by_age = pos.argsort(dim=-1, descending=True, stable=True)
     order = by_age.gather(-1, key.gather(-1, by_age).argsort(dim=-1, descending=True, stable=True))
     own = owner.gather(-1, order).long().clamp(min=0)  # a graph's padding row holds free places (-1)
-    mine = own[..., None] == torch.arange(heads, device=own.device)  # not one_hot, which syncs to check its input
-    return order, mine.cumsum(-2).gather(-1, own[..., None])[..., 0]
+    # [..., heads, E], not one_hot (which syncs to check its input); heads first, as a scan along the last dim
+    # runs in parallel, where one along E for each of a few head columns ran 5.7 ms a layer at 32k places (H200)
+    mine = own[..., None, :] == torch.arange(heads, device=own.device)[:, None]
+    return order, mine.cumsum(-1).gather(-2, own[..., None, :])[..., 0, :]
 
 
 def select_shared(pos: torch.Tensor, rank: torch.Tensor, protected: torch.Tensor, owner: torch.Tensor, heads: int,
