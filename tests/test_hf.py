@@ -171,6 +171,33 @@ def same_steps_as_kvbounds_own_cache(name, policy, steps: int, chunk: int = 512)
     assert greedy(m, ids, steps)[0, 24:].tolist() == toks
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention and the key-score kernel run on CUDA")
+@pytest.mark.parametrize("spec", ["h2o:sink=4,heavy=512,recent=512", "snapkv", "kvzip:sink=4,heavy=60,recent=60"])
+def test_prefill_on_cuda_scores_through_flashattention_as_in_fp32_blocks(spec, monkeypatch):
+    """On CUDA in bf16 a 300-token prompt's one-pass prefill, and KVzip's second reading, run as kvbound's own
+    prefill pieces (FlashAttention and the key-score kernel): the same scores as SDPA with fp32 blocks of queries
+    (the path without them), to bf16's precision, and the same logits."""
+    m, ids = model_of("llama").to("cuda", torch.bfloat16), ids_of(300).cuda()
+    keep_read, runs = kh.EvictingLayer.keep_read, []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr("kvbound.integrations.hf.flash_ok", lambda q: False)
+        read = []  # KVzip: each layer's reading scores, before its keep
+        monkeypatch.setattr(kh.EvictingLayer, "keep_read", lambda self: (read.append(self.best.clone()),
+                                                                          keep_read(self))[1])
+        kh.install_kv_eviction(m, parse_policy(spec, 1024))
+        cache = transformers.DynamicCache(config=m.config)
+        with torch.no_grad():
+            logits = m(ids, past_key_values=cache).logits.float()
+        runs.append((logits, [layer.score for layer in cache.layers], read))
+        kh.remove_kv_eviction(m)
+    (fast, fast_scores, fast_read), (slow, slow_scores, slow_read) = runs
+    torch.testing.assert_close(fast, slow, atol=2e-2, rtol=2e-2)
+    assert len(fast_read) == (2 if spec.startswith("kvzip") else 0) == len(slow_read)
+    for a, b in zip(fast_scores + fast_read, slow_scores + slow_read):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-2)
+
+
 def test_kvzip_refuses_sliding_window_layers_and_prompts_without_token_ids():
     with pytest.raises(KvboundError, match="sliding-window layers would store that reading"):
         kh.install_kv_eviction(model_of("gemma3"), "kvzip", budget=8)

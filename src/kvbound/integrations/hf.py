@@ -14,6 +14,7 @@ choice by that reading's scores (`read_again`).
 from __future__ import annotations
 
 import inspect
+import math
 import weakref
 
 import torch
@@ -27,6 +28,7 @@ from ..cache.merge import attention_bias
 from ..cache.policies import H2OPolicy, Policy, parse_policy
 from ..cache.steps import fresh_scores, kept_order, merge_dropped, piece_fold, policy_fold, rescored
 from ..errors import KvboundError
+from ..kernels import causal_attention_batch, flash_ok
 
 ATTENTION = "kvbound"
 SUPPORTED = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention", "Gemma3Attention",
@@ -156,14 +158,16 @@ class EvictingLayer(DynamicLayer):
         valid = self._admit(t, attention_mask if first else None)  # [B, L]: not left padding
         evicted = held < self.logical  # only then may a count have grown past 1
         bias = attention_bias(self.count) if evicted else None  # [B, L, H]: merged keys' log counts
-        out = _attention(query, key, value, None if bool(valid.all()) else valid, scaling, bias)
-        self._score(query, key, valid, scaling, t, bias)
+        folds = self.score is not None and self.policy.fold is not None
+        out, step = _attend(query, key, value, valid, scaling, bias, "cumulative" if folds else None,
+                            self.policy.score_window if t > 1 else None, self.keys.shape[1])
+        self._score(step, valid, t)
         if held > self.policy.budget + self.policy.evict_every - 1:
             if first and self.policy.reconstructs:  # KVzip: held whole until the prompt is read again (`read_again`)
                 self.unread = True
             else:
                 self._evict(valid)
-        return out.transpose(1, 2).contiguous()
+        return out.contiguous()
 
     def _read(self, query, key, value, scaling):
         """A piece of KVzip's second reading, key/value [B, Hk, L + t, D] the held tokens and then the piece's: its
@@ -171,10 +175,10 @@ class EvictingLayer(DynamicLayer):
         queries (`read_queries` [B, t]), over the query heads of its cached head."""
         b, t, held = query.shape[0], query.shape[2], self.keys.shape[-2]
         valid = torch.cat([self.pos[:, :, 0] >= 0, torch.ones(b, t, dtype=torch.bool, device=query.device)], 1)
-        out = _attention(query, key, value, None if bool(valid.all()) else valid, scaling)
-        seen = _key_probs(query, key, valid, scaling, self.keys.shape[1], None, best_of=self.read_queries)
+        out, seen = _attend(query, key, value, valid, scaling, None, "max", None, self.keys.shape[1],
+                            self.read_queries)
         self.best = torch.maximum(self.best, seen[:, :held])
-        return out.transpose(1, 2).contiguous()
+        return out.contiguous()
 
     def keep_read(self):
         """After KVzip's second reading: each sequence whose prompt passed the cache's room keeps the policy's choice
@@ -209,8 +213,9 @@ class EvictingLayer(DynamicLayer):
                 self.count = torch.cat([self.count, self.count.new_ones(b, t, heads)], 1)
         return self.pos[:, :, 0] >= 0
 
-    def _score(self, query, key, valid, scaling, t, bias):
-        """Fold the step's probabilities (or the new keys' own scores) into the held tokens' scores."""
+    def _score(self, step, valid, t):
+        """Fold the step's probabilities `step` [B, L, H] (or the new keys' own scores) into the held tokens'
+        scores."""
         if self.score is None:
             return
         p = self.policy
@@ -221,7 +226,6 @@ class EvictingLayer(DynamicLayer):
             self.score = rescored(p, self.score, self.keys.transpose(1, 2), held)
         if p.fold is None:
             return
-        step = _key_probs(query, key, valid, scaling, self.keys.shape[1], p.score_window if t > 1 else None, bias)
         folded = policy_fold(p, self.score, step) if t == 1 else piece_fold(p, self.score, step, self.pos)
         self.score = torch.where(valid[:, :, None], folded, self.score)
 
@@ -283,6 +287,28 @@ def _causal(t: int, held: int, start: int, rows: int, device) -> torch.Tensor:
     """[rows, held]: which held keys the step's queries start..start+rows may see (the t new ones are last)."""
     return torch.arange(held, device=device)[None, :] <= torch.arange(held - t + start, held - t + start + rows,
                                                                       device=device)[:, None]
+
+
+def _attend(query, key, value, valid, scaling, bias, mode, last, cached_heads, real=None):
+    """A step's attention, query [B, Hq, t, D] over key/value [B, Hk, L, D] (the t new last): its output
+    [B, t, Hq, D] and, with `mode`, each held key's probabilities [B, L, H] over the query heads of its cached head
+    and the step's queries (the last `last`; those `real` [B, t] marks), summed ("cumulative") or their highest
+    ("max"). A prefill piece with every key real, none merged, the usual scale and one head size runs as kvbound's
+    own pieces do (`causal_attention_batch`) where that is FlashAttention and the key-score kernel (CUDA), or where
+    its fp32 logits are no more than one block of queries'; any other step runs SDPA, with the probabilities in
+    fp32 blocks of queries (a one-pass prefill of a long prompt on the CPU)."""
+    t, d = query.shape[2], query.shape[-1]
+    if (1 < t and (t <= QUERY_BLOCK or flash_ok(query)) and bias is None and value.shape[-1] == d
+            and math.isclose(scaling, d ** -0.5) and bool(valid.all()) and (real is None or bool(real.all()))):
+        out, step = causal_attention_batch(*(x.transpose(1, 2) for x in (query, key, value)), mode, last)
+        if step is None:
+            return out, None
+        step = step.view(*step.shape[:2], cached_heads, -1)  # the expanded heads of each cached head (MLA)
+        return out, step.amax(-1) if mode == "max" else step.sum(-1)
+    out = _attention(query, key, value, None if bool(valid.all()) else valid, scaling, bias).transpose(1, 2)
+    if mode is None:
+        return out, None
+    return out, _key_probs(query, key, valid, scaling, cached_heads, last, bias, real if mode == "max" else None)
 
 
 def _attention(query, key, value, valid, scaling, bias=None):
