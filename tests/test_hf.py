@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import kvbound.hf as kh  # noqa: E402
-from kvbound.cache import KVCache, parse_policy  # noqa: E402
+from kvbound.cache import parse_policy, sequence_cache  # noqa: E402
 from kvbound.cache.policies import H2OPolicy  # noqa: E402
 from kvbound.errors import KvboundError  # noqa: E402
 from kvbound.models.config import ModelConfig  # noqa: E402
@@ -117,7 +117,8 @@ def counts_by_hf(cache):
                                   "h2o:sink=2,heavy=6,recent=6,score=observed,merge=rank",
                                   "h2o:sink=2,heavy=6,recent=6,granularity=layer,merge=count",
                                   "knorm:sink=2,heavy=6,recent=6,merge=count",
-                                  "h2o:sink=2,heavy=6,recent=6,score=observed,merge=rank,evict_every=3"])
+                                  "h2o:sink=2,heavy=6,recent=6,score=observed,merge=rank,evict_every=3",
+                                  "pyramidkv:sink=2,heavy=6,recent=6,window=4,beta=3"])
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_kept_tokens_at_every_step_and_outputs_equal_kvbounds_own_cache(name, spec):
     """The same policy fed the same attention, step by step: kvbound's own model and KVCache on the same
@@ -149,7 +150,7 @@ def same_steps_as_kvbounds_own_cache(name, policy, steps: int, chunk: int = 512)
     m, ids = model_of(name, seed=2).double(), ids_of(24, seed=3)
     hf_cfg = {**m.config.to_dict(), "architectures": [type(m).__name__]}
     ours = build_model(ModelConfig.from_hf(hf_cfg), m.state_dict(), dtype=torch.float64)
-    kv = KVCache(ours.config, policy, dtype=torch.float64)
+    kv = sequence_cache(ours.config, policy, dtype=torch.float64)  # PyramidKV's: its layers' budgets differ
     kh.install_kv_eviction(m, policy)
     hf_cache = transformers.DynamicCache(config=m.config)
     x, toks = ids, []
@@ -281,6 +282,9 @@ def test_kvbound_cache_as_past_key_values_and_reset():
     greedy(m, ids_of(20, seed=1))  # an unrelated generation first
     kh.reset_eviction_scores(m)
     assert torch.equal(greedy(m, ids), want)
+    pyramid = kh.KVBoundCache(m, "pyramidkv:sink=2,heavy=6,recent=6,window=4,beta=3")  # each layer its own budget
+    greedy(m, ids, past_key_values=pyramid)
+    assert [layer.keys.shape[2] for layer in pyramid.layers] == [2 + 10 + 6, 2 + 2 + 6]
 
 
 def test_unsupported_attention_and_bad_arguments_are_named():
@@ -296,10 +300,13 @@ def test_unsupported_attention_and_bad_arguments_are_named():
         kh.install_kv_eviction(m, 5, budget=8)
     with pytest.raises(KvboundError, match="install_kv_eviction needs a transformers model, got str"):
         kh.install_kv_eviction("HuggingFaceTB/SmolLM2-135M", budget=8)
-    with pytest.raises(KvboundError, match="adakv gives heads and layers budgets of their own"):
+    with pytest.raises(KvboundError, match="adakv gives each KV head of a layer a budget of its own"):
         kh.install_kv_eviction(m, "adakv", budget=8)
     with pytest.raises(KvboundError, match="merge=rank weighs tokens by attention, which knorm does not gather"):
         kh.install_kv_eviction(m, "knorm:merge=rank", budget=8)
+    with pytest.raises(KvboundError, match="give a budget .* or a spec that gives the shape"):
+        kh.install_kv_eviction(m, "snapkv")
+    assert kh.install_kv_eviction(m, "snapkv:budget=12,window=4").budget == 12  # the README's form: no budget=
     assert kh.install_kv_eviction(m, "observed-merge", budget=8).merge == "rank"
     assert isinstance(kh.install_kv_eviction(m, budget=8), H2OPolicy)
 

@@ -260,6 +260,10 @@ class Policy:
         """Whether layers keep different numbers of tokens (PyramidKV's `beta`)."""
         return False
 
+    def at_layer(self, layer: int, layers: int) -> "Policy":
+        """The policy one layer of `layers` runs where each layer is a cache of its own (transformers' layers)."""
+        return self
+
     def head_budgets(self, layer: int, layers: int) -> tuple[int, int]:
         """(tokens each KV head of `layer` is sure to keep, the layer's budget per head): the layer keeps
         heads x the second, its heads sharing what is past the first by rank."""
@@ -408,6 +412,12 @@ class H2OPolicy(Policy):
     @property
     def layered(self) -> bool:
         return self.beta is not None
+
+    def at_layer(self, layer, layers):
+        """PyramidKV's layer as an equal-heads policy of its own: its heavy hitters from the schedule."""
+        if self.beta is None:
+            return self
+        return replace(self, heavy=pyramid(self.heavy, self.beta, layers)[layer], beta=None)
 
     def head_budgets(self, layer, layers):
         share = self.budget if self.beta is None else (self.budget - self.heavy

@@ -92,9 +92,10 @@ class KVBoundCache(DynamicCache):
         super().__init__(config=model.config)
         chosen = _policy(policy, budget, n_sink, n_recent, evict_every, granularity, score)
         _prepare(model, chosen)
-        for layer in self.layers:
+        layers = model.config.get_text_config().num_hidden_layers
+        for index, layer in enumerate(self.layers):
             if type(layer) is DynamicLayer:
-                EvictingLayer.convert(layer, chosen)
+                EvictingLayer.convert(layer, chosen.at_layer(index, layers))
 
 
 # --- the cache layer ------------------------------------------------------------------------------------
@@ -398,8 +399,8 @@ def _capture(module, args, kwargs):
     if layers is None:
         raise KvboundError(f"kvbound eviction needs a DynamicCache (or KVBoundCache), got {type(cache).__name__}")
     layer = layers[module.layer_idx]
-    if type(layer) is DynamicLayer:
-        EvictingLayer.convert(layer, policy)
+    if type(layer) is DynamicLayer:  # PyramidKV: each layer its own budget
+        EvictingLayer.convert(layer, policy.at_layer(module.layer_idx, module.config.num_hidden_layers))
     elif not isinstance(layer, EvictingLayer) and not getattr(layer, "is_sliding", False):
         raise KvboundError(f"kvbound eviction needs a DynamicCache (or KVBoundCache); layer {module.layer_idx} is "
                            f"a {type(layer).__name__}")
@@ -478,10 +479,11 @@ def _attention_modules(model) -> list:
 
 def _policy(policy, budget, n_sink, n_recent, evict_every, granularity, score) -> Policy:
     chosen = _named_policy(policy, budget, n_sink, n_recent, evict_every, granularity, score)
-    if chosen.adapts:
-        raise KvboundError(f"{chosen.name} gives heads and layers budgets of their own, which transformers' cache "
-                           "(one length for all heads of a layer) does not hold; run it on kvbound's own cache "
-                           "(kvbound generate, kvbound eval)")
+    if chosen.at_layer(0, 1).adapts:  # a layer of it still gives its heads budgets of their own
+        raise KvboundError(f"{chosen.name} gives each KV head of a layer a budget of its own (alpha), which "
+                           "transformers' cache (one length for all heads of a layer) does not hold; run it on "
+                           "kvbound's own cache (kvbound generate, kvbound eval), or without alpha (layer budgets, "
+                           "beta, run here)")
     return chosen
 
 
@@ -490,11 +492,14 @@ def _named_policy(policy, budget, n_sink, n_recent, evict_every, granularity, sc
         return policy
     if not isinstance(policy, str):
         raise KvboundError(f"policy must be a kvbound Policy or a spec string such as 'h2o', got {policy!r}")
+    defaults = {"granularity": granularity, "evict_every": evict_every}
     if budget is None:
-        raise KvboundError("install_kv_eviction: give a budget (heavy-hitter tokens kept per layer)")
+        if ":" not in policy:
+            raise KvboundError("install_kv_eviction: give a budget (heavy-hitter tokens kept per layer), or a spec "
+                               "that gives the shape, such as 'h2o:sink=4,heavy=128,recent=124'")
+        return parse_policy(policy, None, **defaults)  # a spec of its own size, as the README's 'snapkv:budget=512'
     n_recent = budget if n_recent is None else n_recent
     if policy == "h2o":
         return H2OPolicy(sink=n_sink, heavy=budget, recent=n_recent, evict_every=evict_every,
                          granularity=granularity or "kv-head", score=score)
-    defaults = {"granularity": granularity, "evict_every": evict_every}
     return parse_policy(policy, n_sink + budget + n_recent, **defaults)
