@@ -3,7 +3,8 @@
 `install_kv_eviction(model, ...)` registers an attention function ("kvbound") through transformers'
 `AttentionInterface`: it computes the attention output with SDPA and, for policies that score by attention,
 the exact probabilities each cached key received (summed over the query heads that share its cached head and
-over the step's queries), then lets the cache layer evict (or merge, `cache.merge`). Each `DynamicLayer` the
+over the step's queries; a prompt's forward as kvbound's own prefill pieces, through FlashAttention and the key-score
+kernel on CUDA), then lets the cache layer evict (or merge, `cache.merge`). Each `DynamicLayer` the
 model meets becomes an `EvictingLayer` (same tensors, plus positions, scores, merged counts and the policy):
 every sequence of a batch and every cached head keeps its own tokens, left padding included. Positions keep
 counting the tokens processed: the layer reports its logical length, so transformers never derives RoPE
