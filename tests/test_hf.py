@@ -59,9 +59,10 @@ def greedy(m, ids, n=24, **kw):
 @pytest.mark.parametrize("name", list(configs()))
 def test_budget_over_length_is_the_unpatched_model_and_remove_restores_it(name):
     m, ids = model_of(name), ids_of(20)
-    want = greedy(m, ids)
+    want, logits = greedy(m, ids), m(ids).logits
     kh.install_kv_eviction(m, budget=64)
     assert torch.equal(greedy(m, ids), want)
+    torch.testing.assert_close(m(ids).logits, logits, atol=1e-5, rtol=1e-5)  # DeepSeek's narrower values too
     kh.remove_kv_eviction(m)
     assert m.config._attn_implementation != "kvbound"
     assert torch.equal(greedy(m, ids), want)
@@ -173,12 +174,15 @@ def same_steps_as_kvbounds_own_cache(name, policy, steps: int, chunk: int = 512)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention and the key-score kernel run on CUDA")
-@pytest.mark.parametrize("spec", ["h2o:sink=4,heavy=512,recent=512", "snapkv", "kvzip:sink=4,heavy=60,recent=60"])
-def test_prefill_on_cuda_scores_through_flashattention_as_in_fp32_blocks(spec, monkeypatch):
+@pytest.mark.parametrize("name,spec", [("llama", "h2o:sink=4,heavy=512,recent=512"), ("llama", "snapkv"),
+                                       ("llama", "kvzip:sink=4,heavy=60,recent=60"),
+                                       ("deepseek_v3", "h2o:sink=4,heavy=512,recent=512"),
+                                       ("deepseek_v3", "kvzip:sink=4,heavy=60,recent=60")])
+def test_prefill_on_cuda_scores_through_flashattention_as_in_fp32_blocks(name, spec, monkeypatch):
     """On CUDA in bf16 a 300-token prompt's one-pass prefill, and KVzip's second reading, run as kvbound's own
-    prefill pieces (FlashAttention and the key-score kernel): the same scores as SDPA with fp32 blocks of queries
-    (the path without them), to bf16's precision, and the same logits."""
-    m, ids = model_of("llama").to("cuda", torch.bfloat16), ids_of(300).cuda()
+    prefill pieces (FlashAttention and the key-score kernel; DeepSeek's narrower values zero-padded): the same
+    scores as SDPA with fp32 blocks of queries (the path without them), to bf16's precision, and the same logits."""
+    m, ids = model_of(name).to("cuda", torch.bfloat16), ids_of(300).cuda()
     keep_read, runs = kh.EvictingLayer.keep_read, []
     for fused in (True, False):
         if not fused:

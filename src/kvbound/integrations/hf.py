@@ -295,14 +295,16 @@ def _attend(query, key, value, valid, scaling, bias, mode, last, cached_heads, r
     """A step's attention, query [B, Hq, t, D] over key/value [B, Hk, L, D] (the t new last): its output
     [B, t, Hq, D] and, with `mode`, each held key's probabilities [B, L, H] over the query heads of its cached head
     and the step's queries (the last `last`; those `real` [B, t] marks), summed ("cumulative") or their highest
-    ("max"). A prefill piece with every key real, none merged, the usual scale and one head size runs as kvbound's
-    own pieces do (`causal_attention_batch`) where that is FlashAttention and the key-score kernel (CUDA), or where
-    its fp32 logits are no more than one block of queries'; any other step runs SDPA, with the probabilities in
-    fp32 blocks of queries (a one-pass prefill of a long prompt on the CPU)."""
-    t, d = query.shape[2], query.shape[-1]
-    if (1 < t and (t <= QUERY_BLOCK or flash_ok(query)) and bias is None and value.shape[-1] == d
+    ("max"). A prefill piece with every key real, none merged and the usual scale runs as kvbound's own pieces do
+    (`causal_attention_batch`) where that is FlashAttention and the key-score kernel (CUDA), or where its fp32
+    logits are no more than one block of queries'; any other step runs SDPA, with the probabilities in fp32 blocks
+    of queries (a one-pass prefill of a long prompt on the CPU)."""
+    t, d, dv = query.shape[2], query.shape[-1], value.shape[-1]
+    if (1 < t and (t <= QUERY_BLOCK or flash_ok(query)) and bias is None and dv <= d
             and math.isclose(scaling, d ** -0.5) and bool(valid.all()) and (real is None or bool(real.all()))):
-        out, step = causal_attention_batch(*(x.transpose(1, 2) for x in (query, key, value)), mode, last)
+        padded = F.pad(value, (0, d - dv))  # one head size for FlashAttention: MLA's narrower values, zero-padded
+        out, step = causal_attention_batch(*(x.transpose(1, 2) for x in (query, key, padded)), mode, last)
+        out = out[..., :dv]
         if step is None:
             return out, None
         step = step.view(*step.shape[:2], cached_heads, -1)  # the expanded heads of each cached head (MLA)
