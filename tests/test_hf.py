@@ -37,9 +37,12 @@ def configs():
     }
 
 
-def model_of(name, seed=0):
+def model_of(name, seed=0, **config):
     torch.manual_seed(seed)
-    m = transformers.AutoModelForCausalLM.from_config(configs()[name], dtype=torch.float32).eval()
+    cfg = configs()[name]
+    for key, value in config.items():
+        setattr(cfg, key, value)
+    m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():  # sharper logits (greedy choices are not near-ties); norms that differ per channel
         m.lm_head.weight.mul_(4)
         for n, p in m.named_parameters():
@@ -91,9 +94,13 @@ def kept_by_kvbound(cache, cfg):
             for layer in range(cfg.num_hidden_layers)]
 
 
+def evicting(cache):
+    return [layer for layer in cache.layers if isinstance(layer, kh.EvictingLayer)]  # not Gemma 3's sliding ones
+
+
 def kept_by_hf(cache, row=0):
     return [[sorted(p for p in layer.pos[row, :, h].tolist() if p >= 0) for h in range(layer.pos.shape[2])]
-            for layer in cache.layers]
+            for layer in evicting(cache)]
 
 
 def counts_by_kvbound(cache, cfg):
@@ -203,9 +210,41 @@ def test_prefill_on_cuda_scores_through_flashattention_as_in_fp32_blocks(name, s
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-2)
 
 
-def test_kvzip_refuses_sliding_window_layers_and_prompts_without_token_ids():
-    with pytest.raises(KvboundError, match="sliding-window layers would store that reading"):
-        kh.install_kv_eviction(model_of("gemma3"), "kvzip", budget=8)
+def test_kvzip_reads_gemma3s_prompt_again_as_transformers_reads_it_twice(monkeypatch):
+    """Gemma 3: the sliding-window layers read each piece over their window of the prompt and are put back as they
+    were. Each full-attention layer's reading scores equal transformers' own eager attention over the prompt
+    followed by each 12-token piece of it in turn (the most each prompt token draws from a piece's queries, over
+    its KV head's query heads), and the sliding layers hold what the unpatched model's prompt forward leaves them."""
+    ids, n = ids_of(30), 30
+    ref = model_of("gemma3")
+    ref.set_attn_implementation("eager")
+    plain = transformers.DynamicCache(config=ref.config)
+    with torch.no_grad():
+        pieces = [ref(torch.cat([ids, ids[:, at:at + 12]], 1), output_attentions=True).attentions
+                  for at in range(0, n, 12)]
+        ref(ids, past_key_values=plain)
+    m, read = model_of("gemma3"), []
+    keep_read = kh.EvictingLayer.keep_read
+    monkeypatch.setattr(kh.EvictingLayer, "keep_read", lambda self: (read.append(self.best.clone()),
+                                                                      keep_read(self))[1])
+    monkeypatch.setattr("kvbound.integrations.hf.READ_CHUNK", 12)  # three pieces, the sliding window 8
+    kh.install_kv_eviction(m, "kvzip:sink=2,heavy=6,recent=4")
+    cache = transformers.DynamicCache(config=m.config)
+    with torch.no_grad():
+        m(ids, past_key_values=cache)
+    full = [i for i, kind in enumerate(m.config.layer_types) if kind == "full_attention"]
+    assert len(read) == len(full) == 2
+    for got, i in zip(read, full):
+        heads = torch.stack([p[i][0, :, n:, :n].amax(1) for p in pieces]).amax(0)  # [query heads, keys]
+        want = heads.view(m.config.num_key_value_heads, -1, n).amax(1).T
+        torch.testing.assert_close(got[0], want, atol=1e-5, rtol=1e-5)
+    for i, (layer, alone) in enumerate(zip(cache.layers, plain.layers)):
+        if i not in full:
+            assert layer.cumulative_length == alone.cumulative_length == n
+            torch.testing.assert_close(layer.keys, alone.keys, atol=1e-5, rtol=1e-5)  # SDPA against eager
+
+
+def test_kvzip_refuses_prompts_without_token_ids():
     m = model_of("llama")
     kh.install_kv_eviction(m, "kvzip", budget=4)
     with pytest.raises(KvboundError, match="kvzip reads the prompt's token ids again: pass input_ids"):
@@ -214,15 +253,17 @@ def test_kvzip_refuses_sliding_window_layers_and_prompts_without_token_ids():
 
 @pytest.mark.parametrize("name,policy", [("llama", "h2o"), ("llama", "observed-merge"),
                                          ("deepseek_v3", "observed-merge"), ("llama", "kvzip"),
-                                         ("deepseek_v3", "kvzip")])
+                                         ("deepseek_v3", "kvzip"), ("gemma3", "kvzip")])
 def test_left_padded_batch_gives_each_sequence_what_it_gets_alone(name, policy, monkeypatch):
     """Left padding is never kept over a real token, nor merged into one (DeepSeek's values are narrower than its
     keys: merging averages each at its own width). KVzip reads each prompt again in pieces aligned to its own first
-    token (8 tokens here); the 9-token prompt, within the room, keeps its own scores though the batch reads it."""
+    token (8 tokens here); the 9-token prompt, within the room, keeps its own scores though the batch reads it.
+    Gemma 3's sliding layers (a 16-token window here, past the 13-token prompt) keep each row's padding out of
+    their window as they read."""
     monkeypatch.setattr("kvbound.integrations.hf.READ_CHUNK", 8)
-    m = model_of(name, seed=4)
+    m = model_of(name, seed=4, **({"sliding_window": 16} if name == "gemma3" else {}))
     kh.install_kv_eviction(m, policy, budget=5, n_sink=2, n_recent=4)
-    prompts = [ids_of(n, seed=10 + n)[0] for n in (9, 17, 25)]
+    prompts = [ids_of(n, seed=10 + n)[0] for n in (9, 13, 25)]
     alone = [greedy(m, p[None], 20, return_dict_in_generate=True) for p in prompts]
     width = max(map(len, prompts))
     batch = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p]) for p in prompts])
@@ -231,7 +272,7 @@ def test_left_padded_batch_gives_each_sequence_what_it_gets_alone(name, policy, 
     for row, (p, a) in enumerate(zip(prompts, alone)):
         assert a.sequences[0, len(p):].tolist() == together.sequences[row, width:].tolist()
         assert kept_by_hf(a.past_key_values) == kept_by_hf(together.past_key_values, row)  # in every layer and head
-        for one, many in zip(a.past_key_values.layers, together.past_key_values.layers):  # with the same scores
+        for one, many in zip(evicting(a.past_key_values), evicting(together.past_key_values)):  # same scores
             real = many.pos[row, :, 0] >= 0
             torch.testing.assert_close(many.score[row, real], one.score[0], atol=1e-4, rtol=1e-4)
 

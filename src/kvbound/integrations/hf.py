@@ -413,7 +413,8 @@ def read_again(model, args, kwargs, output):
     """KVzip (a forward hook on the model): after the forward that fed a prompt past the room of layers under a
     prompt-scoring policy (`EvictingLayer.unread`), the model's decoder reads each sequence's prompt again in pieces
     of READ_CHUNK tokens, each right after the prompt (positions n on) and over it alone, storing nothing; then each
-    layer keeps its choice by the most attention each token drew (`engine.generate.read_again`'s score)."""
+    layer keeps its choice by the most attention each token drew (`engine.generate.read_again`'s score). Sliding-window
+    layers (Gemma 3) read each piece over their window of the prompt, and are put back as they were after it."""
     layers = getattr(getattr(output, "past_key_values", None), "layers", None) or []
     unread = [layer for layer in layers if isinstance(layer, EvictingLayer) and layer.unread]
     if not unread:
@@ -428,11 +429,18 @@ def read_again(model, args, kwargs, output):
              output.past_key_values}  # transformers 5.24 renamed it
     for layer in unread:  # reading from here on: a forward hook of the decoder's own sees nothing unread
         layer.unread, layer.best = False, torch.zeros(layer.pos.shape, device=layer.pos.device)
+    sliding = [layer for layer in layers if getattr(layer, "is_sliding", False)]
     with torch.no_grad():
         for piece, real, positions in _pieces(ids, valid, READ_CHUNK):
             for layer in unread:
                 layer.read_queries = real
-            decoder(input_ids=piece, position_ids=positions, use_cache=True, **cache)
+            held = [dict(vars(layer)) for layer in sliding]  # their tensors are replaced, never written in place
+            # a sliding layer's window keeps left padding out by the mask (an evicting layer reads by `pos`)
+            mask = {"attention_mask": torch.cat([valid, torch.ones_like(real)], 1).long()} if sliding else {}
+            decoder(input_ids=piece, position_ids=positions, use_cache=True, **mask, **cache)
+            for layer, state in zip(sliding, held):
+                vars(layer).clear()
+                vars(layer).update(state)
     for layer in unread:
         layer.keep_read()
 
@@ -457,9 +465,6 @@ def _prepare(model, policy: Policy):
     if not isinstance(model, torch.nn.Module):
         raise KvboundError(f"install_kv_eviction needs a transformers model, got {type(model).__name__}")
     modules = _attention_modules(model)
-    if policy.reconstructs and any(getattr(m, "is_sliding", False) for m in modules):
-        raise KvboundError(f"{policy.name} reads the prompt again through every layer, and {type(model).__name__}'s "
-                           "sliding-window layers would store that reading; use another policy")
     if "_kvbound" in vars(model):
         return
     AttentionInterface.register(ATTENTION, kvbound_attention)
