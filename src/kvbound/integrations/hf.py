@@ -302,7 +302,7 @@ def _attend(query, key, value, valid, scaling, bias, mode, last, cached_heads, r
     t, d, dv = query.shape[2], query.shape[-1], value.shape[-1]
     if (1 < t and (t <= QUERY_BLOCK or flash_ok(query)) and bias is None and dv <= d
             and math.isclose(scaling, d ** -0.5) and bool(valid.all()) and (real is None or bool(real.all()))):
-        padded = F.pad(value, (0, d - dv))  # one head size for FlashAttention: MLA's narrower values, zero-padded
+        padded = value if dv == d else F.pad(value, (0, d - dv))  # MLA's narrower values: one head size for Flash
         out, step = causal_attention_batch(*(x.transpose(1, 2) for x in (query, key, padded)), mode, last)
         out = out[..., :dv]
         if step is None:
