@@ -411,15 +411,15 @@ class LLMEngine:
         if seqs:
             read_pieces(self.model, [seq.rereading.reading for seq in seqs])
         for seq in seqs:
-            held, done = seq.cache, seq.rereading
-            if not done.reading.done:
+            held, rereading = seq.cache, seq.rereading
+            if not rereading.reading.done:
                 continue
-            done.bounded.keep_scored(held, done.reading.best)
-            seq.peak_blocks = max(seq.peak_blocks, len(held.store.blocks) + len(done.bounded.store.blocks))
-            seq.cache, seq.rereading, seq.scored = done.bounded, None, True
+            rereading.bounded.keep_scored(held, rereading.reading.best)
+            seq.peak_blocks = max(seq.peak_blocks, len(held.store.blocks) + len(rereading.bounded.store.blocks))
+            seq.cache, seq.rereading, seq.scored = rereading.bounded, None, True
             held.release()
-            if done.logits is not None:  # its first token, read at once
-                self._read(self._draw([(seq, 0)], [0], done.logits[None]), only_finished, touched)
+            if rereading.logits is not None:  # its first token, read at once
+                self._read(self._draw([(seq, 0)], [0], rereading.logits[None]), only_finished, touched)
 
     def _draw(self, batch, sampling, logits) -> Launched:
         """Each sampling row's next token, left on the device: a `sampling.Draw`, whose host check (top-p

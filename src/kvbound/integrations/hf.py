@@ -50,7 +50,7 @@ def install_kv_eviction(model, policy="h2o", budget: int | None = None, n_sink: 
     lets every cached head keep its own tokens, "layer" shares one choice per layer (None: the policy's own,
     kv-head except for tova). Call `remove_kv_eviction(model)` to restore the model."""
     chosen = _policy(policy, budget, n_sink, n_recent, evict_every, granularity, score)
-    _prepare(model, chosen)
+    _prepare(model)
     for module in _attention_modules(model):
         module._kvbound_policy = chosen
     return chosen
@@ -92,7 +92,7 @@ class KVBoundCache(DynamicCache):
                  evict_every: int = 1, granularity: str | None = None, score: str = "cumulative"):
         super().__init__(config=model.config)
         chosen = _policy(policy, budget, n_sink, n_recent, evict_every, granularity, score)
-        _prepare(model, chosen)
+        _prepare(model)
         layers = model.config.get_text_config().num_hidden_layers
         for index, layer in enumerate(self.layers):
             if type(layer) is DynamicLayer:
@@ -300,8 +300,9 @@ def _attend(query, key, value, valid, scaling, bias, mode, last, cached_heads, r
     logits are no more than one block of queries'; any other step runs SDPA, with the probabilities in fp32 blocks
     of queries (a one-pass prefill of a long prompt on the CPU)."""
     t, d, dv = query.shape[2], query.shape[-1], value.shape[-1]
+    whole = bool(valid.all())  # no left padding (one host sync)
     if (1 < t and (t <= QUERY_BLOCK or flash_ok(query)) and bias is None and dv <= d
-            and math.isclose(scaling, d ** -0.5) and bool(valid.all()) and (real is None or bool(real.all()))):
+            and math.isclose(scaling, d ** -0.5) and whole and (real is None or bool(real.all()))):
         padded = value if dv == d else F.pad(value, (0, d - dv))  # MLA's narrower values: one head size for Flash
         out, step = causal_attention_batch(*(x.transpose(1, 2) for x in (query, key, padded)), mode, last)
         out = out[..., :dv]
@@ -309,7 +310,7 @@ def _attend(query, key, value, valid, scaling, bias, mode, last, cached_heads, r
             return out, None
         step = step.view(*step.shape[:2], cached_heads, -1)  # the expanded heads of each cached head (MLA)
         return out, step.amax(-1) if mode == "max" else step.sum(-1)
-    out = _attention(query, key, value, None if bool(valid.all()) else valid, scaling, bias).transpose(1, 2)
+    out = _attention(query, key, value, None if whole else valid, scaling, bias).transpose(1, 2)
     if mode is None:
         return out, None
     return out, _key_probs(query, key, valid, scaling, cached_heads, last, bias, real if mode == "max" else None)
@@ -450,23 +451,23 @@ def _pieces(ids, valid, chunk: int):
     that a batch reads as each sequence alone: (ids [B, t], right-padded; which are real [B, t]; positions [B, t],
     from the sequence's length on)."""
     n = valid.sum(1)
-    start = valid.shape[1] - n
-    for at in range(0, int(n.max()), chunk):
-        t = min(chunk, int(n.max()) - at)
+    start, longest = valid.shape[1] - n, int(n.max())
+    for at in range(0, longest, chunk):
+        t = min(chunk, longest - at)
         offs = torch.arange(t, device=ids.device)
         real = at + offs[None] < n[:, None]
         src = (start[:, None] + at + offs[None]).clamp(max=valid.shape[1] - 1)
         yield torch.where(real, ids.gather(1, src), ids[:, -1:]), real, n[:, None] + offs[None]
 
 
-def _prepare(model, policy: Policy):
-    """Register the attention function once, switch the model to it and hook its attention modules (and, for a
-    policy that scores the prompt by reading it again, the model's forward)."""
+def _prepare(model):
+    """Register the attention function once, switch the model to it and hook its attention modules, and its forward
+    for KVzip's second reading (`read_again`)."""
     if not isinstance(model, torch.nn.Module):
         raise KvboundError(f"install_kv_eviction needs a transformers model, got {type(model).__name__}")
-    modules = _attention_modules(model)
     if "_kvbound" in vars(model):
         return
+    modules = _attention_modules(model)
     AttentionInterface.register(ATTENTION, kvbound_attention)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     previous = model.config._attn_implementation
