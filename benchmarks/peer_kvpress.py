@@ -52,8 +52,12 @@ PRESSES = ("streaming_llm", "snapkv", "observed_attention", "tova", "keydiff", "
            "adakv_expected_attention", "adakv_keydiff")
 # kvbound's policy -> kvpress's press it is compared with instance by instance over every family: the same rule, and
 # decode-time H2O against ObservedAttention (issue #18's second target)
+# kvpress's KVzip press, which the issue does not list: across layers and heads (its default, kvbound's
+# kvzip:layers=global), or each layer's budget shared freely among its heads (`layerwise`, kvbound's kvzip:alpha=0)
+KVZIP = ("kvzip", "kvzip_layerwise")
 PAIRED = {"window": "streaming_llm", "snapkv": "snapkv", "observed": "observed_attention", "tova": "tova",
-          "keydiff": "keydiff", "h2o-heavy": "observed_attention", "keydiff:alpha=0.2": "adakv_keydiff"}
+          "keydiff": "keydiff", "h2o-heavy": "observed_attention", "keydiff:alpha=0.2": "adakv_keydiff",
+          "kvzip:alpha=0": "kvzip_layerwise", "kvzip:layers=global": "kvzip"}
 
 
 def export(args):
@@ -99,12 +103,29 @@ def make_press(name, ratio):
             "expected_attention": lambda: kvpress.ExpectedAttentionPress(compression_ratio=ratio),
             "adakv_expected_attention": lambda: kvpress.AdaKVPress(kvpress.ExpectedAttentionPress(
                 compression_ratio=ratio)),
-            "adakv_keydiff": lambda: kvpress.AdaKVPress(kvpress.KeyDiffPress(compression_ratio=ratio))}[name]()
+            "adakv_keydiff": lambda: kvpress.AdaKVPress(kvpress.KeyDiffPress(compression_ratio=ratio)),
+            "kvzip": lambda: kvpress.KVzipPress(compression_ratio=ratio),
+            "kvzip_layerwise": lambda: kvpress.KVzipPress(compression_ratio=ratio, layerwise=True)}[name]()
+
+
+def load_model(path: str, dtype: str, attn: str, device: str):
+    """transformers' model of the GGUF file; its config names a folder holding the GGUF's tokenizer, which KVzip's
+    press loads by the model's name to frame its repeat instruction in the chat template."""
+    import tempfile
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    where, name = os.path.dirname(path), os.path.basename(path)
+    model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=getattr(torch, dtype),
+                                                 attn_implementation=attn).to(device).eval()
+    folder = tempfile.mkdtemp(prefix="tokenizer_")
+    AutoTokenizer.from_pretrained(where, gguf_file=name).save_pretrained(folder)
+    model.config._name_or_path = folder
+    return model
 
 
 def run(args):
     import torch
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
     data = json.load(open(args.prompts))
     if args.first is not None:
         data["prompts"] = [p for p in data["prompts"] if p["sample"] < args.first]
@@ -117,9 +138,7 @@ def run(args):
         for name in presses:
             attn = "eager" if name == "observed_attention" else "sdpa"  # ObservedAttention needs the weights
             if attn not in models:
-                models[attn] = AutoModelForCausalLM.from_pretrained(
-                    os.path.dirname(args.model), gguf_file=os.path.basename(args.model),
-                    dtype=getattr(torch, args.dtype), attn_implementation=attn).to(args.device).eval()
+                models[attn] = load_model(args.model, args.dtype, attn, args.device)
             model = models[attn]
             for i, p in enumerate(data["prompts"]):
                 if i and p["sample"] != data["prompts"][i - 1]["sample"]:  # an instance of every task done
@@ -159,7 +178,7 @@ def _write(path, context, replies):
 
 
 def gpu(args):
-    """Both sides on one GPU machine: a process per press (AdaKV's, the slowest, one per keep) and per kvbound
+    """Both sides on one GPU machine: a process per press (AdaKV's and KVzip's, the slowest, one per keep) and per kvbound
     fraction, all at once; what a press finished before the deadline is kept, its replies merged into one file."""
     os.makedirs(args.out_dir, exist_ok=True)
     prompts, script = os.path.join(args.out_dir, "prompts.json"), [sys.executable, os.path.abspath(__file__)]
@@ -175,7 +194,7 @@ def gpu(args):
     jobs, parts = [], []
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     for name in args.presses.split(","):
-        for keep in args.keep.split(",") if name.startswith("adakv") else [args.keep]:
+        for keep in args.keep.split(",") if name.startswith(("adakv", "kvzip")) else [args.keep]:
             parts.append(os.path.join(args.out_dir, f"press_{name}_{keep}{tag}.json"))
             jobs.append((script + ["run", "--prompts", prompts, "--model", args.model, "--device", args.device,
                                    "--dtype", dtype, "--keep", keep, "--presses", name, "--out", parts[-1]]
@@ -347,7 +366,7 @@ def main():
     r = sub.add_parser("run")
     r.add_argument("--prompts", required=True)
     r.add_argument("--model", required=True, help="the .gguf file transformers reads")
-    r.add_argument("--presses", default=",".join(PRESSES))
+    r.add_argument("--presses", default=",".join(PRESSES), help=f"of {', '.join(PRESSES + KVZIP)}")
     r.add_argument("--keep", default="0.25,0.5")
     r.add_argument("--max-tokens", type=int, default=32)
     r.add_argument("--device", default="cpu")
@@ -360,7 +379,7 @@ def main():
     g.add_argument("--model", required=True)
     g.add_argument("--kvpress-site", required=True, help="the PYTHONPATH that holds kvpress and transformers < 5.3")
     g.add_argument("--device", default="cuda")
-    g.add_argument("--presses", default=",".join(PRESSES))
+    g.add_argument("--presses", default=",".join(PRESSES), help=f"of {', '.join(PRESSES + KVZIP)}")
     g.add_argument("--context", type=int, default=4096)
     g.add_argument("--samples", type=int, default=20)
     g.add_argument("--sample-offset", type=int, default=0, help="as export's: both sides run instances "

@@ -225,6 +225,84 @@ def test_kvzip_with_head_budgets_keeps_adakvs_choice_by_those_scores(pair):
 
 
 
+def global_rows(best, sink, recent, heavy):
+    """KVzip's budgets across layers written out: of every layer's unprotected (token, head) entries, the
+    layers x heads x heavy best scored, counted per layer in rows of `heads`, rounded down, the rows left over to
+    the largest remainders (ties to the earlier layer)."""
+    layers, n, heads = best.shape
+    free = [(float(best[layer, j, h]), layer) for layer in range(layers) for j in range(sink, n - recent)
+            for h in range(heads)]
+    counts = [0] * layers
+    for _, layer in sorted(free, reverse=True)[:layers * heads * heavy]:
+        counts[layer] += 1
+    rows = [c // heads for c in counts]
+    by_remainder = sorted(range(layers), key=lambda layer: (-(counts[layer] % heads), layer))
+    for layer in by_remainder[:layers * heavy - sum(rows)]:
+        rows[layer] += 1
+    return rows
+
+
+def test_kvzip_across_layers_keeps_the_models_best_entries_wherever_they_are(pair):
+    """`kvzip:layers=global` (KVzip's own budgets): the model's heavy places go to the best-scored entries of any
+    layer and head, so layers keep different numbers of tokens, each layer's heads sharing its count by AdaKV's rule
+    with nothing sure but the protected tokens (transformers' figures, brute force); the logits are the full
+    cache's, and each layer decodes on within its own budget."""
+    from kvbound.cache.adaptive_cache import AdaptiveKVCache
+    hf, model = pair
+    ids = ids_of(6)
+    pol = parse_policy("kvzip:sink=2,heavy=14,recent=6,layers=global")
+    assert pol.alpha == 0.0 and pol.describe().endswith(",alpha=0.0,layers=global)")
+    cache = sequence_cache(model.config, pol)
+    assert isinstance(cache, AdaptiveKVCache)
+    torch.testing.assert_close(prefill(model, cache, ids, 32), prefill(model, KVCache(model.config, None), ids, 32))
+    best = hf_best(hf, ids, 32)
+    rows = global_rows(best, 2, 6, 14)
+    assert rows[0] != rows[1] and sum(rows) == 2 * 14
+    for layer in range(model.config.num_layers):
+        want = ada_keep(best[layer], 2, 6, 8, 8 + rows[layer])
+        assert [cache.kept_positions(layer, h) for h in range(2)] == want, layer
+    cache = sequence_cache(model.config, pol)
+    out = list(generate_ids(model, ids_of(7, T + 9).tolist(), SamplingParams(max_tokens=5, ignore_eos=True),
+                            cache, (), 32, question_start=T))
+    assert len(out) == 5 and cache.seen == T + 9 + 4
+    assert [int((cache.owner[layer] >= 0).sum()) for layer in range(2)] == [2 * s for _, s in cache.budgets]
+
+
+def test_kvzip_across_layers_gives_a_layer_all_it_can_hold_and_only_runs_on_its_own_cache(pair):
+    """A layer whose every entry outscores the other layer's takes all the heavy places there are (the other keeps
+    its protected tokens alone); the engine, transformers' generate() and other policies refuse layers=global in one
+    line."""
+    from kvbound import hf as kh
+    _, model = pair
+    pol = parse_policy("kvzip:sink=2,heavy=14,recent=6,layers=global")
+    full = KVCache(model.config, None)
+    prefill(model, full, ids_of(8), 32)
+    score = torch.zeros(2, T, 2)
+    score[1] = torch.rand(T, 2) + 1
+    cache = sequence_cache(model.config, pol)
+    cache.keep_scored(full, score)
+    assert [s for _, s in cache.budgets] == [8, 8 + 28]
+    assert [len(cache.kept_positions(layer, h)) for layer in range(2) for h in range(2)] == [8, 8, 36, 36]
+    with pytest.raises(KvboundError, match=r"layers=global sets each sequence's layer budgets from its own prompt"):
+        LLMEngine(model, policy=pol, num_blocks=64)
+    engine = LLMEngine(model, num_blocks=64)
+    with pytest.raises(KvboundError, match=r"kvzip\(sink=2,heavy=14,recent=6,.*layers=global\): layers=global"):
+        engine.add_request(ids_of(9).tolist(), GREEDY, pol)
+    with pytest.raises(KvboundError, match=r"budget of its own \(alpha, or layers=global\)"):
+        kh.install_kv_eviction(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1)), pol)
+    from kvbound.cache.policies import global_shares
+    for seed, (layers, n, heads) in enumerate([(3, 40, 4), (5, 33, 3), (4, 50, 8)]):
+        best = torch.rand(layers, n, heads, generator=torch.Generator().manual_seed(seed))
+        protected = (torch.arange(n) < 2) | (torch.arange(n) >= n - 5)
+        assert global_shares(best, protected, 7, 7 + 9) == [7 + r for r in global_rows(best, 2, 5, 9)]
+    for spec, why in (("kvzip:budget=64,layers=all", "unknown layers 'all'"),
+                      ("kvzip:budget=64,alpha=0.2,layers=global", "leave out alpha"),
+                      ("keydiff:budget=64,layers=global", "unknown option 'layers'")):
+        with pytest.raises(KvboundError, match=why):
+            parse_policy(spec)
+
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
 

@@ -11,7 +11,8 @@ in the engine's pool too. Each query head attends to its KV head's entries only 
 nothing moves; the first tokens take slot j, column h for token j and head h, as in `KVCache`, which keeps a
 protected prefix's blocks shareable. In the engine (a `PagedStore`) prefill pieces run batched as "places" groups
 (`steps.shared_piece`, the step `attend` runs for one cache), and decodes as "shared" ones (`steps.shared_decode`),
-below the budget too.
+below the budget too. With layers=global (KVzip's budgets) each layer's budget is set once the prompt is scored,
+and its rows borrowed as PyramidKV's are: on a sequence's own cache only.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from copy import copy
 import torch
 
 from ..errors import KvboundError
-from .policies import pinned_count, refuse_prompt_scoring
+from .policies import global_shares, pinned_count, refuse_prompt_scoring
 from .reconstruct import check_scorable, prompt_kv
 from .stacked import layer_places, place_slots, release
 from .steps import keep_places, shared_piece
@@ -219,6 +220,9 @@ class AdaptiveKVCache:
         """`KVCache.keep_scored` with head budgets: each layer keeps its heads' shares of the n tokens the unbounded
         cache `held` holds by `score` [layers, n, H], as a prefill piece of them would (`steps.keep_places`)."""
         n, h = check_scorable(self, held), self.heads
+        if self.policy.layers == "global":
+            protected = self.policy._protected(torch.arange(n, device=self.device)[:, None])[:, 0]
+            self._share_layers(global_shares(score, protected, *self.budgets[0]))
         rows = torch.zeros(1, dtype=torch.long, device=self.device)
         own = torch.arange(h, dtype=self.owner.dtype, device=self.device).repeat(n)[None]
         cand_pos = torch.arange(n, dtype=self.pos.dtype, device=self.device).repeat_interleave(h)[None]
@@ -234,6 +238,22 @@ class AdaptiveKVCache:
             self.after_piece(layer, n, *plan)
         self.advance(n)
         self.prompt_scored = True
+
+    def _share_layers(self, shares: list[int]):
+        """Each layer's budget set from its prompt's scores (layers=global), before anything is kept: its place rows,
+        where they are in the store (borrowed as PyramidKV's are, the store's rows unchanged), and metadata as wide
+        as the widest layer's."""
+        if self.stacked is not None:
+            raise KvboundError(f"{self.policy.describe()}: budgets across layers are set in an empty cache of a "
+                               "sequence's own")
+        self.budgets = [(self.budgets[0][0], share) for share in shares]
+        self.rows = [share + self.policy.evict_every for share in shares]
+        assert -(-sum(self.rows) // len(self.rows)) == self.store_rows, "the layers' rows fill the store's"
+        self.slots, self.places = max(self.rows), layer_places(self.rows, self.device)
+        shape = (len(shares), self.slots, self.heads)
+        self.owner = torch.full(shape, -1, dtype=torch.int16, device=self.device)
+        self.pos = torch.full(shape, -1, dtype=torch.int32, device=self.device)
+        self.score = torch.zeros(shape, dtype=torch.float32, device=self.device)
 
     def piece_plan(self, layer: int, t: int) -> tuple[int, int, bool]:
         """(place rows the layer's entries are in, place rows its new entries may take, whether it evicts) for a

@@ -26,6 +26,9 @@ MERGES = ("rank", "count")
 FOLDS = {"cumulative": "cumulative", "ema": "ema", "normalized": "normalized", "observed": "cumulative",
          "last": "ema", "key-norm": None, "key-diff": None}
 GRANULARITIES = ("kv-head", "layer")
+# who shares a budget of heads x budget tokens a layer (`H2OPolicy.layers`): each layer its own ("equal"), or every
+# layer's heads together, by one ranking of the model's entries ("global": KVzip's own budgets)
+LAYER_SHARES = ("equal", "global")
 
 
 def _check_nonneg(**kw):
@@ -337,7 +340,10 @@ class H2OPolicy(Policy):
         comparable across heads), so a head that spreads its attention keeps more than one that looks at few
         keys; each head is sure of its protected tokens plus `alpha` of the rest of its equal share;
       - `beta` (PyramidKV): heavy hitters per layer fall linearly with depth (`pyramid`, steeper for larger
-        beta), on the finding that attention narrows in deeper layers; the total over layers is unchanged.
+        beta), on the finding that attention narrows in deeper layers; the total over layers is unchanged;
+      - `layers="global"` (KVzip's budgets, a policy that scores a whole prompt at once): the model's heads x
+        layers x budget places go to the best-scored entries wherever they are, each head of each layer sure of its
+        protected tokens only (`global_shares`); a layer's budget is then fixed for the sequence's decodes.
     """
     sink: int
     heavy: int
@@ -350,6 +356,7 @@ class H2OPolicy(Policy):
     alpha: float | None = None
     beta: float | None = None
     merge: str | None = None
+    layers: str = "equal"
     name: str = "h2o"
     score_choices = SCORES
 
@@ -376,10 +383,25 @@ class H2OPolicy(Policy):
             raise KvboundError(f"{self.name}: alpha must be in [0, 1], got {self.alpha}")
         if self.beta is not None and not float(self.beta) >= 1.0:
             raise KvboundError(f"{self.name}: beta must be >= 1, got {self.beta}")
+        self._check_layers()
         if self.adapts and self.granularity != "kv-head":
             raise KvboundError(f"{self.name}: alpha and beta give heads and layers budgets of their own, so "
                                "granularity must be kv-head")
         self._check_merge()
+
+    def _check_layers(self):
+        """layers=global ranks every head of every layer together, so its heads share budgets too (alpha 0)."""
+        if self.layers not in LAYER_SHARES:
+            raise KvboundError(f"{self.name}: unknown layers {self.layers!r} (choose from {', '.join(LAYER_SHARES)})")
+        if self.layers == "equal":
+            return
+        if not self.reconstructs:
+            raise KvboundError(f"{self.name}: layers=global shares a budget across layers by a whole prompt's "
+                               "scores, which only kvzip gives")
+        if self.beta is not None or (self.alpha or 0.0) != 0.0:
+            raise KvboundError(f"{self.name}: layers=global ranks every head of every layer together; leave out "
+                               f"alpha (or give 0) and beta, got alpha={self.alpha}, beta={self.beta}")
+        object.__setattr__(self, "alpha", 0.0)
 
     def _check_merge(self):
         if self.merge is None:
@@ -442,6 +464,7 @@ class H2OPolicy(Policy):
     def describe(self) -> str:
         adaptive = "".join(f",{k}={getattr(self, k)}" for k in ("alpha", "beta", "merge")
                            if getattr(self, k) is not None)
+        adaptive += f",layers={self.layers}" if self.layers != "equal" else ""
         adaptive += f",evict_every={self.evict_every}" if self.evict_every > 1 else ""
         return (f"{self.name}(sink={self.sink},heavy={self.heavy},recent={self.recent},score={self.score},"
                 f"granularity={self.granularity}{adaptive})")
@@ -543,6 +566,21 @@ class KVzipPolicy(H2OPolicy):
     reconstructs = True
 
 
+def global_shares(score: torch.Tensor, protected: torch.Tensor, sure: int, share: int) -> list[int]:
+    """Each layer's budget (place rows of `heads` entries) under layers=global: of the prompt's unprotected entries
+    (score [layers, n, heads]; protected [n], the tokens every head keeps anyway, `sure` of them), the layers x
+    heads x (share - sure) best scored are kept wherever they are. A layer's count is rounded to whole rows, the
+    rows left over going to the largest remainders, so the rows still sum to layers x share."""
+    layers, n, heads = score.shape
+    free = score.float().masked_fill(protected[None, :, None], -math.inf).flatten()
+    chosen = free.topk(layers * heads * (share - sure)).indices // (n * heads)
+    rows = torch.bincount(chosen, minlength=layers).double() / heads
+    whole = rows.floor().long()
+    left = layers * (share - sure) - int(whole.sum())
+    whole[(rows - whole).argsort(descending=True, stable=True)[:left]] += 1
+    return [sure + int(r) for r in whole]
+
+
 def refuse_prompt_scoring(policy, where: str):
     """One line for a policy that scores a whole prompt at once (KVzip) where tokens come a piece at a time."""
     if policy is not None and policy.reconstructs:
@@ -591,7 +629,7 @@ SPEC_KEYS = {"full": (), "window": ("budget", "sink", "evict_every"), "h2o": _H2
              "pyramidkv": _H2O_KEYS + ("window", "kernel"),
              "knorm": ("budget", "sink", "heavy", "recent", "granularity", "evict_every", "alpha", "beta", "merge"),
              "keydiff": ("budget", "sink", "heavy", "recent", "granularity", "evict_every", "alpha", "beta", "merge"),
-             "kvzip": ("budget", "sink", "heavy", "recent", "score", "ema_decay", "alpha")}
+             "kvzip": ("budget", "sink", "heavy", "recent", "score", "ema_decay", "alpha", "layers")}
 
 
 def named_policy(name: str, budget: int | None, pinned=()):
@@ -646,8 +684,8 @@ def parse_policy(spec: str, budget: int | None = None, pinned=(), exact: bool = 
 def _parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
     """'full' | 'window[:budget=..,sink=..]' | 'h2o:sink=..,heavy=..,recent=..[,score=..,granularity=..,
     ema_decay=..,evict_every=..,alpha=..,beta=..,merge=rank|count|none]' (and tova / knorm / keydiff /
-    snapkv[:..,window=..,kernel=..] / adakv / pyramidkv with the same shape options; kvzip with its shape, score and
-    ema_decay) | a named strategy ('baseline', 'window', 'h2o-balanced', 'h2o-heavy', 'observed', 'observed-merge',
+    snapkv[:..,window=..,kernel=..] / adakv / pyramidkv with the same shape options; kvzip with its shape, score,
+    ema_decay, alpha and layers=equal|global) | a named strategy ('baseline', 'window', 'h2o-balanced', 'h2o-heavy', 'observed', 'observed-merge',
     'tova', 'snapkv', 'knorm', 'keydiff', 'adakv', 'pyramidkv', 'kvzip')."""
     spec = spec.strip()
     if ":" not in spec:
@@ -666,7 +704,7 @@ def _parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
             raise KvboundError(f"policy spec {spec!r}: unknown option {key!r} for {kind} (options: "
                                f"{', '.join(SPEC_KEYS[kind]) or 'none'})")
         try:
-            text = key in ("score", "granularity", "merge")
+            text = key in ("score", "granularity", "merge", "layers")
             kw[key] = float(val) if key in ("ema_decay", "alpha", "beta") else (val if text else int(val))
             if text and not val:
                 raise ValueError

@@ -84,6 +84,16 @@ class Launched:
         return self.host.tolist()
 
 
+def check_pooled(policy):
+    """One line for a policy whose layers' budgets differ from sequence to sequence (kvzip's layers=global): the
+    engine's batched steps read every sequence of a policy with one plan of layer budgets."""
+    if getattr(policy, "layers", "equal") == "global":
+        raise KvboundError(f"{policy.describe()}: layers=global sets each sequence's layer budgets from its own "
+                           "prompt, which the engine's batched steps (one layer plan a policy) do not hold; run it "
+                           "on a sequence's own cache (kvbound eval ruler / needle without --engine), or use "
+                           "alpha= for budgets shared within each layer")
+
+
 def _plain(seq) -> bool:
     """Its token can stay on the device until the next step: it asked for no logprobs (read from the step's
     logits, which the next step overwrites). Draws see every earlier token: they run after the last step's
@@ -177,6 +187,7 @@ class LLMEngine:
         self.device = next(model.parameters()).device
         self.kv_dtype = kv_dtype or next(model.parameters()).dtype
         self.default_policy = policy or FullPolicy()
+        check_pooled(self.default_policy)
         num_blocks = num_blocks or max(1, kv_cache_tokens // block_size)
         mixed = kv_bits if isinstance(kv_bits, dict) else None
         if mixed is not None:
@@ -270,6 +281,7 @@ class LLMEngine:
             raise KvboundError("stop strings need a tokenizer")
         if self.mixed is not None:
             check_mixed_policy(policy or self.default_policy)
+        check_pooled(policy)
         check_question_start(question_start, len(prompt))
         seq = Sequence(request_id, 0, prompt, params, policy or self.default_policy, arrival=time.perf_counter(),
                        seed=self._seed(params, 0), question_start=question_start)

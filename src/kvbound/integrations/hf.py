@@ -489,10 +489,10 @@ def _attention_modules(model) -> list:
 def _policy(policy, budget, n_sink, n_recent, evict_every, granularity, score) -> Policy:
     chosen = _named_policy(policy, budget, n_sink, n_recent, evict_every, granularity, score)
     if chosen.at_layer(0, 1).adapts:  # a layer of it still gives its heads budgets of their own
-        raise KvboundError(f"{chosen.name} gives each KV head of a layer a budget of its own (alpha), which "
-                           "transformers' cache (one length for all heads of a layer) does not hold; run it on "
-                           "kvbound's own cache (kvbound generate, kvbound eval), or without alpha (layer budgets, "
-                           "beta, run here)")
+        raise KvboundError(f"{chosen.name} gives each KV head of a layer a budget of its own (alpha, or "
+                           "layers=global), which transformers' cache (one length for all heads of a layer) does not "
+                           "hold; run it on kvbound's own cache (kvbound generate, kvbound eval), or without alpha "
+                           "(layer budgets, beta, run here)")
     return chosen
 
 
