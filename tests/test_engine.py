@@ -1355,12 +1355,16 @@ def held_pages(pool):
 @pytest.mark.parametrize("bits", [None, 8])
 def test_virtual_storage_gives_the_paged_outputs_and_commits_only_the_pages_in_use(model32, bits, monkeypatch):
     """Token-major tensors in reserved ranges (dense here, pages simulated): the same greedy tokens as the
-    paged pool, and after every step exactly the pages under blocks holding data are mapped; idle, the
-    spare pages go back."""
+    paged pool, PyramidKV's layers reading rows of other layers among them (`BlockPool.all_layers` of token-major
+    tensors), and after every step exactly the pages under blocks holding data are mapped; idle, the spare pages
+    go back."""
     from kvbound.cache import block_pool
     from kvbound.cache.virtual import HostPages
     monkeypatch.setattr(block_pool, "HostPages", lambda _: HostPages(page_bytes=4096))
     reqs = mixed_requests()
+    if bits is None:  # head and layer budgets store K/V unquantized
+        reqs += [(prompt(90, 44), "pyramidkv:sink=2,heavy=12,recent=10,window=6,beta=4"),
+                 (prompt(91, 37), "adakv:sink=2,heavy=12,recent=10,window=6")]
     paged, _ = run_engine(model32, reqs, num_blocks=64, block_size=8, max_num_batched_tokens=48, kv_bits=bits,
                           kv_group_size=32)
     engine = LLMEngine(model32, num_blocks=64, block_size=8, max_num_batched_tokens=48, prefill_chunk=16,

@@ -268,10 +268,10 @@ def test_kvzip_across_layers_keeps_the_models_best_entries_wherever_they_are(pai
     assert [int((cache.owner[layer] >= 0).sum()) for layer in range(2)] == [2 * s for _, s in cache.budgets]
 
 
-def test_kvzip_across_layers_gives_a_layer_all_it_can_hold_and_only_runs_on_its_own_cache(pair):
+def test_kvzip_across_layers_gives_a_layer_all_it_can_hold(pair):
     """A layer whose every entry outscores the other layer's takes all the heavy places there are (the other keeps
-    its protected tokens alone); the engine, transformers' generate() and other policies refuse layers=global in one
-    line."""
+    its protected tokens alone); the rows follow the global ranking with whole rows and largest remainders on other
+    shapes (brute force); transformers' generate() and other policies refuse layers=global in one line."""
     from kvbound import hf as kh
     _, model = pair
     pol = parse_policy("kvzip:sink=2,heavy=14,recent=6,layers=global")
@@ -283,11 +283,6 @@ def test_kvzip_across_layers_gives_a_layer_all_it_can_hold_and_only_runs_on_its_
     cache.keep_scored(full, score)
     assert [s for _, s in cache.budgets] == [8, 8 + 28]
     assert [len(cache.kept_positions(layer, h)) for layer in range(2) for h in range(2)] == [8, 8, 36, 36]
-    with pytest.raises(KvboundError, match=r"layers=global sets each sequence's layer budgets from its own prompt"):
-        LLMEngine(model, policy=pol, num_blocks=64)
-    engine = LLMEngine(model, num_blocks=64)
-    with pytest.raises(KvboundError, match=r"kvzip\(sink=2,heavy=14,recent=6,.*layers=global\): layers=global"):
-        engine.add_request(ids_of(9).tolist(), GREEDY, pol)
     with pytest.raises(KvboundError, match=r"budget of its own \(alpha, or layers=global\)"):
         kh.install_kv_eviction(transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -331,9 +326,10 @@ def scored_lengths(monkeypatch) -> list[int]:
 
 
 def test_kvzip_in_the_engine_batched_and_preempted_equals_each_sequence_alone(pair, monkeypatch):
-    """kvzip, with equal and with AdaKV's head budgets, in a batch beside full and h2o caches: a sequence holds its
-    context whole in pool blocks, the engine reads it again once it is in and keeps what that scores in the blocks
-    kept for it, and each sequence's tokens equal its own cache's (`generate_ids`), question apart or not. A
+    """kvzip, with equal and with AdaKV's head budgets and across layers, in a batch beside full and h2o caches: a
+    sequence holds its context whole in pool blocks, the engine reads it again once it is in and keeps what that
+    scores in the blocks kept for it (across layers, after planning its layers' budgets from that reading), and each
+    sequence's tokens equal its own cache's (`generate_ids`), question apart or not. A
     context within the room is kept as it is, unread. Under a tight pool, preempted sequences (held, scored, swapped
     out or recomputed; in virtual storage too) give the same tokens, and so does async scheduling."""
     _, model = pair
@@ -341,6 +337,8 @@ def test_kvzip_in_the_engine_batched_and_preempted_equals_each_sequence_alone(pa
              "h2o:sink=2,heavy=10,recent=10"]
     reqs = [(ids_of(20 + i, 12 + 11 * i).tolist(), specs[i % 4], 8 + 10 * i if i % 3 == 2 else None)
             for i in range(8)]
+    reqs += [(ids_of(40 + i, 50 + 7 * i).tolist(), "kvzip:sink=2,heavy=14,recent=6,layers=global", q)
+             for i, q in enumerate([None, 40, None])]
     scored, together = scored_lengths(monkeypatch), []
     read = llm_engine.read_pieces
     monkeypatch.setattr(llm_engine, "read_pieces", lambda m, rs: (together.append(len(rs)), read(m, rs))[1])

@@ -11,8 +11,8 @@ in the engine's pool too. Each query head attends to its KV head's entries only 
 nothing moves; the first tokens take slot j, column h for token j and head h, as in `KVCache`, which keeps a
 protected prefix's blocks shareable. In the engine (a `PagedStore`) prefill pieces run batched as "places" groups
 (`steps.shared_piece`, the step `attend` runs for one cache), and decodes as "shared" ones (`steps.shared_decode`),
-below the budget too. With layers=global (KVzip's budgets) each layer's budget is set once the prompt is scored,
-and its rows borrowed as PyramidKV's are: on a sequence's own cache only.
+below the budget too. With layers=global (KVzip's budgets) each layer's budget is planned once the prompt is scored
+(`plan_layers`), its rows then borrowed as PyramidKV's are.
 """
 from __future__ import annotations
 
@@ -40,9 +40,25 @@ class AdaptiveKVCache:
         if kv_bits is not None or rotate_keys is not None:
             raise KvboundError(f"{policy.name}: per-head budgets store K/V unquantized at stream positions "
                                "(no --kv-bits, no --reindex-positions)")
-        self.cfg, self.policy, self.device = config, policy, device
-        self.bounded, self.budget, self.rotate_keys = True, policy.budget, None
-        layers, self.heads = config.num_layers, config.num_kv_heads
+        self.cfg, self.device, self.heads = config, device, config.num_kv_heads
+        self._lay_out(policy)
+        self.store = store if store is not None else DenseStore(config.num_layers, self.store_rows, self.heads,
+                                                                config.head_dim, device, dtype)
+        self._hold(stacked)
+        layers = config.num_layers
+        self.steady = [False] * layers  # a layer that evicted one step's tokens: exactly its spare places are free
+        self.filling = False  # a layer below its budget takes the next slot's places for each decode (`take_spare`)
+        self.used = 0  # local slots [0, used) may hold entries
+        self.held = [0] * layers  # entries each layer holds
+        self.reach = 0  # the place rows this step's pieces reach in any layer: `used` after it
+        self.seen = 0
+        self.prompt_scored = False  # as `KVCache.prompt_scored`
+
+    def _lay_out(self, policy):
+        """The policy's budget of each layer (`policy.head_budgets`), the place rows it may use, and where they are in
+        the store, which holds the mean layer's rows."""
+        self.policy, self.bounded, self.budget, self.rotate_keys = policy, True, policy.budget, None
+        layers = self.cfg.num_layers
         self.budgets = [policy.head_budgets(layer, layers) for layer in range(layers)]
         sure = min(s for s, _ in self.budgets)
         protected = pinned_count(policy.sink, policy.pinned) + policy.recent
@@ -53,28 +69,39 @@ class AdaptiveKVCache:
         self.slots = max(self.rows)
         self.store_rows = -(-sum(self.rows) // layers)  # what the store holds per layer: the mean layer's rows
         # layers of different budgets: where each layer's place rows are (`layer_places`), as `StackedMeta.places`
-        self.places = layer_places(self.rows, device) if policy.layered else None
-        self.store = store if store is not None else DenseStore(layers, self.store_rows, self.heads,
-                                                                config.head_dim, device, dtype)
+        self.places = layer_places(self.rows, self.device) if policy.layered else None
+
+    def _hold(self, stacked):
+        """Owners, positions, scores and spare places: views of a row of the policy's stacked metadata, or tensors of
+        this cache's own (stacked None)."""
         self.stacked = stacked
         if stacked is not None:
             stacked[0].hold(stacked[1], self)
             self.owner.fill_(-1)
             self.pos.fill_(-1)
             self.score.zero_()
-        else:
-            shape = (layers, self.slots, self.heads)
-            self.owner = torch.full(shape, -1, dtype=torch.int16, device=device)  # each place's KV head, -1 free
-            self.pos = torch.full(shape, -1, dtype=torch.int32, device=device)
-            self.score = torch.zeros(shape, dtype=torch.float32, device=device)
-            self.spare = torch.zeros((layers, self.heads), dtype=torch.long, device=device)
-        self.steady = [False] * layers  # a layer that evicted one step's tokens: exactly its spare places are free
-        self.filling = False  # a layer below its budget takes the next slot's places for each decode (`take_spare`)
-        self.used = 0  # local slots [0, used) may hold entries
-        self.held = [0] * layers  # entries each layer holds
-        self.reach = 0  # the place rows this step's pieces reach in any layer: `used` after it
-        self.seen = 0
-        self.prompt_scored = False  # as `KVCache.prompt_scored`
+            return
+        shape = (self.cfg.num_layers, self.slots, self.heads)
+        self.owner = torch.full(shape, -1, dtype=torch.int16, device=self.device)  # each place's KV head, -1 free
+        self.pos = torch.full(shape, -1, dtype=torch.int32, device=self.device)
+        self.score = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self.spare = torch.zeros((self.cfg.num_layers, self.heads), dtype=torch.long, device=self.device)
+
+    def planned(self, n: int, score: torch.Tensor):
+        """layers=global: the policy with each layer's budget from the n prompt tokens' scores [layers, n, heads]
+        (`policies.global_shares`)."""
+        protected = self.policy._protected(torch.arange(n, device=self.device)[:, None])[:, 0]
+        return self.policy.planned(global_shares(score, protected, *self.budgets[0]))
+
+    def plan_layers(self, policy, stacked=None):
+        """Lay this empty cache out for `policy`, whose layer budgets its prompt's scores planned (`planned`): the
+        store's rows stay, the places move; in the engine its metadata moves to `stacked`, a row of that policy's."""
+        store_rows = self.store_rows
+        if self.stacked is not None:
+            self.stacked[0].give(self.stacked[1])
+        self._lay_out(policy)
+        assert self.store_rows == store_rows, "a plan keeps the store's rows"
+        self._hold(stacked)
 
     @property
     def capacity(self) -> int:
@@ -220,9 +247,8 @@ class AdaptiveKVCache:
         """`KVCache.keep_scored` with head budgets: each layer keeps its heads' shares of the n tokens the unbounded
         cache `held` holds by `score` [layers, n, H], as a prefill piece of them would (`steps.keep_places`)."""
         n, h = check_scorable(self, held), self.heads
-        if self.policy.layers == "global":
-            protected = self.policy._protected(torch.arange(n, device=self.device)[:, None])[:, 0]
-            self._share_layers(global_shares(score, protected, *self.budgets[0]))
+        if self.policy.needs_plan:  # a sequence's own cache (the engine plans first, `LLMEngine._read_on`)
+            self.plan_layers(self.planned(n, score))
         rows = torch.zeros(1, dtype=torch.long, device=self.device)
         own = torch.arange(h, dtype=self.owner.dtype, device=self.device).repeat(n)[None]
         cand_pos = torch.arange(n, dtype=self.pos.dtype, device=self.device).repeat_interleave(h)[None]
@@ -238,22 +264,6 @@ class AdaptiveKVCache:
             self.after_piece(layer, n, *plan)
         self.advance(n)
         self.prompt_scored = True
-
-    def _share_layers(self, shares: list[int]):
-        """Each layer's budget set from its prompt's scores (layers=global), before anything is kept: its place rows,
-        where they are in the store (borrowed as PyramidKV's are, the store's rows unchanged), and metadata as wide
-        as the widest layer's."""
-        if self.stacked is not None:
-            raise KvboundError(f"{self.policy.describe()}: budgets across layers are set in an empty cache of a "
-                               "sequence's own")
-        self.budgets = [(self.budgets[0][0], share) for share in shares]
-        self.rows = [share + self.policy.evict_every for share in shares]
-        assert -(-sum(self.rows) // len(self.rows)) == self.store_rows, "the layers' rows fill the store's"
-        self.slots, self.places = max(self.rows), layer_places(self.rows, self.device)
-        shape = (len(shares), self.slots, self.heads)
-        self.owner = torch.full(shape, -1, dtype=torch.int16, device=self.device)
-        self.pos = torch.full(shape, -1, dtype=torch.int32, device=self.device)
-        self.score = torch.zeros(shape, dtype=torch.float32, device=self.device)
 
     def piece_plan(self, layer: int, t: int) -> tuple[int, int, bool]:
         """(place rows the layer's entries are in, place rows its new entries may take, whether it evicts) for a
@@ -290,7 +300,7 @@ class AdaptiveKVCache:
         if self.places is None:
             return storage, layer, local[:n]
         at_layer, row = self.places[layer]
-        return storage.all_layers(), 0, place_slots((at_layer[:n], row[:n]), local, storage.layer_slots)
+        return storage.all_layers(), 0, place_slots((at_layer[:n], row[:n]), local, storage)
 
     # --- introspection ------------------------------------------------------------------------
     def positions_held(self, layer: int) -> torch.Tensor:

@@ -182,22 +182,31 @@ class BlockPool:
         return [self.k, self.v] if self.packed is None else self.packed.tensors
 
     @property
-    def layer_slots(self) -> int:
-        """Slots per layer: slot s of layer l is slot l * layer_slots + s of `all_layers`."""
-        return self.raw[0].shape[1]
+    def token_major(self) -> bool:
+        """Whether a slot's layers lie together (virtual storage's pages), not a layer's slots."""
+        return self.raw[0].stride(0) < self.raw[0].stride(1)
+
+    def flat_slots(self, layer, slots):
+        """Where slot `slots` of `layer` is in `all_layers`' view: after the slots of the layers before it
+        (l * slots per layer + s), or, token-major, beside the same slot of the other layers (s * layers + l)."""
+        layers, per_layer = self.raw[0].shape[:2]
+        return slots * layers + layer if self.token_major else slots + layer * per_layer
 
     def all_layers(self) -> "BlockPool":
-        """This pool's storage with every layer's slots as layer 0's (slot l * layer_slots + s), a view of the same
-        tensors: a step that reads slots of several layers at once (PyramidKV's rows borrowed from other layers)
-        passes it, with layer 0. Only its slot storage (reads, writes, kernel arguments) is for use."""
+        """This pool's storage with every layer's slots as layer 0's (`flat_slots`), a view of the same tensors: a
+        step that reads slots of several layers at once (PyramidKV's rows borrowed from other layers) passes it, with
+        layer 0. Only its slot storage (reads, writes, kernel arguments) is for use."""
         if self._all_layers is None:
+            major = self.token_major
+
             def one(t):
-                return t.view(1, -1, *t.shape[2:])
+                return (t.transpose(0, 1) if major else t).reshape(1, -1, *t.shape[2:])
             flat = copy(self)
             if self.packed is None:
                 flat.k, flat.v = one(self.k), one(self.v)
             else:
                 flat.packed = self.packed.mapped(one)
+            assert all(x.data_ptr() == y.data_ptr() for x, y in zip(flat.raw, self.raw)), "a view, not a copy"
             self._all_layers = flat
         return self._all_layers
 

@@ -169,6 +169,11 @@ class Policy:
         token is written into before the victim leaves); None when unbounded."""
         return None if self.budget is None else self.budget + self.evict_every
 
+    @property
+    def needs_plan(self) -> bool:
+        """Whether its layers' budgets wait for a prompt's scores (kvzip's layers=global, `H2OPolicy.planned`)."""
+        return False
+
     def reads_again(self, context):
         """Whether a prompt-scoring policy (KVzip) reads a context of this many tokens a second time: one past the
         bounded cache's room; one within it is kept as it is. (A tensor of lengths gives a mask.)"""
@@ -357,6 +362,7 @@ class H2OPolicy(Policy):
     beta: float | None = None
     merge: str | None = None
     layers: str = "equal"
+    shares: tuple | None = None  # layers=global: each layer's budget, planned from one prompt's scores (`planned`)
     name: str = "h2o"
     score_choices = SCORES
 
@@ -394,6 +400,8 @@ class H2OPolicy(Policy):
         if self.layers not in LAYER_SHARES:
             raise KvboundError(f"{self.name}: unknown layers {self.layers!r} (choose from {', '.join(LAYER_SHARES)})")
         if self.layers == "equal":
+            if self.shares is not None:
+                raise KvboundError(f"{self.name}: layer shares are planned with layers=global")
             return
         if not self.reconstructs:
             raise KvboundError(f"{self.name}: layers=global shares a budget across layers by a whole prompt's "
@@ -433,7 +441,17 @@ class H2OPolicy(Policy):
 
     @property
     def layered(self) -> bool:
-        return self.beta is not None
+        return self.beta is not None or self.shares is not None
+
+    @property
+    def needs_plan(self) -> bool:
+        """layers=global before a prompt's scores have set each layer's budget (`planned`)."""
+        return self.layers == "global" and self.shares is None
+
+    def planned(self, shares) -> "H2OPolicy":
+        """This policy with each layer's budget (tokens per head) fixed, one sequence's plan under layers=global
+        (`global_shares`): its caches lay their layers out as PyramidKV's schedule does; sequences of one plan batch."""
+        return replace(self, shares=tuple(int(x) for x in shares))
 
     def at_layer(self, layer, layers):
         """PyramidKV's layer as an equal-heads policy of its own: its heavy hitters from the schedule."""
@@ -442,6 +460,8 @@ class H2OPolicy(Policy):
         return replace(self, heavy=pyramid(self.heavy, self.beta, layers)[layer], beta=None)
 
     def head_budgets(self, layer, layers):
+        if self.shares is not None:
+            return pinned_count(self.sink, self.pinned) + self.recent, self.shares[layer]
         share = self.budget if self.beta is None else (self.budget - self.heavy
                                                        + pyramid(self.heavy, self.beta, layers)[layer])
         if self.alpha is None:

@@ -33,12 +33,12 @@ def layer_places(rows: list[int], device) -> list[tuple[torch.Tensor, torch.Tens
     return out
 
 
-def place_slots(places: tuple[torch.Tensor, torch.Tensor], table: torch.Tensor, layer_slots: int) -> torch.Tensor:
-    """The slots of a layer's place rows in a storage's view of every layer's slots (`all_layers`, slot
-    l * layer_slots + s): places, the layer's (store layer, store row) per place row (`layer_places`); table [..., W],
-    the storage slot of each local slot."""
+def place_slots(places: tuple[torch.Tensor, torch.Tensor], table: torch.Tensor, storage) -> torch.Tensor:
+    """The slots of a layer's place rows in a storage's view of every layer's slots (`all_layers`, `flat_slots`):
+    places, the layer's (store layer, store row) per place row (`layer_places`); table [..., W], the storage slot of
+    each local slot."""
     store_layer, store_row = places
-    return table[..., store_row] + (store_layer * layer_slots).to(table.dtype)
+    return storage.flat_slots(store_layer.to(table.dtype), table[..., store_row])
 
 
 def release(cache):

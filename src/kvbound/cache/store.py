@@ -106,14 +106,13 @@ class DenseStore:
         """Where local slots [0, n) live in the storage: here, the same slots."""
         return torch.arange(n, device=self.k.device, dtype=torch.int32)
 
-    @property
-    def layer_slots(self) -> int:
-        """Slots per layer: slot s of layer l is slot l * layer_slots + s of `all_layers`."""
-        return self.k.shape[1]
+    def flat_slots(self, layer, slots):
+        """Where slot `slots` of `layer` is in `all_layers`' view: l * slots per layer + s."""
+        return slots + layer * self.k.shape[1]
 
     def all_layers(self) -> "DenseStore":
-        """This store with every layer's slots as layer 0's (slot l * layer_slots + s), a view of the same tensors
-        until the store grows (`BlockPool.all_layers`)."""
+        """This store with every layer's slots as layer 0's (`flat_slots`), a view of the same tensors until the store
+        grows (`BlockPool.all_layers`)."""
         flat = copy(self)
         flat.k, flat.v = (x.view(1, -1, *x.shape[2:]) for x in (self.k, self.v))
         flat.storage = flat

@@ -84,16 +84,6 @@ class Launched:
         return self.host.tolist()
 
 
-def check_pooled(policy):
-    """One line for a policy whose layers' budgets differ from sequence to sequence (kvzip's layers=global): the
-    engine's batched steps read every sequence of a policy with one plan of layer budgets."""
-    if getattr(policy, "layers", "equal") == "global":
-        raise KvboundError(f"{policy.describe()}: layers=global sets each sequence's layer budgets from its own "
-                           "prompt, which the engine's batched steps (one layer plan a policy) do not hold; run it "
-                           "on a sequence's own cache (kvbound eval ruler / needle without --engine), or use "
-                           "alpha= for budgets shared within each layer")
-
-
 def _plain(seq) -> bool:
     """Its token can stay on the device until the next step: it asked for no logprobs (read from the step's
     logits, which the next step overwrites). Draws see every earlier token: they run after the last step's
@@ -187,7 +177,6 @@ class LLMEngine:
         self.device = next(model.parameters()).device
         self.kv_dtype = kv_dtype or next(model.parameters()).dtype
         self.default_policy = policy or FullPolicy()
-        check_pooled(self.default_policy)
         num_blocks = num_blocks or max(1, kv_cache_tokens // block_size)
         mixed = kv_bits if isinstance(kv_bits, dict) else None
         if mixed is not None:
@@ -281,7 +270,6 @@ class LLMEngine:
             raise KvboundError("stop strings need a tokenizer")
         if self.mixed is not None:
             check_mixed_policy(policy or self.default_policy)
-        check_pooled(policy)
         check_question_start(question_start, len(prompt))
         seq = Sequence(request_id, 0, prompt, params, policy or self.default_policy, arrival=time.perf_counter(),
                        seed=self._seed(params, 0), question_start=question_start)
@@ -426,12 +414,23 @@ class LLMEngine:
             held, rereading = seq.cache, seq.rereading
             if not rereading.reading.done:
                 continue
+            if rereading.bounded.policy.needs_plan:  # layers=global: this reading sets its layers' budgets
+                self._plan_layers(seq, held.n[0])
             rereading.bounded.keep_scored(held, rereading.reading.best)
             seq.peak_blocks = max(seq.peak_blocks, len(held.store.blocks) + len(rereading.bounded.store.blocks))
             seq.cache, seq.rereading, seq.scored = rereading.bounded, None, True
             held.release()
             if rereading.logits is not None:  # its first token, read at once
                 self._read(self._draw([(seq, 0)], [0], rereading.logits[None]), only_finished, touched)
+
+    def _plan_layers(self, seq: Sequence, n: int):
+        """A layers=global sequence whose n context tokens are read again: its policy becomes the one that plan of
+        layer budgets gives (`AdaptiveKVCache.planned`), its bounded cache's metadata a row of that policy's, so it
+        batches with sequences of the same plan; its blocks stay."""
+        bounded = seq.rereading.bounded
+        seq.policy = bounded.planned(n, seq.rereading.reading.best)
+        row = self.caches.stacked_meta(seq.policy).take()
+        bounded.plan_layers(seq.policy, None if row is None else (self.caches.stacked[seq.policy], row))
 
     def _draw(self, batch, sampling, logits) -> Launched:
         """Each sampling row's next token, left on the device: a `sampling.Draw`, whose host check (top-p

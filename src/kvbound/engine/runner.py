@@ -147,7 +147,7 @@ def layer_slots(pool, meta, layer: int, table, lens=None):
     no longer than its rows."""
     if meta.places is None:
         return pool, layer, table, lens
-    table = place_slots(meta.places[layer], table, pool.layer_slots)
+    table = place_slots(meta.places[layer], table, pool)
     return pool.all_layers(), 0, table, None if lens is None else lens.clamp(max=meta.layer_rows[layer])
 
 
