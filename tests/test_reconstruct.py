@@ -298,6 +298,28 @@ def test_kvzip_across_layers_gives_a_layer_all_it_can_hold(pair):
         with pytest.raises(KvboundError, match=why):
             parse_policy(spec)
 
+def test_kvzip_across_layers_in_the_engine_plans_a_policy_of_its_own(pair):
+    """Once the engine has read a layers=global context again, the sequence runs under its plan: a policy whose layer
+    budgets are that reading's (as its own cache would plan them), metadata of one row, and two sequences of one
+    prompt share the plan, their rows growing to two."""
+    _, model = pair
+    pol = parse_policy("kvzip:sink=2,heavy=14,recent=6,layers=global")
+    ids = ids_of(12, 60).tolist()
+    engine = LLMEngine(model, num_blocks=64, block_size=8, prefill_chunk=16)
+    first = engine.add_request(ids, SamplingParams(max_tokens=30, ignore_eos=True), pol)
+    seq = engine.requests[first][0]
+    while not seq.scored:
+        engine.step()
+    assert seq.policy.shares is not None and seq.policy.layers == "global" and seq.policy != pol
+    assert engine.caches.stacked[seq.policy].rows == 1
+    own = sequence_cache(model.config, pol)
+    prefill(model, own, torch.tensor(ids), 16)
+    assert own.policy == seq.policy
+    second = engine.requests[engine.add_request(ids, GREEDY, pol)][0]
+    while not second.scored:
+        engine.step()
+    assert second.policy == seq.policy and engine.caches.stacked[seq.policy].rows == 2
+
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
 

@@ -112,8 +112,10 @@ class PoolCaches:
         if policy not in self.stacked:
             ring = (lambda rows: recent_residuals(self.config, policy, self.mixed, self.pool.packed.group, self.device,
                                                   rows)) if self.mixed else None
+            # a plan of one sequence's layer budgets (kvzip's layers=global) is seldom another's: one row to start
+            first = FIRST_ROWS if getattr(policy, "shares", None) is None else 1
             self.stacked[policy] = StackedMeta(policy, self.config.num_layers, self.config.num_kv_heads, self.rows,
-                                               self.device, ring, FIRST_ROWS if grow else None)
+                                               self.device, ring, first if grow else None)
         return self.stacked[policy]
 
     def drop_idle(self, seen: set, keep) -> tuple[list, set]:
