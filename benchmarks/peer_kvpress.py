@@ -178,8 +178,9 @@ def _write(path, context, replies):
 
 
 def gpu(args):
-    """Both sides on one GPU machine: a process per press (AdaKV's and KVzip's, the slowest, one per keep) and per kvbound
-    fraction, all at once; what a press finished before the deadline is kept, its replies merged into one file."""
+    """Both sides on one GPU machine: a process per press (AdaKV's and KVzip's, the slowest, one per keep) and per
+    kvbound fraction, all at once; what a press finished before the deadline is kept, its replies merged into one
+    file."""
     os.makedirs(args.out_dir, exist_ok=True)
     prompts, script = os.path.join(args.out_dir, "prompts.json"), [sys.executable, os.path.abspath(__file__)]
     subprocess.run(script + ["export", "--model", args.model, "--context", str(args.context),

@@ -21,7 +21,7 @@ from copy import copy
 import torch
 
 from ..errors import KvboundError
-from .policies import global_shares, pinned_count, refuse_prompt_scoring
+from .policies import pinned_count, refuse_prompt_scoring
 from .reconstruct import check_scorable, prompt_kv
 from .stacked import layer_places, place_slots, release
 from .steps import keep_places, shared_piece
@@ -87,15 +87,10 @@ class AdaptiveKVCache:
         self.score = torch.zeros(shape, dtype=torch.float32, device=self.device)
         self.spare = torch.zeros((self.cfg.num_layers, self.heads), dtype=torch.long, device=self.device)
 
-    def planned(self, n: int, score: torch.Tensor):
-        """layers=global: the policy with each layer's budget from the n prompt tokens' scores [layers, n, heads]
-        (`policies.global_shares`)."""
-        protected = self.policy._protected(torch.arange(n, device=self.device)[:, None])[:, 0]
-        return self.policy.planned(global_shares(score, protected, *self.budgets[0]))
-
     def plan_layers(self, policy, stacked=None):
-        """Lay this empty cache out for `policy`, whose layer budgets its prompt's scores planned (`planned`): the
-        store's rows stay, the places move; in the engine its metadata moves to `stacked`, a row of that policy's."""
+        """Lay this empty cache out for `policy`, whose layer budgets its prompt's scores planned (`H2OPolicy.plan`):
+        the store's rows stay, the places move; in the engine its metadata moves to `stacked`, a row of that
+        policy's."""
         store_rows = self.store_rows
         if self.stacked is not None:
             self.stacked[0].give(self.stacked[1])
@@ -248,7 +243,7 @@ class AdaptiveKVCache:
         cache `held` holds by `score` [layers, n, H], as a prefill piece of them would (`steps.keep_places`)."""
         n, h = check_scorable(self, held), self.heads
         if self.policy.needs_plan:  # a sequence's own cache (the engine plans first, `LLMEngine._read_on`)
-            self.plan_layers(self.planned(n, score))
+            self.plan_layers(self.policy.plan(score))
         rows = torch.zeros(1, dtype=torch.long, device=self.device)
         own = torch.arange(h, dtype=self.owner.dtype, device=self.device).repeat(n)[None]
         cand_pos = torch.arange(n, dtype=self.pos.dtype, device=self.device).repeat_interleave(h)[None]

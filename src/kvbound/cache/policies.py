@@ -171,7 +171,7 @@ class Policy:
 
     @property
     def needs_plan(self) -> bool:
-        """Whether its layers' budgets wait for a prompt's scores (kvzip's layers=global, `H2OPolicy.planned`)."""
+        """Whether its layers' budgets wait for a prompt's scores (kvzip's layers=global, `H2OPolicy.plan`)."""
         return False
 
     def reads_again(self, context):
@@ -362,7 +362,7 @@ class H2OPolicy(Policy):
     beta: float | None = None
     merge: str | None = None
     layers: str = "equal"
-    shares: tuple | None = None  # layers=global: each layer's budget, planned from one prompt's scores (`planned`)
+    shares: tuple | None = None  # layers=global: each layer's budget, planned from one prompt's scores (`plan`)
     name: str = "h2o"
     score_choices = SCORES
 
@@ -445,13 +445,15 @@ class H2OPolicy(Policy):
 
     @property
     def needs_plan(self) -> bool:
-        """layers=global before a prompt's scores have set each layer's budget (`planned`)."""
+        """layers=global before a prompt's scores have set each layer's budget (`plan`)."""
         return self.layers == "global" and self.shares is None
 
-    def planned(self, shares) -> "H2OPolicy":
-        """This policy with each layer's budget (tokens per head) fixed, one sequence's plan under layers=global
-        (`global_shares`): its caches lay their layers out as PyramidKV's schedule does; sequences of one plan batch."""
-        return replace(self, shares=tuple(int(x) for x in shares))
+    def plan(self, score: torch.Tensor) -> "H2OPolicy":
+        """layers=global: this policy with each layer's budget fixed by one prompt's scores [layers, n, heads]
+        (`global_shares`). Its caches lay their layers out as PyramidKV's schedule does; sequences of one plan batch."""
+        layers, n, _ = score.shape
+        protected = self._protected(torch.arange(n, device=score.device)[:, None])[:, 0]
+        return replace(self, shares=tuple(global_shares(score, protected, *self.head_budgets(0, layers))))
 
     def at_layer(self, layer, layers):
         """PyramidKV's layer as an equal-heads policy of its own: its heavy hitters from the schedule."""
@@ -705,8 +707,8 @@ def _parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
     """'full' | 'window[:budget=..,sink=..]' | 'h2o:sink=..,heavy=..,recent=..[,score=..,granularity=..,
     ema_decay=..,evict_every=..,alpha=..,beta=..,merge=rank|count|none]' (and tova / knorm / keydiff /
     snapkv[:..,window=..,kernel=..] / adakv / pyramidkv with the same shape options; kvzip with its shape, score,
-    ema_decay, alpha and layers=equal|global) | a named strategy ('baseline', 'window', 'h2o-balanced', 'h2o-heavy', 'observed', 'observed-merge',
-    'tova', 'snapkv', 'knorm', 'keydiff', 'adakv', 'pyramidkv', 'kvzip')."""
+    ema_decay, alpha and layers=equal|global) | a named strategy ('baseline', 'window', 'h2o-balanced',
+    'h2o-heavy', 'observed', 'observed-merge', 'tova', 'snapkv', 'knorm', 'keydiff', 'adakv', 'pyramidkv', 'kvzip')."""
     spec = spec.strip()
     if ":" not in spec:
         pol = named_policy(spec, budget, pinned)

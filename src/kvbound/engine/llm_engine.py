@@ -417,7 +417,7 @@ class LLMEngine:
             if not rereading.reading.done:
                 continue
             if rereading.bounded.policy.needs_plan:  # layers=global: this reading sets its layers' budgets
-                self._plan_layers(seq, held.n[0])
+                self._plan_layers(seq)
             rereading.bounded.keep_scored(held, rereading.reading.best)
             seq.peak_blocks = max(seq.peak_blocks, len(held.store.blocks) + len(rereading.bounded.store.blocks))
             seq.cache, seq.rereading, seq.scored = rereading.bounded, None, True
@@ -425,12 +425,12 @@ class LLMEngine:
             if rereading.logits is not None:  # its first token, read at once
                 self._read(self._draw([(seq, 0)], [0], rereading.logits[None]), only_finished, touched)
 
-    def _plan_layers(self, seq: Sequence, n: int):
-        """A layers=global sequence whose n context tokens are read again: its policy becomes the one that plan of
-        layer budgets gives (`AdaptiveKVCache.planned`), its bounded cache's metadata a row of that policy's, so it
-        batches with sequences of the same plan; its blocks stay."""
+    def _plan_layers(self, seq: Sequence):
+        """A layers=global sequence whose context is read again: its policy becomes that reading's plan of layer
+        budgets (`H2OPolicy.plan`), its bounded cache's metadata a row of that policy's, so it batches with sequences
+        of the same plan; its blocks stay."""
         bounded = seq.rereading.bounded
-        seq.policy = bounded.planned(n, seq.rereading.reading.best)
+        seq.policy = bounded.policy.plan(seq.rereading.reading.best)
         row = self.caches.stacked_meta(seq.policy).take()
         bounded.plan_layers(seq.policy, None if row is None else (self.caches.stacked[seq.policy], row))
 
