@@ -109,18 +109,24 @@ def make_press(name, ratio):
 
 
 def load_model(path: str, dtype: str, attn: str, device: str):
-    """transformers' model of the GGUF file; its config names a folder holding the GGUF's tokenizer, which KVzip's
-    press loads by the model's name to frame its repeat instruction in the chat template."""
-    import tempfile
+    """transformers' model of the GGUF file; its config names a folder holding the GGUF's tokenizer
+    (`tokenizer_folder`)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    where, name = os.path.dirname(path), os.path.basename(path)
-    model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=getattr(torch, dtype),
-                                                 attn_implementation=attn).to(device).eval()
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                 dtype=getattr(torch, dtype), attn_implementation=attn)
+    model.config._name_or_path = tokenizer_folder(path)
+    return model.to(device).eval()
+
+
+def tokenizer_folder(path: str) -> str:
+    """A folder holding the GGUF file's tokenizer: KVzip's press loads one by the model's name, to frame its repeat
+    instruction in the chat template."""
+    import tempfile
+    from transformers import AutoTokenizer
     folder = tempfile.mkdtemp(prefix="tokenizer_")
-    AutoTokenizer.from_pretrained(where, gguf_file=name).save_pretrained(folder)
-    model.config._name_or_path = folder
-    return model
+    AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)).save_pretrained(folder)
+    return folder
 
 
 def run(args):

@@ -487,6 +487,25 @@ def test_peer_kvpress_report_pairs_the_best_rows_instances_in_a_bootstrap_interv
     assert top != top and (who, row) == ([], None)
 
 
+def test_peer_kvpress_names_a_folder_with_the_ggufs_tokenizer_for_kvzips_press():
+    """kvpress's KVzip press loads a tokenizer by the model's name; `peer_kvpress.tokenizer_folder` saves the GGUF's
+    own, which encodes as kvbound's and carries the chat template the press frames its instruction in."""
+    import importlib.util
+    import pathlib
+    from transformers import AutoTokenizer
+    from kvbound.models import load
+    from kvbound.models.loader import default_model_path
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "peer_kvpress.py"
+    spec = importlib.util.spec_from_file_location("peer_kvpress", path)
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    gguf = str(default_model_path())
+    tok = AutoTokenizer.from_pretrained(peer.tokenizer_folder(gguf))
+    text = "Repeat the previous context exactly. VAR QPZ = 31415"
+    assert tok.encode(text, add_special_tokens=False) == load(gguf)[1].encode(text)
+    assert tok.chat_template
+
+
 def test_peer_kvpress_report_counts_an_instance_two_files_ran_once(tmp_path):
     """Two kvbound JSON files that both ran an instance (each run's own baseline): the report keeps the first file's
     record, so the row's mean is not a mean over duplicates; `--first` drops later instances."""
