@@ -224,7 +224,6 @@ def test_kvzip_with_head_budgets_keeps_adakvs_choice_by_those_scores(pair):
     assert len(out) == 5
 
 
-
 def global_rows(best, sink, recent, heavy):
     """KVzip's budgets across layers written out: of every layer's unprotected (token, head) entries, the
     layers x heads x heavy best scored, counted per layer in rows of `heads`, rounded down, the rows left over to
@@ -298,6 +297,7 @@ def test_kvzip_across_layers_gives_a_layer_all_it_can_hold(pair):
         with pytest.raises(KvboundError, match=why):
             parse_policy(spec)
 
+
 def test_kvzip_across_layers_in_the_engine_plans_a_policy_of_its_own(pair):
     """Once the engine has read a layers=global context again, the sequence runs under its plan: a policy whose layer
     budgets are that reading's (as its own cache would plan them), metadata of one row, and two sequences of one
@@ -319,6 +319,7 @@ def test_kvzip_across_layers_in_the_engine_plans_a_policy_of_its_own(pair):
     while not second.scored:
         engine.step()
     assert second.policy == seq.policy and engine.caches.stacked[seq.policy].rows == 2
+
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
