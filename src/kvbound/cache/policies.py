@@ -265,7 +265,7 @@ class Policy:
 
     @property
     def layered(self) -> bool:
-        """Whether layers keep different numbers of tokens (PyramidKV's `beta`)."""
+        """Whether layers keep different numbers of tokens (PyramidKV's `beta`, or a layers=global plan's `shares`)."""
         return False
 
     def at_layer(self, layer: int, layers: int) -> "Policy":
