@@ -136,15 +136,16 @@ def test_kept_tokens_at_every_step_and_outputs_equal_kvbounds_own_cache(name, sp
     same_steps_as_kvbounds_own_cache(name, parse_policy(spec), 16)
 
 
-@pytest.mark.parametrize("chunk", [512, 7])
+@pytest.mark.parametrize("chunk,block", [(512, 0), (7, 0), (7, 10)])
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_kvzip_reads_the_prompt_again_and_keeps_what_kvbounds_own_cache_keeps(name, chunk, monkeypatch):
+def test_kvzip_reads_the_prompt_again_and_keeps_what_kvbounds_own_cache_keeps(name, chunk, block, monkeypatch):
     """KVzip in generate(): the forward that feeds the prompt holds it whole, a hook reads it again through the
-    decoder (whole, or in pieces of 7 tokens) storing nothing, and each layer keeps its choice by that reading's
-    scores: the same positions in every layer and head as kvbound's own cache (`engine.generate.prefill`), after
-    the prompt and at every step after it, the same logits, and generate() gives those tokens."""
+    decoder (whole, or in pieces of 7 tokens, in KVzip's blocks of 10 too) storing nothing, and each layer keeps its
+    choice by that reading's scores: the same positions in every layer and head as kvbound's own cache
+    (`engine.generate.prefill`), after the prompt and at every step after it, the same logits, and generate() gives
+    those tokens."""
     monkeypatch.setattr("kvbound.integrations.hf.READ_CHUNK", chunk)
-    same_steps_as_kvbounds_own_cache(name, parse_policy("kvzip:sink=2,heavy=6,recent=6"), 12, chunk)
+    same_steps_as_kvbounds_own_cache(name, parse_policy(f"kvzip:sink=2,heavy=6,recent=6,chunk={block}"), 12, chunk)
 
 
 def same_steps_as_kvbounds_own_cache(name, policy, steps: int, chunk: int = 512):
@@ -253,7 +254,8 @@ def test_kvzip_refuses_prompts_without_token_ids():
 
 @pytest.mark.parametrize("name,policy", [("llama", "h2o"), ("llama", "observed-merge"),
                                          ("deepseek_v3", "observed-merge"), ("llama", "kvzip"),
-                                         ("deepseek_v3", "kvzip"), ("gemma3", "kvzip")])
+                                         ("llama", "kvzip:chunk=12"), ("deepseek_v3", "kvzip:chunk=12"),
+                                         ("gemma3", "kvzip")])
 def test_left_padded_batch_gives_each_sequence_what_it_gets_alone(name, policy, monkeypatch):
     """Left padding is never kept over a real token, nor merged into one (DeepSeek's values are narrower than its
     keys: merging averages each at its own width). KVzip reads each prompt again in pieces aligned to its own first

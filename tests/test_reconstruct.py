@@ -7,7 +7,6 @@ import torch
 
 from kvbound.cache import BlockPool, KVCache, parse_policy, sequence_cache
 from kvbound.cache.store import PagedStore
-from kvbound.cache.reconstruct import ReconstructionPass
 from kvbound.engine import LLM, LLMEngine
 from kvbound.engine import llm_engine
 from kvbound.engine.generate import SecondReading, generate_ids, prefill, read_again, read_pieces
@@ -39,62 +38,74 @@ def ids_of(seed, n=T):
     return torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def hf_best(hf, ids, chunk):
+def hf_best(hf, ids, chunk, block=0, sink=2):
     """Each prompt token's highest attention from the prompt read again after itself in pieces of `chunk` (each
     piece a sequence of its own after the prompt), over the query heads of its KV head: [layers, n, H], from
-    transformers' attention probabilities."""
+    transformers' attention probabilities. With `block` (KVzip's chunks), each block of that many tokens is read by
+    pieces of its own, their probabilities renormalized over the first `sink` tokens, the block and the piece."""
     n, heads = len(ids), hf.config.num_key_value_heads
     best = torch.zeros(hf.config.num_hidden_layers, n, heads)
-    for start in range(0, n, chunk):
-        part = ids[start:start + chunk]
-        with torch.no_grad():
-            att = hf(torch.cat([ids, part])[None], output_attentions=True).attentions
-        for layer, a in enumerate(att):  # [1, Hq, n + t, n + t]
-            seen = a[0, :, n:, :n].amax(1)  # [Hq, n]
-            best[layer] = torch.maximum(best[layer], seen.view(heads, -1, n).amax(1).T)
+    block = block or n
+    for lo in range(0, n, block):
+        hi = min(n, lo + block)
+        for start in range(lo, hi, chunk):
+            part = ids[start:min(hi, start + chunk)]
+            with torch.no_grad():
+                att = hf(torch.cat([ids, part])[None], output_attentions=True).attentions
+            scored = torch.zeros(n + len(part), dtype=torch.bool)
+            scored[:min(sink, lo)] = scored[lo:hi] = scored[n:] = True
+            for layer, a in enumerate(att):  # [1, Hq, n + t, n + t]
+                p = a[0, :, n:] * scored
+                seen = (p / p.sum(-1, keepdim=True))[..., lo:hi].amax(1)  # [Hq, hi - lo]
+                best[layer, lo:hi] = torch.maximum(best[layer, lo:hi], seen.view(heads, -1, hi - lo).amax(1).T)
     return best
 
 
-@pytest.mark.parametrize("chunk", [T, 24])
-def test_reconstruction_scores_equal_transformers_attention_over_the_prompt_read_twice(pair, chunk):
-    """`ReconstructionPass` over kvbound's full cache gives, for every layer, token and KV head, the largest
-    probability transformers' eager attention gives that token from the second reading (whole, or in pieces)."""
+@pytest.mark.parametrize("chunk,block", [(T, 0), (24, 0), (24, 32), (16, 32), (T, 48)])
+def test_reconstruction_scores_equal_transformers_attention_over_the_prompt_read_twice(pair, chunk, block):
+    """The second reading over kvbound's full cache gives, for every layer, token and KV head, the largest
+    probability transformers' eager attention gives that token from the second reading (whole, or in pieces); with
+    KVzip's blocks (`kvzip:chunk=`), each block's from its own pieces, over the sinks, the block and the piece."""
     hf, model = pair
     ids = ids_of(1)
     held = KVCache(model.config, None)
     prefill(model, held, ids, 32)
-    reading = ReconstructionPass(held)
-    for start in range(0, T, chunk):
-        part = ids[start:start + chunk]
-        model(part, torch.arange(T, T + len(part)), reading)
-    torch.testing.assert_close(reading.best, hf_best(hf, ids, chunk), atol=1e-5, rtol=1e-4)
+    best = read_again(model, held, ids, chunk, parse_policy(f"kvzip:sink=2,heavy=14,recent=6,chunk={block}"))
+    want = hf_best(hf, ids, chunk, block)
+    torch.testing.assert_close(best, want, atol=1e-5, rtol=1e-4)
+    if block:  # the blocks' own normalization: not the whole context's
+        assert not torch.allclose(want, hf_best(hf, ids, chunk), atol=1e-3)
 
 
-def test_readings_of_several_contexts_in_one_forward_score_each_as_transformers(pair):
+@pytest.mark.parametrize("block", [0, 32])
+def test_readings_of_several_contexts_in_one_forward_score_each_as_transformers(pair, block):
     """`read_pieces` reads the next piece of several second readings in one forward (the engine's step), contexts of
-    different lengths whose last pieces differ too: each context's scores equal transformers' for it alone."""
+    different lengths whose last pieces differ too, pieces ending at KVzip's blocks: each context's scores equal
+    transformers' for it alone."""
     hf, model = pair
     contexts = [ids_of(10 + i, n) for i, n in enumerate((37, 70, 16))]
     readings = []
     for ids in contexts:
         held = KVCache(model.config, None)
         prefill(model, held, ids, 32)
-        readings.append(SecondReading(held, ids, 24))
+        readings.append(SecondReading(held, ids, 24, parse_policy(f"kvzip:sink=2,heavy=6,recent=6,chunk={block}")))
     widths = []
     while not all(r.done for r in readings):
         under_way = [r for r in readings if not r.done]
         widths.append(sum(r.piece for r in under_way))
         read_pieces(model, under_way)
-    assert widths == [24 + 24 + 16, 13 + 24, 22]
+    assert widths == ([24 + 24 + 16, 8 + 8, 5 + 24, 8, 6] if block else [24 + 24 + 16, 13 + 24, 22])
     for ids, reading in zip(contexts, readings):
-        torch.testing.assert_close(reading.best, hf_best(hf, ids, 24), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(reading.best, hf_best(hf, ids, 24, block), atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention's varlen kernel")
-def test_readings_on_cuda_pieces_of_one_length_in_one_varlen_call_score_as_each_alone(pair, monkeypatch):
+@pytest.mark.parametrize("block", [0, 32])
+def test_readings_on_cuda_pieces_of_one_length_in_one_varlen_call_score_as_each_alone(pair, monkeypatch, block):
     """On CUDA, in bf16, the pieces of one length from several readings attend in one FlashAttention varlen call
-    (`reconstruct.PiecesOfOneLength`), with `key_scores`' varlen mode: each context's scores equal its reading
-    alone's (a piece at a time through `causal_attention_batch`)."""
+    (`reconstruct.PiecesOfOneLength`), with `key_scores`' varlen mode (KVzip's blocks' scores by a second varlen
+    call over each piece's scored keys): each context's scores equal its reading alone's (a piece at a time through
+    `causal_attention_batch`)."""
     import copy
     from kvbound.cache import reconstruct
     gpu = copy.deepcopy(pair[1]).to("cuda", torch.bfloat16)
@@ -105,8 +116,9 @@ def test_readings_on_cuda_pieces_of_one_length_in_one_varlen_call_score_as_each_
     for ids in contexts:
         held = KVCache(gpu.config, None, device="cuda", dtype=torch.bfloat16)
         prefill(gpu, held, ids, 32)
-        readings.append(SecondReading(held, ids, 16))
-        alone.append(read_again(gpu, held, ids, 16))
+        pol = parse_policy(f"kvzip:sink=2,heavy=6,recent=6,chunk={block}")
+        readings.append(SecondReading(held, ids, 16, pol))
+        alone.append(read_again(gpu, held, ids, 16, pol))
     assert not calls
     while not all(r.done for r in readings):
         read_pieces(gpu, [r for r in readings if not r.done])
@@ -250,7 +262,7 @@ def test_kvzip_across_layers_keeps_the_models_best_entries_wherever_they_are(pai
     hf, model = pair
     ids = ids_of(6)
     pol = parse_policy("kvzip:sink=2,heavy=14,recent=6,layers=global")
-    assert pol.alpha == 0.0 and pol.describe().endswith(",alpha=0.0,layers=global)")
+    assert pol.alpha == 0.0 and pol.describe().endswith(",alpha=0.0,layers=global,chunk=2048)")
     cache = sequence_cache(model.config, pol)
     assert isinstance(cache, AdaptiveKVCache)
     torch.testing.assert_close(prefill(model, cache, ids, 32), prefill(model, KVCache(model.config, None), ids, 32))
@@ -341,9 +353,9 @@ def scored_lengths(monkeypatch) -> list[int]:
     seen = []
 
     class Recorded(SecondReading):
-        def __init__(self, held, ids, chunk):
+        def __init__(self, held, ids, chunk, policy):
             seen.append(len(ids))
-            super().__init__(held, ids, chunk)
+            super().__init__(held, ids, chunk, policy)
     monkeypatch.setattr(llm_engine, "SecondReading", Recorded)
     return seen
 
@@ -360,7 +372,7 @@ def test_kvzip_in_the_engine_batched_and_preempted_equals_each_sequence_alone(pa
              "h2o:sink=2,heavy=10,recent=10"]
     reqs = [(ids_of(20 + i, 12 + 11 * i).tolist(), specs[i % 4], 8 + 10 * i if i % 3 == 2 else None)
             for i in range(8)]
-    reqs += [(ids_of(40 + i, 50 + 7 * i).tolist(), "kvzip:sink=2,heavy=14,recent=6,layers=global", q)
+    reqs += [(ids_of(40 + i, 50 + 7 * i).tolist(), "kvzip:sink=2,heavy=14,recent=6,layers=global,chunk=24", q)
              for i, q in enumerate([None, 40, None])]
     scored, together = scored_lengths(monkeypatch), []
     read = llm_engine.read_pieces
@@ -475,7 +487,7 @@ def packed_alone(model, ids, pol, bits, steps):
         held.prepare(len(ids))
         cache.prepare(len(ids))
     logits = prefill(model, held, ids, 16)
-    cache.keep_scored(held, read_again(model, held, ids, 16))
+    cache.keep_scored(held, read_again(model, held, ids, 16, pol))
     out = []
     for _ in range(steps):
         out.append(int(logits.argmax()))

@@ -582,10 +582,21 @@ class KVzipPolicy(H2OPolicy):
     and reads it a second time (`engine.generate.prefill` on a sequence's own cache; in the engine, in pool blocks,
     `LLMEngine._start_reading`); with a `question_start`, the context before the question is scored and the
     question read after. Decoding then accumulates attention as H2O. With `alpha`, a layer's heads share its budget
-    by these scores (AdaKV's rule; KVzip's own budgets are uneven across heads too)."""
+    by these scores (AdaKV's rule; KVzip's own budgets are uneven across heads too). `chunk`: as KVzip and kvpress
+    read it, the context is scored in blocks of this many tokens, each by its own reading over the sinks, itself and
+    the reading's tokens, so a block's tokens compete among themselves (0: the whole context at once)."""
+    chunk: int = 2048
     name: str = "kvzip"
     score_choices = ("cumulative", "ema")
     reconstructs = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.chunk < 0:
+            raise KvboundError(f"kvzip: chunk must be >= 0 (0: the whole context), got {self.chunk}")
+
+    def describe(self) -> str:
+        return super().describe()[:-1] + f",chunk={self.chunk})"
 
 
 def global_shares(score: torch.Tensor, protected: torch.Tensor, sure: int, share: int) -> list[int]:
@@ -651,7 +662,7 @@ SPEC_KEYS = {"full": (), "window": ("budget", "sink", "evict_every"), "h2o": _H2
              "pyramidkv": _H2O_KEYS + ("window", "kernel"),
              "knorm": ("budget", "sink", "heavy", "recent", "granularity", "evict_every", "alpha", "beta", "merge"),
              "keydiff": ("budget", "sink", "heavy", "recent", "granularity", "evict_every", "alpha", "beta", "merge"),
-             "kvzip": ("budget", "sink", "heavy", "recent", "score", "ema_decay", "alpha", "layers")}
+             "kvzip": ("budget", "sink", "heavy", "recent", "score", "ema_decay", "alpha", "layers", "chunk")}
 
 
 def named_policy(name: str, budget: int | None, pinned=()):
@@ -707,7 +718,7 @@ def _parse_policy(spec: str, budget: int | None = None, pinned=(), **defaults):
     """'full' | 'window[:budget=..,sink=..]' | 'h2o:sink=..,heavy=..,recent=..[,score=..,granularity=..,
     ema_decay=..,evict_every=..,alpha=..,beta=..,merge=rank|count|none]' (and tova / knorm / keydiff /
     snapkv[:..,window=..,kernel=..] / adakv / pyramidkv with the same shape options; kvzip with its shape, score,
-    ema_decay, alpha and layers=equal|global) | a named strategy ('baseline', 'window', 'h2o-balanced',
+    ema_decay, alpha, layers=equal|global and chunk) | a named strategy ('baseline', 'window', 'h2o-balanced',
     'h2o-heavy', 'observed', 'observed-merge', 'tova', 'snapkv', 'knorm', 'keydiff', 'adakv', 'pyramidkv', 'kvzip')."""
     spec = spec.strip()
     if ":" not in spec:

@@ -1,8 +1,10 @@
 """KVzip's score of a prompt's tokens (`policies.KVzipPolicy`; Kim et al., 2025): the model reads the prompt a
 second time, right after itself, and each held key scores the most attention any query of that second reading gives
 it, over the query heads of its KV head. Tokens the model needs to reproduce the context score high, whatever
-question comes next. `engine.generate.prefill` runs the pass, and the engine reads the pieces of every second reading
-under way in one forward (`ReadingBatch`); `KVCache.keep_scored` keeps by the scores.
+question comes next. As in KVzip, the context is scored in blocks (`KVzipPolicy.chunk`): a piece's probabilities
+are over the sinks, its own block and itself only, so each block's tokens compete among themselves.
+`engine.generate.prefill` runs the pass, and the engine reads the pieces of every second reading under way in one
+forward (`ReadingBatch`); `KVCache.keep_scored` keeps by the scores.
 """
 from __future__ import annotations
 
@@ -17,19 +19,44 @@ from ..kernels.reference import causal_attention_batch, flash_ok, varlen_attenti
 class ReconstructionPass:
     """A `models.llama.LayerAttention` for the second reading: each piece attends over the full cache `held` (an
     unbounded `KVCache` holding the prompt) and itself, causally, and writes nothing. `best` [layers, n, H] holds,
-    for each of the n held tokens, the highest probability any query of any piece gave it."""
+    for each of the n held tokens, the highest probability any query of any piece gave it, the probabilities over
+    the keys `scored_keys` gives: the piece's block of held tokens [lo, hi) (`span`, set before each piece), the
+    first `sink` held tokens before it, and the piece."""
 
-    def __init__(self, held):
-        self.held = held
+    def __init__(self, held, sink: int = 0):
+        self.held, self.sink = held, sink
         self.n = held.n[0]
+        self.span = (0, self.n)
         layers, heads = held.pos.shape[0], held.pos.shape[2]
         self.best = torch.zeros((layers, self.n, heads), dtype=torch.float32, device=held.device)
 
+    @property
+    def whole(self) -> bool:
+        """Whether the piece's scores are over every held token, as its attention is: one pass gives both."""
+        return self.span == (0, self.n)
+
+    def scored_keys(self, kc, k):
+        """The held keys (or values) `kc` a piece's scores are over, then the piece's own `k`; and where the span
+        starts in them."""
+        lo, hi = self.span
+        s = min(self.sink, lo)
+        return torch.cat([kc[:s], kc[lo:hi], k]), s
+
+    def keep_best(self, layer: int, seen, s: int):
+        """Fold a piece's scores `seen` [keys, H] (over `scored_keys`, the span from s) into its span's best."""
+        lo, hi = self.span
+        self.best[layer, lo:hi] = torch.maximum(self.best[layer, lo:hi], seen[s:s + hi - lo])
+
     def attend(self, layer: int, q, k, v, positions):
         kc, vc = prompt_kv(self.held, layer)
-        keys, values = torch.cat([kc.to(k.dtype), k]), torch.cat([vc.to(v.dtype), v])
-        out, seen = causal_attention_batch(q[None], keys[None], values[None], "max")  # FlashAttention on CUDA
-        self.best[layer] = torch.maximum(self.best[layer], seen[0, :self.n])
+        kc, vc = kc.to(k.dtype), vc.to(v.dtype)
+        mode = "max" if self.whole else None
+        out, seen = causal_attention_batch(q[None], torch.cat([kc, k])[None], torch.cat([vc, v])[None], mode)
+        s = 0
+        if not self.whole:  # FlashAttention on CUDA, both passes
+            (keys, s), (values, _) = self.scored_keys(kc, k), self.scored_keys(vc, v)
+            seen = causal_attention_batch(q[None], keys[None], values[None], "max")[1]
+        self.keep_best(layer, seen[0], s)
         return out[0]
 
 
@@ -64,28 +91,44 @@ class ReadingBatch:
 
 class PiecesOfOneLength:
     """B pieces of t tokens, each after its own held context, attended in one varlen call: the keys of piece b are
-    its context's n_b, then its own t, from row starts[b]; each context's scores come from `key_scores`' varlen
-    mode, as `causal_attention_batch(..., "max")` gives them one piece at a time."""
+    its context's n_b, then its own t; each context's scores come from `key_scores`' varlen mode over each piece's
+    `scored_keys` (a second varlen call gives their softmax's normalizers unless every piece scores its whole
+    context), as `ReconstructionPass.attend` gives them one piece at a time."""
 
     def __init__(self, passes: list[ReconstructionPass], t: int, device):
-        self.passes, self.t = passes, t
-        used = [p.n + t for p in passes]
-        self.max_keys = max(used)
-        self.starts = list(accumulate(used[:-1], initial=0))  # on the host: no device sync to read them back
-        self.cu_k = torch.tensor(self.starts + [sum(used)], dtype=torch.int32, device=device)
-        self.used = torch.tensor(used, dtype=torch.int32, device=device)
+        self.passes, self.t, self.device = passes, t, device
+        self.whole = all(p.whole for p in passes)
         self.cu_q = torch.arange(0, (len(passes) + 1) * t, t, dtype=torch.int32, device=device)
+        self.keys = self._rows([p.n + t for p in passes])
+        self.scored = self.keys if self.whole else self._rows([min(p.sink, p.span[0]) + p.span[1] - p.span[0] + t
+                                                               for p in passes])
+
+    def _rows(self, used: list[int]):
+        """(row starts on the host, cumulative starts, lengths, longest) of pieces of `used` keys each."""
+        starts = list(accumulate(used[:-1], initial=0))  # on the host: no device sync to read them back
+        cu = torch.tensor(starts + [sum(used)], dtype=torch.int32, device=self.device)
+        return starts, cu, torch.tensor(used, dtype=torch.int32, device=self.device), max(used)
 
     def attend(self, layer: int, qs, ks, vs):
         from ..kernels.triton_prefill import key_scores
         held = [prompt_kv(p.held, layer) for p in self.passes]
-        keys = torch.cat([x for (kc, _), k in zip(held, ks) for x in (kc.to(k.dtype), k)])
-        values = torch.cat([x for (_, vc), v in zip(held, vs) for x in (vc.to(v.dtype), v)])
+        held = [(kc.to(k.dtype), vc.to(k.dtype)) for (kc, vc), k in zip(held, ks)]
+        keys = torch.cat([x for (kc, _), k in zip(held, ks) for x in (kc, k)])
+        values = torch.cat([x for (_, vc), v in zip(held, vs) for x in (vc, v)])
         q = torch.stack(qs)
-        out, lse = varlen_attention_lse(q.flatten(0, 1), keys, values, self.cu_q, self.cu_k, self.t, self.max_keys)
-        seen = key_scores(q, keys, lse, 0, False, self.cu_k[:-1], self.used, self.max_keys, best=True)
-        for p, start in zip(self.passes, self.starts):
-            p.best[layer] = torch.maximum(p.best[layer], seen[start:start + p.n])
+        _, cu, _, longest = self.keys
+        out, lse = varlen_attention_lse(q.flatten(0, 1), keys, values, self.cu_q, cu, self.t, longest)
+        begins = [0] * len(self.passes)
+        if not self.whole:
+            scored = [p.scored_keys(kc, k) for p, (kc, _), k in zip(self.passes, held, ks)]
+            keys, begins = torch.cat([x for x, _ in scored]), [s for _, s in scored]
+            values = torch.cat([p.scored_keys(vc, v)[0] for p, (_, vc), v in zip(self.passes, held, vs)])
+            _, cu, _, longest = self.scored
+            lse = varlen_attention_lse(q.flatten(0, 1), keys, values, self.cu_q, cu, self.t, longest)[1]
+        starts, cu, used, longest = self.scored
+        seen = key_scores(q, keys, lse, 0, False, cu[:-1], used, longest, best=True)
+        for p, start, s in zip(self.passes, starts, begins):
+            p.keep_best(layer, seen[start:], s)
         return out.view(q.shape).unbind(0)
 
 

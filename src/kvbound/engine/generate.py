@@ -56,15 +56,15 @@ def scored_prefill(model, cache: KVCache, ids: torch.Tensor, chunk: int) -> torc
         return prefill(model, cache, ids, chunk)
     held = KVCache(model.config, None, device=cache.device, dtype=next(model.parameters()).dtype)
     logits = prefill(model, held, ids, chunk)
-    cache.keep_scored(held, read_again(model, held, ids, chunk))
+    cache.keep_scored(held, read_again(model, held, ids, chunk, cache.policy))
     held.release()
     return logits
 
 
-def read_again(model, held, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+def read_again(model, held, ids: torch.Tensor, chunk: int, policy) -> torch.Tensor:
     """KVzip's second reading of the n tokens `ids` that the unbounded cache `held` holds, whole (`SecondReading`).
     Returns each held token's score [layers, n, H]."""
-    reading = SecondReading(held, ids, chunk)
+    reading = SecondReading(held, ids, chunk, policy)
     while not reading.done:
         read_pieces(model, [reading])
     return reading.best
@@ -74,12 +74,14 @@ class SecondReading:
     """KVzip's second reading, a piece at a time: the n tokens `ids` that the unbounded cache `held` holds, fed again
     in pieces of `chunk` tokens, each right after them (attending over them and itself) and writing nothing. `best`
     [layers, n, H]: each held token's score, the most attention any query of the reading gave it
-    (`cache.reconstruct`). The engine reads a piece a step (`LLMEngine._read_on`), as it prefills; `read_pieces`
-    reads the next piece of several at once."""
+    (`cache.reconstruct`), each block of `policy.chunk` tokens scored by its own pieces, which never cross it. The
+    engine reads a piece a step (`LLMEngine._read_on`), as it prefills; `read_pieces` reads the next piece of
+    several at once."""
 
-    def __init__(self, held, ids: torch.Tensor, chunk: int):
+    def __init__(self, held, ids: torch.Tensor, chunk: int, policy):
         self.ids, self.chunk, self.at = ids, chunk, 0
-        self.pass_ = ReconstructionPass(held)
+        self.block = policy.chunk or len(ids)
+        self.pass_ = ReconstructionPass(held, policy.sink)
 
     @property
     def done(self) -> bool:
@@ -91,14 +93,21 @@ class SecondReading:
 
     @property
     def piece(self) -> int:
-        """Tokens the next piece reads."""
-        return min(self.chunk, len(self.ids) - self.at)
+        """Tokens the next piece reads: up to `chunk`, within its block."""
+        return min(self.chunk, len(self.ids) - self.at, self.block - self.at % self.block)
+
+    def score_span(self):
+        """The next piece scores its block of the context (`ReconstructionPass.span`)."""
+        lo = self.at - self.at % self.block
+        self.pass_.span = (lo, min(len(self.ids), lo + self.block))
 
 
 def read_pieces(model, readings: list[SecondReading]):
     """One forward reads the next piece of each of `readings`, each right after its own context (positions n on)
     and over it alone (`cache.reconstruct.ReadingBatch`): the engine reads every second reading under way at once."""
     parts = [r.ids[r.at:r.at + r.piece] for r in readings]
+    for r in readings:
+        r.score_span()
     ids = torch.cat(parts)
     positions = torch.cat([torch.arange(len(r.ids), len(r.ids) + len(p), device=ids.device)
                            for r, p in zip(readings, parts)])

@@ -403,7 +403,7 @@ class LLMEngine:
         bounded = self.caches(seq.policy, [])
         bounded.prepare(seq.context_end)
         ids = torch.tensor(seq.prompt[:seq.context_end], device=self.device)
-        seq.rereading = Rereading(SecondReading(seq.cache, ids, self.scheduler.chunk), bounded, logits)
+        seq.rereading = Rereading(SecondReading(seq.cache, ids, self.scheduler.chunk, seq.policy), bounded, logits)
 
     def _read_on(self, seqs, only_finished: bool, touched: dict):
         """Each of `seqs` still reading its context again reads its next piece, all in one forward (one piece a

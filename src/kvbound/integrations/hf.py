@@ -27,7 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..cache.merge import attention_bias
 from ..cache.policies import H2OPolicy, Policy, parse_policy
-from ..cache.steps import fresh_scores, kept_order, merge_dropped, piece_fold, policy_fold, rescored
+from ..cache.steps import fresh_scores, kept_order, marked_first, merge_dropped, piece_fold, policy_fold, rescored
 from ..errors import KvboundError
 from ..kernels import causal_attention_batch, flash_ok
 
@@ -110,7 +110,7 @@ class EvictingLayer(DynamicLayer):
     def convert(cls, layer: DynamicLayer, policy: Policy):
         layer.__class__ = cls
         layer.policy, layer.pos, layer.score, layer.count, layer.seen, layer.logical = policy, None, None, None, None, 0
-        layer.unread, layer.best, layer.read_queries = False, None, None
+        layer.unread, layer.best, layer.read_queries, layer.read_span = False, None, None, None
         return layer
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -129,7 +129,7 @@ class EvictingLayer(DynamicLayer):
 
     def reset(self):
         super().reset()
-        self.pos = self.score = self.count = self.seen = self.best = self.read_queries = None
+        self.pos = self.score = self.count = self.seen = self.best = self.read_queries = self.read_span = None
         self.logical, self.unread = 0, False
 
     def reset_scores(self):
@@ -173,13 +173,30 @@ class EvictingLayer(DynamicLayer):
 
     def _read(self, query, key, value, scaling):
         """A piece of KVzip's second reading, key/value [B, Hk, L + t, D] the held tokens and then the piece's: its
-        attention output, and into `best` [B, L, H] each held token's highest probability from the piece's real
-        queries (`read_queries` [B, t]), over the query heads of its cached head."""
+        attention output, and into `best` [B, L, H] each held token of the piece's block (`read_span`, positions
+        [lo, hi)) its highest probability from the piece's real queries (`read_queries` [B, t]), over the query heads
+        of its cached head and the keys the block's scores are over: the sinks, the block and the piece
+        (`cache.reconstruct.ReconstructionPass`)."""
         b, t, held = query.shape[0], query.shape[2], self.keys.shape[-2]
-        valid = torch.cat([self.pos[:, :, 0] >= 0, torch.ones(b, t, dtype=torch.bool, device=query.device)], 1)
-        out, seen = _attend(query, key, value, valid, scaling, None, "max", None, self.keys.shape[1],
-                            self.read_queries)
-        self.best = torch.maximum(self.best, seen[:, :held])
+        pos = self.pos[:, :, 0]
+        lo, hi = self.read_span
+        span = (pos >= lo) & (pos < hi)
+        scored = span | ((pos >= 0) & (pos < min(self.policy.sink, lo)))
+        whole = bool((scored == (pos >= 0)).all())  # every held token: one pass gives the output and the scores
+        ones = torch.ones(b, t, dtype=torch.bool, device=query.device)
+        out, seen = _attend(query, key, value, torch.cat([pos >= 0, ones], 1), scaling, None,
+                            "max" if whole else None, None, self.keys.shape[1], self.read_queries)
+        if not whole:  # the scored keys first in each row, in order, then the piece's
+            count, at = scored.sum(1), marked_first(scored, 1)
+            at = at[:, :int(count.max())]
+            keys = torch.cat([key.gather(2, at[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])),
+                              key[:, :, held:]], 2)
+            valid = torch.cat([torch.arange(at.shape[1], device=at.device) < count[:, None], ones], 1)
+            got = _attend(query, keys, keys, valid, scaling, None, "max", None, self.keys.shape[1],
+                          self.read_queries)[1][:, :at.shape[1]]
+            seen = torch.zeros(b, held, got.shape[2], device=got.device).scatter_(
+                1, at[..., None].expand(-1, -1, got.shape[2]), got)
+        self.best = torch.where(span[..., None], torch.maximum(self.best, seen[:, :held]), self.best)
         return out.contiguous()
 
     def keep_read(self):
@@ -188,7 +205,7 @@ class EvictingLayer(DynamicLayer):
         valid = self.pos[:, :, 0] >= 0
         read = self.policy.reads_again(valid.sum(1))
         self.score = torch.where((valid & read[:, None])[..., None], self.best, self.score)
-        self.best = self.read_queries = None
+        self.best = self.read_queries = self.read_span = None
         self._evict(valid)
 
     def _admit(self, t, attention_mask) -> torch.Tensor:
@@ -432,9 +449,9 @@ def read_again(model, args, kwargs, output):
         layer.unread, layer.best = False, torch.zeros(layer.pos.shape, device=layer.pos.device)
     sliding = [layer for layer in layers if getattr(layer, "is_sliding", False)]
     with torch.no_grad():
-        for piece, real, positions in _pieces(ids, valid, READ_CHUNK):
+        for piece, real, positions, span in _pieces(ids, valid, READ_CHUNK, unread[0].policy.chunk):
             for layer in unread:
-                layer.read_queries = real
+                layer.read_queries, layer.read_span = real, span
             held = [dict(vars(layer)) for layer in sliding]  # their tensors are replaced, never written in place
             # a sliding layer's window keeps left padding out by the mask (an evicting layer reads by `pos`)
             mask = {"attention_mask": torch.cat([valid, torch.ones_like(real)], 1).long()} if sliding else {}
@@ -446,18 +463,23 @@ def read_again(model, args, kwargs, output):
         layer.keep_read()
 
 
-def _pieces(ids, valid, chunk: int):
-    """Each sequence's real tokens (left padding dropped) in pieces of `chunk`, aligned to its own first token so
-    that a batch reads as each sequence alone: (ids [B, t], right-padded; which are real [B, t]; positions [B, t],
-    from the sequence's length on)."""
+def _pieces(ids, valid, chunk: int, block: int):
+    """Each sequence's real tokens (left padding dropped) in pieces of `chunk` within blocks of `block` (KVzip's, 0:
+    one), aligned to its own first token so that a batch reads as each sequence alone: (ids [B, t], right-padded;
+    which are real [B, t]; positions [B, t], from the sequence's length on; the piece's block, token indices [lo,
+    hi))."""
     n = valid.sum(1)
     start, longest = valid.shape[1] - n, int(n.max())
-    for at in range(0, longest, chunk):
-        t = min(chunk, longest - at)
+    block = block or longest
+    at = 0
+    while at < longest:
+        lo = at - at % block
+        t = min(chunk, longest - at, lo + block - at)
         offs = torch.arange(t, device=ids.device)
         real = at + offs[None] < n[:, None]
         src = (start[:, None] + at + offs[None]).clamp(max=valid.shape[1] - 1)
-        yield torch.where(real, ids.gather(1, src), ids[:, -1:]), real, n[:, None] + offs[None]
+        yield torch.where(real, ids.gather(1, src), ids[:, -1:]), real, n[:, None] + offs[None], (lo, lo + block)
+        at += t
 
 
 def _prepare(model):
