@@ -57,7 +57,7 @@ PRESSES = ("streaming_llm", "snapkv", "observed_attention", "tova", "keydiff", "
 KVZIP = ("kvzip", "kvzip_layerwise")
 PAIRED = {"window": "streaming_llm", "snapkv": "snapkv", "observed": "observed_attention", "tova": "tova",
           "keydiff": "keydiff", "h2o-heavy": "observed_attention", "keydiff:alpha=0.2": "adakv_keydiff",
-          "kvzip:alpha=0": "kvzip_layerwise", "kvzip:layers=global": "kvzip"}
+          "kvzip:alpha=0": "kvzip_layerwise", "kvzip:layers=global": "kvzip", "kvzip:layers=global,chunk=2048": "kvzip"}
 
 
 def export(args):

@@ -262,7 +262,7 @@ def test_kvzip_across_layers_keeps_the_models_best_entries_wherever_they_are(pai
     hf, model = pair
     ids = ids_of(6)
     pol = parse_policy("kvzip:sink=2,heavy=14,recent=6,layers=global")
-    assert pol.alpha == 0.0 and pol.describe().endswith(",alpha=0.0,layers=global,chunk=2048)")
+    assert pol.alpha == 0.0 and pol.describe().endswith(",alpha=0.0,layers=global)")
     cache = sequence_cache(model.config, pol)
     assert isinstance(cache, AdaptiveKVCache)
     torch.testing.assert_close(prefill(model, cache, ids, 32), prefill(model, KVCache(model.config, None), ids, 32))
@@ -305,7 +305,9 @@ def test_kvzip_across_layers_gives_a_layer_all_it_can_hold(pair):
         assert global_shares(best, protected, 7, 7 + 9) == [7 + r for r in global_rows(best, 2, 5, 9)]
     for spec, why in (("kvzip:budget=64,layers=all", "unknown layers 'all'"),
                       ("kvzip:budget=64,alpha=0.2,layers=global", "leave out alpha"),
-                      ("keydiff:budget=64,layers=global", "unknown option 'layers'")):
+                      ("keydiff:budget=64,layers=global", "unknown option 'layers'"),
+                      ("kvzip:budget=64,chunk=-1", r"chunk must be >= 0 \(0: the whole context\), got -1"),
+                      ("keydiff:budget=64,chunk=64", "unknown option 'chunk'")):
         with pytest.raises(KvboundError, match=why):
             parse_policy(spec)
 

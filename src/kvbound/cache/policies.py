@@ -583,9 +583,11 @@ class KVzipPolicy(H2OPolicy):
     `LLMEngine._start_reading`); with a `question_start`, the context before the question is scored and the
     question read after. Decoding then accumulates attention as H2O. With `alpha`, a layer's heads share its budget
     by these scores (AdaKV's rule; KVzip's own budgets are uneven across heads too). `chunk`: as KVzip and kvpress
-    read it, the context is scored in blocks of this many tokens, each by its own reading over the sinks, itself and
-    the reading's tokens, so a block's tokens compete among themselves (0: the whole context at once)."""
-    chunk: int = 2048
+    read it (2,048 there), the context is scored in blocks of this many tokens, each by its own reading over the
+    sinks, itself and the reading's tokens, so a block's tokens compete among themselves; 0 (the default): the whole
+    context at once, one attention pass a piece instead of two. On Qwen's RULER at 4k, 2,048-token blocks scored
+    the same mean (RESULTS.md, "KVzip's blocks")."""
+    chunk: int = 0
     name: str = "kvzip"
     score_choices = ("cumulative", "ema")
     reconstructs = True
@@ -596,7 +598,7 @@ class KVzipPolicy(H2OPolicy):
             raise KvboundError(f"kvzip: chunk must be >= 0 (0: the whole context), got {self.chunk}")
 
     def describe(self) -> str:
-        return super().describe()[:-1] + f",chunk={self.chunk})"
+        return super().describe()[:-1] + (f",chunk={self.chunk})" if self.chunk else ")")
 
 
 def global_shares(score: torch.Tensor, protected: torch.Tensor, sure: int, share: int) -> list[int]:
