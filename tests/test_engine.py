@@ -865,13 +865,14 @@ def test_greedy_at_20k_context_alone_equals_batched_and_replays_wide_graphs():
                                   "h2o:sink=2,heavy=12,recent=10,score=observed,alpha=0.2",
                                   "pyramidkv:sink=2,heavy=12,recent=10,window=6,beta=4",
                                   "h2o:sink=2,heavy=10,recent=12,score=observed,merge=rank",
-                                  "kvzip:sink=2,heavy=10,recent=12", "kvzip:sink=2,heavy=12,recent=10,alpha=0.2"])
+                                  "kvzip:sink=2,heavy=10,recent=12", "kvzip:sink=2,heavy=12,recent=10,alpha=0.2",
+                                  "kvzip:sink=2,heavy=12,recent=10,layers=global"])
 def test_scored_policies_on_cuda_batched_equal_alone(model, spec, monkeypatch):
     """On CUDA the decode steps of tova, knorm, observed and keydiff run the fused evict kernels (an EMA that
     forgets at once; the new key's norm; the sum over each key's age; every key against the anchor), adakv's
     the shared-place kernels (`triton_shared`; KNorm, KeyDiff and observed under head budgets too, and pyramidkv's
-    layers, some rows borrowed from another layer); kvzip's prompts are read again from pool blocks: batched outputs
-    still equal each sequence alone."""
+    layers, some rows borrowed from another layer, and kvzip's layers=global plans, a plan a row); kvzip's prompts are
+    read again from pool blocks: batched outputs still equal each sequence alone."""
     gpu = model.cuda()
     try:
         import kvbound.kernels.triton_shared as shared

@@ -818,15 +818,20 @@ def test_fused_evict_decode_on_packed_pools_matches_torch_path(bits, spec):
     torch.testing.assert_close(score.cpu(), ref_meta.score[:, layer], atol=1e-6, rtol=1e-5)
 
 
-def _shared_state(policy, seed, storage, rows=4, batch=(2, 0, 3), layers=2, heads=3, held=None):
+def _shared_state(policy, seed, storage, rows=4, batch=(2, 0, 3), layers=2, heads=3, held=None, plans=None):
     """AdaKV's stacked metadata in steady state: each row's places are owned by heads in uneven numbers, at
     distinct positions per head (the sinks and the newest in some), and each head has one spare place. The
     second row is a uniform cache whose heads hold the same positions at equal scores: every order is by ties.
     held: per batch entry, None, or the tokens of a cache below its budget (token j in slot j, column h for head
-    h; its spares the next slot's places)."""
+    h; its spares the next slot's places). plans: per batch entry, its place rows per layer (`StackedMeta.set_plan`;
+    default: the policy's)."""
     from kvbound.cache.stacked import StackedMeta
     gen = torch.Generator().manual_seed(seed)
     meta = StackedMeta(policy, layers, heads, rows, "cpu")
+    plans = plans or [meta.layer_rows] * len(batch)
+    for r, plan in zip(batch, plans):
+        if meta.planned:
+            meta.set_plan(r, plan)
     cap = meta.pos.shape[2]
     places = cap * heads
     held = held or [None] * len(batch)
@@ -834,7 +839,7 @@ def _shared_state(policy, seed, storage, rows=4, batch=(2, 0, 3), layers=2, head
     for i, r in enumerate(batch):
         shared = torch.randperm(max(now[i] - 1, cap), generator=gen)[:cap - 1].to(torch.int32)
         for layer in range(layers):
-            mine_places = meta.layer_rows[layer] * heads  # PyramidKV's layers use fewer than the widest
+            mine_places = plans[i][layer] * heads  # PyramidKV's layers, or a plan's, use fewer than the widest
             if held[i] is not None:
                 slot = torch.arange(places) // heads
                 meta.owner[r, layer] = torch.where(slot < held[i], torch.arange(places) % heads, -1).view(cap, heads)
@@ -910,7 +915,17 @@ def test_shared_decode_over_layers_of_different_budgets(spec, bits, layer):
     _check_shared_decode(spec, bits, held=(None, 1, None), layer=layer)
 
 
-def _check_shared_decode(spec, bits, held=None, layer=1):
+@pytest.mark.parametrize("bits", [None, 8])
+@pytest.mark.parametrize("layer", [0, 1])
+def test_shared_decode_over_rows_of_different_plans(bits, layer):
+    """kvzip's layers=global plans in the shared kernels: rows of one metadata, each with layer budgets of its own
+    (the first wider than the policy's: the metadata widened; past a row's own place rows, free padding), decode in
+    one batch; each layer's decode equals the PyTorch route, a cache below its budget among them."""
+    _check_shared_decode("kvzip:sink=2,heavy=12,recent=4,layers=global", bits, held=(None, 1, None), layer=layer,
+                         plans=[[25, 13], [19, 19], [14, 24]])
+
+
+def _check_shared_decode(spec, bits, held=None, layer=1, plans=None):
     import copy
     from kvbound.cache.block_pool import BlockPool
     from kvbound.cache.policies import parse_policy
@@ -919,13 +934,14 @@ def _check_shared_decode(spec, bits, held=None, layer=1):
     pol = parse_policy(spec)
     layers, heads, d = 2, 3, 32
     widest = max(pol.head_budgets(n, layers)[1] for n in range(layers)) + 1  # the capacity, or PyramidKV's first layer
+    widest = max([widest] + [max(plan) for plan in plans or ()])
     pool = BlockPool(layers, heads, d, 3 * widest + 20, 1, kv_bits=bits, group_size=32)
     gen = torch.Generator().manual_seed(len(spec))
     for layer in range(layers):
         pool.write(layer, torch.arange(pool.num_blocks), *(torch.randn(pool.num_blocks, heads, d, generator=gen)
                                                            for _ in range(2)))
     held = held and [pol.budget - 1 if m == "short" else m for m in held]
-    meta, table, rows, step = _shared_state(pol, len(spec) + (bits or 0), pool, held=held)
+    meta, table, rows, step = _shared_state(pol, len(spec) + (bits or 0), pool, held=held, plans=plans)
     ref_meta, ref_pool = copy.deepcopy(meta), copy.deepcopy(pool)
     lens = torch.tensor([table.shape[1] if m is None else m + 1 for m in held or [None] * len(rows)],
                         dtype=torch.int32)
@@ -938,9 +954,9 @@ def _check_shared_decode(spec, bits, held=None, layer=1):
             assert ref_meta.spare[r, layer].tolist() == [(m + 1) * 3 + h for h in range(3)]
     m = meta
     dev = lambda t: t.to(DEV)  # noqa: E731
-    # PyramidKV: the layer's place rows, some in another layer's slots, read as the engine's groups read them
-    pool, at, kernel_table, kernel_lens = layer_slots(pool, m, layer, table, lens)
-    ref_pool = ref_pool if m.places is None else ref_pool.all_layers()
+    # PyramidKV, plans: each row's place rows, some in another layer's slots, read as the engine's groups read them
+    pool, at, kernel_table, kernel_lens, widths = layer_slots(pool, m, layer, table, rows, lens)
+    ref_pool = ref_pool.all_layers() if m.planned else ref_pool
     raw = [dev(t[at]) for t in pool.raw]  # K and V, or K's codes, scales, biases, then V's
     quant = pool.kernel_args(at)[2]
     if quant is not None:
@@ -950,7 +966,7 @@ def _check_shared_decode(spec, bits, held=None, layer=1):
     got = shared_decode(*(dev(step[x]) for x in "qkv"), k_pool, v_pool, dev(kernel_table), dev(rows),
                         dev(step["positions"]), owner, pos, spare, score, pol.fold, pol.fold_decay,
                         *pol.fused_protection(), m.sure[layer], quant=quant, splits=3, rank=pol.rank_source,
-                        lens=dev(kernel_lens))
+                        lens=dev(kernel_lens), widths=None if widths is None else dev(widths))
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
     for got_t, want_t in zip(raw, ref_pool.raw):  # the new tokens stored as the pool's packer writes them
         assert torch.equal(got_t.cpu(), want_t[at])

@@ -312,27 +312,31 @@ def test_kvzip_across_layers_gives_a_layer_all_it_can_hold(pair):
             parse_policy(spec)
 
 
-def test_kvzip_across_layers_in_the_engine_plans_a_policy_of_its_own(pair):
+def test_kvzip_across_layers_in_the_engine_keeps_each_plan_in_a_row_of_one_metadata(pair):
     """Once the engine has read a layers=global context again, the sequence runs under its plan: a policy whose layer
-    budgets are that reading's (as its own cache would plan them), metadata of one row, and two sequences of one
-    prompt share the plan, their rows growing to two."""
+    budgets are that reading's (as its own cache would plan them), laid out in its row of the policy's one stacked
+    metadata (`StackedMeta.set_plan`), so sequences of different plans decode in one batched group."""
+    from kvbound.engine.runner import group_key
     _, model = pair
     pol = parse_policy("kvzip:sink=2,heavy=14,recent=6,layers=global")
-    ids = ids_of(12, 60).tolist()
     engine = LLMEngine(model, num_blocks=64, block_size=8, prefill_chunk=16)
-    first = engine.add_request(ids, SamplingParams(max_tokens=30, ignore_eos=True), pol)
-    seq = engine.requests[first][0]
-    while not seq.scored:
+    prompts = [ids_of(12, 60).tolist(), ids_of(11, 60).tolist()]  # plans (26, 18) and (30, 14): wider rows
+    seqs = [engine.requests[engine.add_request(ids, SamplingParams(max_tokens=30, ignore_eos=True), pol)][0]
+            for ids in prompts]
+    while not all(seq.scored for seq in seqs):
         engine.step()
-    assert seq.policy.shares is not None and seq.policy.layers == "global" and seq.policy != pol
-    assert engine.caches.stacked[seq.policy].rows == 1
-    own = sequence_cache(model.config, pol)
-    prefill(model, own, torch.tensor(ids), 16)
-    assert own.policy == seq.policy
-    second = engine.requests[engine.add_request(ids, GREEDY, pol)][0]
-    while not second.scored:
-        engine.step()
-    assert second.policy == seq.policy and engine.caches.stacked[seq.policy].rows == 2
+    assert all(seq.policy.shares is not None and seq.policy.unplanned == pol for seq in seqs)
+    assert seqs[0].policy.shares != seqs[1].policy.shares
+    assert list(engine.caches.stacked) == [pol]
+    meta = engine.caches.stacked[pol]
+    assert meta.width == 30 + 1  # widened from the policy's 20 + 1 for the first layer of the second plan
+    for ids, seq in zip(prompts, seqs):
+        own = sequence_cache(model.config, pol)
+        prefill(model, own, torch.tensor(ids), 16)
+        assert own.policy == seq.policy
+        assert meta.plan_rows[seq.cache.stacked[1]].tolist() == [share + 1 for share in seq.policy.shares]
+    keys = [group_key(seq, 1) for seq in seqs]
+    assert keys[0] == keys[1] and keys[0].kind == "shared"
 
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)

@@ -12,7 +12,8 @@ nothing moves; the first tokens take slot j, column h for token j and head h, as
 protected prefix's blocks shareable. In the engine (a `PagedStore`) prefill pieces run batched as "places" groups
 (`steps.shared_piece`, the step `attend` runs for one cache), and decodes as "shared" ones (`steps.shared_decode`),
 below the budget too. With layers=global (KVzip's budgets) each layer's budget is planned once the prompt is scored
-(`plan_layers`), its rows then borrowed as PyramidKV's are.
+(`plan_layers`), its rows then borrowed as PyramidKV's are; in the engine, rows of stacked metadata hold each cache's
+plan, so caches of different plans decode in one batch.
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ class AdaptiveKVCache:
         self.rows = [share + policy.evict_every for _, share in self.budgets]  # place rows each layer may use
         self.slots = max(self.rows)
         self.store_rows = -(-sum(self.rows) // layers)  # what the store holds per layer: the mean layer's rows
-        # layers of different budgets: where each layer's place rows are (`layer_places`), as `StackedMeta.places`
+        # layers of different budgets: where each layer's place rows are (`layer_places`), as `StackedMeta.set_plan`
         self.places = layer_places(self.rows, self.device) if policy.layered else None
 
     def _hold(self, stacked):
@@ -87,16 +88,17 @@ class AdaptiveKVCache:
         self.score = torch.zeros(shape, dtype=torch.float32, device=self.device)
         self.spare = torch.zeros((self.cfg.num_layers, self.heads), dtype=torch.long, device=self.device)
 
-    def plan_layers(self, policy, stacked=None):
+    def plan_layers(self, policy):
         """Lay this empty cache out for `policy`, whose layer budgets its prompt's scores planned (`H2OPolicy.plan`):
-        the store's rows stay, the places move; in the engine its metadata moves to `stacked`, a row of that
-        policy's."""
+        the store's rows stay, the places move; in the engine its row of stacked metadata takes the plan, so that
+        sequences of any plans batch together (`StackedMeta.set_plan`)."""
         store_rows = self.store_rows
-        if self.stacked is not None:
-            self.stacked[0].give(self.stacked[1])
         self._lay_out(policy)
         assert self.store_rows == store_rows, "a plan keeps the store's rows"
-        self._hold(stacked)
+        if self.stacked is None:
+            self._hold(None)
+        else:
+            self.stacked[0].set_plan(self.stacked[1], self.rows)
 
     @property
     def capacity(self) -> int:
@@ -190,7 +192,7 @@ class AdaptiveKVCache:
         self.store.grow(state["slots"])
         self.store.pool.write_blocks(self.store.blocks, state["bytes"])
         for x, saved in zip((self.owner, self.pos, self.score, self.spare), state["meta"]):
-            x.copy_(saved)
+            x[:, :saved.shape[1]].copy_(saved)  # stacked rows may have widened for another plan since
         self.used, self.seen, self.steady = state["used"], state["seen"], list(state["steady"])
         self.held = list(state["held"])
         self.filling = state["filling"]

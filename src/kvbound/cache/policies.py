@@ -118,8 +118,9 @@ def shared_victims(pos: torch.Tensor, rank: torch.Tensor, protected: torch.Tenso
     """Per row of a batch of layers' places [B, E] holding heads x share + heads tokens: the `heads` places that
     `select_shared` would drop (the lowest-ranked past each head's `guaranteed`, the oldest among ties) -> [B, heads],
     with no host sync."""
-    order, place = _shared_order(pos, rank, protected, owner, heads)
-    rest = place > guaranteed
+    held = owner >= 0  # free places (a plan's padding past its layer's rows, a graph's padding row) are no victims
+    order, place = _shared_order(pos, torch.where(held, rank.float(), float("-inf")), protected & held, owner, heads)
+    rest = (place > guaranteed) & held.gather(-1, order)
     last = rest & (rest.flip(1).cumsum(1).flip(1) <= heads)  # the last `heads` of the rest, in keep order
     at = torch.where(last, torch.arange(pos.shape[1], device=pos.device), -1).topk(heads, -1).indices
     return order.gather(1, at)
@@ -173,6 +174,11 @@ class Policy:
     def needs_plan(self) -> bool:
         """Whether its layers' budgets wait for a prompt's scores (kvzip's layers=global, `H2OPolicy.plan`)."""
         return False
+
+    @property
+    def unplanned(self) -> "Policy":
+        """The policy a plan of layer budgets came from (itself if none): the caches of its plans batch together."""
+        return self
 
     def reads_again(self, context):
         """Whether a prompt-scoring policy (KVzip) reads a context of this many tokens a second time: one past the
@@ -447,6 +453,10 @@ class H2OPolicy(Policy):
     def needs_plan(self) -> bool:
         """layers=global before a prompt's scores have set each layer's budget (`plan`)."""
         return self.layers == "global" and self.shares is None
+
+    @property
+    def unplanned(self) -> "H2OPolicy":
+        return self if self.shares is None else replace(self, shares=None)
 
     def plan(self, score: torch.Tensor) -> "H2OPolicy":
         """layers=global: this policy with each layer's budget fixed by one prompt's scores [layers, n, heads]

@@ -343,14 +343,15 @@ def rescored_places(policy, score, ks, own, held, heads: int) -> torch.Tensor:
 
 
 def shared_decode(q, k, v, storage, layer, table, rows, positions, owner, pos, spare, score, policy, sure: int,
-                  lens=None):
+                  lens=None, widths=None):
     """Steady-state decode of B caches whose heads share a layer's places (AdaKV; `AdaptiveKVCache`): head h's
     new token goes into the row's spare place spare[b, h] (slot * heads + column, any column), each query head
     attends to its KV head's places, this step's attention folds into the scores (KeyDiff instead rescores every
     place, `rescored_places`), and the places the keep rule drops become the next spares (`Policy.entry_victims`;
     `sure`: each head's guaranteed places in this layer). lens [B]: the slots each row holds with the new token's; a
-    row with fewer than the table's (a cache below its budget, its tokens in slots [0, lens)) drops nothing, and
-    the next slot's places become its spares.
+    row with fewer than its width (the table's, or widths [B]: rows of different plans, each padded with free places)
+    (a cache below its budget, its tokens in slots [0, lens)) drops nothing, and the next slot's places become its
+    spares.
     No host sync. On CUDA, a protection the kernels know runs as four Triton kernels (`kernels.triton_shared`);
     otherwise masked SDPA and sorts in PyTorch, the same steps."""
     bsz, h, _ = k.shape
@@ -361,7 +362,7 @@ def shared_decode(q, k, v, storage, layer, table, rows, positions, owner, pos, s
         if triton_shared.fits(table.shape[1] * h):
             return triton_shared.shared_decode(q, k, v, args[0], args[1], table, rows, positions, owner, pos, spare,
                                                score, policy.fold, policy.fold_decay, *fused, sure, quant=args[2],
-                                               rank=policy.rank_source, lens=lens)
+                                               rank=policy.rank_source, lens=lens, widths=widths)
     shared_store(k, v, storage, layer, table, rows, positions, owner, pos, spare, score, policy)
     kc, vc = storage.gather(layer, table.long())
     ks, vs = kc.flatten(1, 2).to(q.dtype), vc.flatten(1, 2).to(q.dtype)  # [B, E, D]
@@ -379,7 +380,7 @@ def shared_decode(q, k, v, storage, layer, table, rows, positions, owner, pos, s
     victim = policy.entry_victims(held, folded, own, h, sure)
     if lens is not None:  # the next slot's places are free already
         nxt = lens[:, None].long() * h + torch.arange(h, device=lens.device)
-        victim = torch.where(lens[:, None] < width, nxt, victim)
+        victim = torch.where(lens[:, None] < (width if widths is None else widths[:, None]), nxt, victim)
     r, vslot, vcol = rows[:, None], victim // h, victim % h
     owner[r, vslot, vcol] = owner.new_full((), -1)
     pos[r, vslot, vcol] = pos.new_full((), -1)

@@ -109,13 +109,12 @@ class PoolCaches:
     def stacked_meta(self, policy, grow: bool = True) -> StackedMeta:
         """The policy's stacked metadata, made on first use with FIRST_ROWS rows that grow as sequences come
         (`grow`), or all of them (a policy whose graphs are captured up front)."""
+        policy = policy.unplanned  # a layers=global plan's caches hold rows of its policy's metadata
         if policy not in self.stacked:
             ring = (lambda rows: recent_residuals(self.config, policy, self.mixed, self.pool.packed.group, self.device,
                                                   rows)) if self.mixed else None
-            # a plan of one sequence's layer budgets (kvzip's layers=global) is seldom another's: one row to start
-            first = FIRST_ROWS if getattr(policy, "shares", None) is None else 1
             self.stacked[policy] = StackedMeta(policy, self.config.num_layers, self.config.num_kv_heads, self.rows,
-                                               self.device, ring, first if grow else None)
+                                               self.device, ring, FIRST_ROWS if grow else None)
         return self.stacked[policy]
 
     def drop_idle(self, seen: set, keep) -> tuple[list, set]:
@@ -129,8 +128,9 @@ class PoolCaches:
     def __call__(self, policy, hits: list[int]) -> KVCache:
         stacked = None
         if stackable(policy):
-            row = self.stacked_meta(policy).take()
-            stacked = None if row is None else (self.stacked[policy], row)
+            meta = self.stacked_meta(policy)
+            row = meta.take()
+            stacked = None if row is None else (meta, row)
         return sequence_cache(self.config, policy, device=self.device, dtype=self.kv_dtype,
                               store=PagedStore(self.pool, hits), stacked=stacked, kv_bits=self.mixed,
                               kv_group_size=self.pool.packed.group if self.mixed else 64)
@@ -427,12 +427,11 @@ class LLMEngine:
 
     def _plan_layers(self, seq: Sequence):
         """A layers=global sequence whose context is read again: its policy becomes that reading's plan of layer
-        budgets (`H2OPolicy.plan`), its bounded cache's metadata a row of that policy's, so it batches with sequences
-        of the same plan; its blocks stay."""
+        budgets (`H2OPolicy.plan`), laid out in its bounded cache and its row of stacked metadata, which it keeps: it
+        batches with sequences of any plan of its policy. Its blocks stay."""
         bounded = seq.rereading.bounded
         seq.policy = bounded.policy.plan(seq.rereading.reading.best)
-        row = self.caches.stacked_meta(seq.policy).take()
-        bounded.plan_layers(seq.policy, None if row is None else (self.caches.stacked[seq.policy], row))
+        bounded.plan_layers(seq.policy)
 
     def _draw(self, batch, sampling, logits) -> Launched:
         """Each sampling row's next token, left on the device: a `sampling.Draw`, whose host check (top-p

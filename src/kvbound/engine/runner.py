@@ -46,12 +46,14 @@ from ..staging import to_device
 
 class GroupKey(NamedTuple):
     """Rows with equal keys attend together: the step kind (`KVCache.step_kind`), the stacked metadata of
-    bounded kinds (one per policy), the piece length, and the tokens held by "fill" caches. A named tuple: the
-    engine builds one per row and step, on the host, between GPU steps."""
+    bounded kinds (one per policy), the piece length, the tokens held by "fill" caches, and the policy of "places"
+    pieces, whose plan of each layer's budget the host reads (one layers=global metadata holds many plans). A named
+    tuple: the engine builds one per row and step, on the host, between GPU steps."""
     kind: str
     meta: StackedMeta | None = None
     t: int = 1
     n: int = 0
+    plan: object = None
 
 
 def group_key(seq, t: int) -> GroupKey | None:
@@ -62,7 +64,7 @@ def group_key(seq, t: int) -> GroupKey | None:
         return GroupKey(kind)
     meta = seq.cache.stacked[0] if kind in ("evict", "chunk", "fill", "shared", "places") else None
     n = len(seq.cache) if kind in ("fill", "chunk") else seq.cache.used if kind == "places" else 0
-    return GroupKey(kind, meta, t, n)
+    return GroupKey(kind, meta, t, n, seq.cache.policy if kind == "places" else None)
 
 
 def finish_step(cache, kind: str | None, t: int):
@@ -140,15 +142,17 @@ class EvictGroup:
                             count=None if m.count is None else m.count[:, layer])
 
 
-def layer_slots(pool, meta, layer: int, table, lens=None):
-    """(storage, layer, slot table, lens) a group of caches whose heads share places reads in `layer`: the pool and
-    the table as they are, or, for layers of different budgets (PyramidKV), the layer's place rows in the pool's view
-    of every layer's slots (`BlockPool.all_layers`), some borrowed from other layers (`StackedMeta.places`), and lens
-    no longer than its rows."""
-    if meta.places is None:
-        return pool, layer, table, lens
-    table = place_slots(meta.places[layer], table, pool)
-    return pool.all_layers(), 0, table, None if lens is None else lens.clamp(max=meta.layer_rows[layer])
+def layer_slots(pool, meta, layer: int, table, rows, lens=None):
+    """(storage, layer, slot table, lens, each row's place rows or None) a group of caches whose heads share places
+    reads in `layer`: the pool and the table as they are, or, for layers of different budgets (PyramidKV's, the
+    plans of layers=global), each row's place rows of the layer in the pool's view of every layer's slots
+    (`BlockPool.all_layers`), some borrowed from other layers (`StackedMeta.set_plan`), and lens no longer than
+    them."""
+    if not meta.planned:
+        return pool, layer, table, lens, None
+    width = meta.plan_rows[rows, layer]
+    table = place_slots((meta.place_layer[rows, layer], meta.place_row[rows, layer]), table, pool)
+    return pool.all_layers(), 0, table, None if lens is None else torch.minimum(lens, width), width
 
 
 class SharedGroup:
@@ -162,9 +166,9 @@ class SharedGroup:
 
     def attend(self, layer, q, k, v, positions):
         m = self.meta
-        storage, at, table, lens = layer_slots(self.pool, m, layer, self.table, self.lens)
+        storage, at, table, lens, width = layer_slots(self.pool, m, layer, self.table, self.rows, self.lens)
         return shared_decode(q, k, v, storage, at, table, self.rows, positions, m.owner[:, layer], m.pos[:, layer],
-                             m.spare[:, layer], m.score[:, layer], m.policy, m.sure[layer], lens)
+                             m.spare[:, layer], m.score[:, layer], m.policy, m.sure[layer], lens, width)
 
 
 # the most elements of a "places" step's largest tensors in one call: its places' keys [rows, entries, D] where
@@ -186,7 +190,7 @@ class PlacesGroup:
 
     def attend(self, layer, q, k, v, positions):
         m, t = self.meta, self.t
-        storage, at, table, _ = layer_slots(self.pool, m, layer, self.table)
+        storage, at, table, _, _ = layer_slots(self.pool, m, layer, self.table, self.rows)
         plan = self.plans[layer]
         sure, share = self.budgets[layer]
         bsz, h = self.rows.shape[0], k.shape[1]

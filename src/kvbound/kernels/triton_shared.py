@@ -228,20 +228,21 @@ def _fold_kernel(Q, K, KS, KB, Table, Rows, Places, Count, Score, Spare, PartO, 
 
 
 @triton.jit
-def _victim_kernel(Pos, Score, Owner, Rows, Spare, Lens, width, places, heads, prefix, recent, sure,
+def _victim_kernel(Pos, Score, Owner, Rows, Spare, Lens, Widths, heads, prefix, recent, sure,
                    stride_r, stride_j, stride_c, stride_spr, stride_sph, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
                    BLOCK: tl.constexpr, AGE: tl.constexpr):
     """Sequence b: the keep rule's order is protected places first, then by score, newer first among ties, then
     lower place first; each head keeps its first `sure` places in that order, and of the rest (each head's last
     count - sure) the last `heads` go. They are picked one at a time from the end of the order (lowest score,
     oldest, higher place), each from a head whose share of the rest is not used up yet: no sort. A sequence whose
-    `Lens` slots do not fill its table's `width` yet drops nothing: head i's next spare is place Lens * heads + i,
-    free already."""
+    `Lens` slots do not fill its `Widths` place rows yet drops nothing: head i's next spare is place Lens * heads + i,
+    free already; places past its width (a plan's padding, free) are none of its own."""
     b = tl.program_id(0)
     row = tl.load(Rows + b).to(tl.int64)
     n = tl.load(Lens + b)
+    width = tl.load(Widths + b)
     e = tl.arange(0, BLOCK)
-    inb = e < places
+    inb = e < width * heads
     ptr = row * stride_r + (e // heads) * stride_j + (e % heads) * stride_c
     pos = tl.load(Pos + ptr, mask=inb, other=-1)
     score = tl.load(Score + ptr, mask=inb, other=0.0)
@@ -277,7 +278,7 @@ def fits(places: int) -> bool:
 
 def shared_decode(q, k, v, k_pool, v_pool, table, rows, positions, owner, pos, spare, score, score_mode: str | None,
                   ema_decay: float, prefix: int, recent: int, sure: int, quant=None, splits: int | None = None,
-                  rank: str = "attention", lens=None):
+                  rank: str = "attention", lens=None, widths=None):
     """One layer of AdaKV's steady decode, fused: head h's new token k, v [B, H, D] into its spare place, attention
     of q [B, Hq, D] over each KV head's places, this step's probabilities folded into `score`, and the places the
     keep rule drops freed (owner and pos -1) and made the next `spare`. owner/pos/score: the layer's [R, cap, H]
@@ -286,7 +287,8 @@ def shared_decode(q, k, v, k_pool, v_pool, table, rows, positions, owner, pos, s
     sequence's places per KV head (default: enough to fill the GPU). rank: `Policy.rank_source`, "attention" (the
     folded scores), "age" (the folded scores over each key's age), or "key-norm" / "key-diff" (from the keys,
     `score_mode` None). lens [B] int32: the slots each sequence holds with the new token's (default: all of the
-    table's); one with fewer drops no place, and the next slot's places become its spares."""
+    table's); one with fewer than its `widths` [B] int32 place rows (default: the table's; fewer for rows of
+    different plans, padded with free places) drops no place, and the next slot's places become its spares."""
     if rank not in RANK_IDS:
         raise ValueError(f"the shared decode kernels rank by {', '.join(RANK_IDS)}, got {rank!r}")
     bsz, hq, d = q.shape
@@ -330,10 +332,12 @@ def shared_decode(q, k, v, k_pool, v_pool, table, rows, positions, owner, pos, s
         places, heads, splits, *strides, *owner.stride(), *spare.stride(), *parts, out.stride(0), out.stride(1),
         d ** -0.5, float(ema_decay), S_PAD=max(2, triton.next_power_of_2(splits)), MODE=MODE_IDS[score_mode],
         RANK=RANK_IDS[rank], **tiles)
+    if widths is None:
+        widths = torch.full((bsz,), table.shape[1], dtype=torch.int32, device=q.device)
     if lens is None:
-        lens = torch.full((bsz,), table.shape[1], dtype=torch.int32, device=q.device)
+        lens = widths
     _victim_kernel[(bsz,)](
-        pos, score, owner, rows, spare, lens, table.shape[1], places, heads, prefix, recent, sure, *pos.stride(),
+        pos, score, owner, rows, spare, lens, widths, heads, prefix, recent, sure, *pos.stride(),
         *spare.stride(),
         HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), BLOCK=max(16, triton.next_power_of_2(places)),
         AGE=rank == "age", num_warps=4 if places <= 2048 else 8)
