@@ -329,7 +329,8 @@ def test_kvzip_across_layers_in_the_engine_keeps_each_plan_in_a_row_of_one_metad
     assert seqs[0].policy.shares != seqs[1].policy.shares
     assert list(engine.caches.stacked) == [pol]
     meta = engine.caches.stacked[pol]
-    assert meta.width == 30 + 1  # widened from the policy's 20 + 1 for the first layer of the second plan
+    assert meta.width == 30 + 1  # widened from the policy's 22 + 1 for the first layer of the second plan
+    assert meta.layer_width == [30 + 1, 22 + 1]  # each layer's widest row: groups read each layer this wide
     for ids, seq in zip(prompts, seqs):
         own = sequence_cache(model.config, pol)
         prefill(model, own, torch.tensor(ids), 16)

@@ -62,6 +62,7 @@ class StackedMeta:
         budgets = [policy.head_budgets(layer, layers) for layer in range(layers)]
         self.sure = [sure for sure, _ in budgets]  # each head's guaranteed places, per layer (one for every plan)
         self.layer_rows = [share + policy.evict_every for _, share in budgets]  # the policy's place rows per layer
+        self.layer_width = list(self.layer_rows)  # planned: the most place rows any row's plan gave each layer
         widest = max(self.layer_rows)
         self.planned = policy.layered or policy.needs_plan
         self.rows = rows if first_rows is None else min(rows, first_rows)
@@ -96,6 +97,9 @@ class StackedMeta:
         the store, the metadata widened first if a layer uses more rows than it holds."""
         if max(rows) > self.width:
             self._resize(self.rows, max(rows))
+        if any(n > w for n, w in zip(rows, self.layer_width)):  # groups read each layer this wide: graphs are stale
+            self.layer_width = [max(n, w) for n, w in zip(rows, self.layer_width)]
+            self.generation += 1
         at_layer = torch.arange(len(rows))[:, None].repeat(1, self.width)
         at_row = torch.zeros_like(at_layer)
         for layer, (store_layer, store_row) in enumerate(layer_places(rows, "cpu")):

@@ -146,12 +146,12 @@ def layer_slots(pool, meta, layer: int, table, rows, lens=None):
     """(storage, layer, slot table, lens, each row's place rows or None) a group of caches whose heads share places
     reads in `layer`: the pool and the table as they are, or, for layers of different budgets (PyramidKV's, the
     plans of layers=global), each row's place rows of the layer in the pool's view of every layer's slots
-    (`BlockPool.all_layers`), some borrowed from other layers (`StackedMeta.set_plan`), and lens no longer than
-    them."""
+    (`BlockPool.all_layers`), some borrowed from other layers (`StackedMeta.set_plan`), as many as the layer's widest
+    plan (`StackedMeta.layer_width`), and lens no longer than each row's."""
     if not meta.planned:
         return pool, layer, table, lens, None
-    width = meta.plan_rows[rows, layer]
-    table = place_slots((meta.place_layer[rows, layer], meta.place_row[rows, layer]), table, pool)
+    width, most = meta.plan_rows[rows, layer], meta.layer_width[layer]
+    table = place_slots((meta.place_layer[rows, layer, :most], meta.place_row[rows, layer, :most]), table, pool)
     return pool.all_layers(), 0, table, None if lens is None else torch.minimum(lens, width), width
 
 
