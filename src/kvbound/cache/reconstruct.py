@@ -16,6 +16,15 @@ from ..errors import KvboundError
 from ..kernels.reference import causal_attention_batch, flash_ok, varlen_attention_lse
 
 
+def next_piece(at: int, chunk: int, n: int, block: int) -> tuple[int, tuple[int, int]]:
+    """The second reading's piece from token `at` of an n-token context: its length, up to `chunk` and ending at
+    its block of `block` tokens (KVzip's, `KVzipPolicy.chunk`; 0: the whole context), and that block [lo, hi)."""
+    block = block or n
+    lo = at - at % block
+    hi = min(n, lo + block)
+    return min(chunk, hi - at), (lo, hi)
+
+
 class ReconstructionPass:
     """A `models.llama.LayerAttention` for the second reading: each piece attends over the full cache `held` (an
     unbounded `KVCache` holding the prompt) and itself, causally, and writes nothing. `best` [layers, n, H] holds,

@@ -7,7 +7,7 @@ from typing import Iterator
 import torch
 
 from ..cache import KVCache
-from ..cache.reconstruct import ReadingBatch, ReconstructionPass
+from ..cache.reconstruct import ReadingBatch, ReconstructionPass, next_piece
 from ..errors import KvboundError
 from .sampling import SamplingParams, sample_batch
 
@@ -79,8 +79,7 @@ class SecondReading:
     several at once."""
 
     def __init__(self, held, ids: torch.Tensor, chunk: int, policy):
-        self.ids, self.chunk, self.at = ids, chunk, 0
-        self.block = policy.chunk or len(ids)
+        self.ids, self.chunk, self.block, self.at = ids, chunk, policy.chunk, 0
         self.pass_ = ReconstructionPass(held, policy.sink)
 
     @property
@@ -94,12 +93,11 @@ class SecondReading:
     @property
     def piece(self) -> int:
         """Tokens the next piece reads: up to `chunk`, within its block."""
-        return min(self.chunk, len(self.ids) - self.at, self.block - self.at % self.block)
+        return next_piece(self.at, self.chunk, len(self.ids), self.block)[0]
 
     def score_span(self):
         """The next piece scores its block of the context (`ReconstructionPass.span`)."""
-        lo = self.at - self.at % self.block
-        self.pass_.span = (lo, min(len(self.ids), lo + self.block))
+        self.pass_.span = next_piece(self.at, self.chunk, len(self.ids), self.block)[1]
 
 
 def read_pieces(model, readings: list[SecondReading]):

@@ -27,6 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..cache.merge import attention_bias
 from ..cache.policies import H2OPolicy, Policy, parse_policy
+from ..cache.reconstruct import next_piece
 from ..cache.steps import fresh_scores, kept_order, marked_first, merge_dropped, piece_fold, policy_fold, rescored
 from ..errors import KvboundError
 from ..kernels import causal_attention_batch, flash_ok
@@ -192,7 +193,7 @@ class EvictingLayer(DynamicLayer):
             keys = torch.cat([key.gather(2, at[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])),
                               key[:, :, held:]], 2)
             valid = torch.cat([torch.arange(at.shape[1], device=at.device) < count[:, None], ones], 1)
-            got = _attend(query, keys, keys, valid, scaling, None, "max", None, self.keys.shape[1],
+            got = _attend(query, keys, keys, valid, scaling, None, "max", None, self.keys.shape[1],  # scores only
                           self.read_queries)[1][:, :at.shape[1]]
             seen = torch.zeros(b, held, got.shape[2], device=got.device).scatter_(
                 1, at[..., None].expand(-1, -1, got.shape[2]), got)
@@ -470,15 +471,13 @@ def _pieces(ids, valid, chunk: int, block: int):
     hi))."""
     n = valid.sum(1)
     start, longest = valid.shape[1] - n, int(n.max())
-    block = block or longest
     at = 0
     while at < longest:
-        lo = at - at % block
-        t = min(chunk, longest - at, lo + block - at)
+        t, span = next_piece(at, chunk, longest, block)
         offs = torch.arange(t, device=ids.device)
         real = at + offs[None] < n[:, None]
         src = (start[:, None] + at + offs[None]).clamp(max=valid.shape[1] - 1)
-        yield torch.where(real, ids.gather(1, src), ids[:, -1:]), real, n[:, None] + offs[None], (lo, lo + block)
+        yield torch.where(real, ids.gather(1, src), ids[:, -1:]), real, n[:, None] + offs[None], span
         at += t
 
 
