@@ -381,6 +381,8 @@ def test_kvzip_in_the_engine_batched_and_preempted_equals_each_sequence_alone(pa
             for i in range(8)]
     reqs += [(ids_of(40 + i, 50 + 7 * i).tolist(), "kvzip:sink=2,heavy=14,recent=6,layers=global,chunk=24", q)
              for i, q in enumerate([None, 40, None])]
+    # a layers=global context within the room: unread, it decodes in the policy's own layout beside the plans
+    reqs += [(ids_of(43, 15).tolist(), "kvzip:sink=2,heavy=14,recent=6,layers=global,chunk=24", None)]
     scored, together = scored_lengths(monkeypatch), []
     read = llm_engine.read_pieces
     monkeypatch.setattr(llm_engine, "read_pieces", lambda m, rs: (together.append(len(rs)), read(m, rs))[1])
