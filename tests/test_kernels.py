@@ -832,7 +832,6 @@ def _shared_state(policy, seed, storage, rows=4, batch=(2, 0, 3), layers=2, head
     for r, plan in zip(batch, plans):
         if meta.planned:
             meta.set_plan(r, plan)
-            meta.cover(r)  # as the engine's groups read it (`runner.group_key`)
     cap = meta.pos.shape[2]
     places = cap * heads
     held = held or [None] * len(batch)

@@ -330,9 +330,7 @@ def test_kvzip_across_layers_in_the_engine_keeps_each_plan_in_a_row_of_one_metad
     assert list(engine.caches.stacked) == [pol]
     meta = engine.caches.stacked[pol]
     assert meta.width == 30 + 1  # widened from the policy's 22 + 1 for the first layer of the second plan
-    # groups have read no row yet: each layer is read as wide as the scratch row, the least any plan gives (sinks and
-    # recent window, and a spare), not the policy's own layout, which each row held while its context was read again
-    assert meta.layer_width == [2 + 6 + 1] * 2
+    assert meta.layer_width == [30 + 1, 22 + 1]  # each layer's widest row: groups read each layer this wide
     for ids, seq in zip(prompts, seqs):
         own = sequence_cache(model.config, pol)
         prefill(model, own, torch.tensor(ids), 16)
@@ -340,7 +338,6 @@ def test_kvzip_across_layers_in_the_engine_keeps_each_plan_in_a_row_of_one_metad
         assert meta.plan_rows[seq.cache.stacked[1]].tolist() == [share + 1 for share in seq.policy.shares]
     keys = [group_key(seq, 1) for seq in seqs]
     assert keys[0] == keys[1] and keys[0].kind == "shared"
-    assert meta.layer_width == [30 + 1, 18 + 1]  # read now: each layer as wide as its widest plan
 
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)

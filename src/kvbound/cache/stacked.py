@@ -62,12 +62,7 @@ class StackedMeta:
         budgets = [policy.head_budgets(layer, layers) for layer in range(layers)]
         self.sure = [sure for sure, _ in budgets]  # each head's guaranteed places, per layer (one for every plan)
         self.layer_rows = [share + policy.evict_every for _, share in budgets]  # the policy's place rows per layer
-        # planned: the most place rows each layer of a row that groups have read holds (`cover`), from the scratch
-        # row's layout on: the policy's own, or for layers=global the least any plan gives (`global_shares`)
-        self.scratch_rows = ([sure + policy.evict_every for sure, _ in budgets] if policy.needs_plan
-                             else self.layer_rows)
-        self.layer_width = [0] * layers
-        self.unread: dict = {}  # planned: row -> its plan, until a group first reads it (`cover`)
+        self.layer_width = list(self.layer_rows)  # planned: the most place rows any row's plan gave each layer
         widest = max(self.layer_rows)
         self.planned = policy.layered or policy.needs_plan
         self.rows = rows if first_rows is None else min(rows, first_rows)
@@ -88,8 +83,8 @@ class StackedMeta:
         self.free = list(range(self.rows - 1, -1, -1))
         self.holders: dict = {}  # row -> the cache whose views point into it (`bind_stacked` after growing)
         self.generation = 0  # how many times the rows grew or widened: graphs captured over older tensors are stale
-        if self.planned:
-            self._plan_scratch()
+        if self.planned:  # the scratch row: the policy's own layout
+            self.set_plan(self.scratch_row, self.layer_rows)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every per-row tensor (a row's whole state, as `fork` copies it)."""
@@ -102,27 +97,15 @@ class StackedMeta:
         the store, the metadata widened first if a layer uses more rows than it holds."""
         if max(rows) > self.width:
             self._resize(self.rows, max(rows))
-        self.unread[row] = rows
+        if any(n > w for n, w in zip(rows, self.layer_width)):  # groups read each layer this wide: graphs are stale
+            self.layer_width = [max(n, w) for n, w in zip(rows, self.layer_width)]
+            self.generation += 1
         at_layer = torch.arange(len(rows))[:, None].repeat(1, self.width)
         at_row = torch.zeros_like(at_layer)
         for layer, (store_layer, store_row) in enumerate(layer_places(rows, "cpu")):
             at_layer[layer, :rows[layer]], at_row[layer, :rows[layer]] = store_layer, store_row
         self.plan_rows[row] = torch.tensor(rows, dtype=torch.int32)
         self.place_layer[row], self.place_row[row] = at_layer, at_row
-
-    def cover(self, row: int):
-        """Before a group first reads `row`: each layer's read width grows to its plan (the graphs of narrower reads
-        are then stale). Rows a group never reads, such as a layers=global cache's while its context is read again
-        in the policy's own layout, leave the widths as they are."""
-        rows = self.unread.pop(row, None)
-        if rows is not None and any(n > w for n, w in zip(rows, self.layer_width)):
-            self.layer_width = [max(n, w) for n, w in zip(rows, self.layer_width)]
-            self.generation += 1
-
-    def _plan_scratch(self):
-        """The scratch row, where a decode graph's padding rows read and write, takes its layout, read by any graph."""
-        self.set_plan(self.scratch_row, self.scratch_rows)
-        self.cover(self.scratch_row)
 
     @property
     def width(self) -> int:
@@ -161,7 +144,7 @@ class StackedMeta:
         self.free = list(range(rows - 1, self.rows - 1, -1)) + self.free
         self.rows, self.generation = rows, self.generation + 1
         if self.planned:
-            self._plan_scratch()
+            self.set_plan(self.scratch_row, self.layer_rows)
         for cache in self.holders.values():
             cache.bind_stacked()
 
@@ -188,14 +171,11 @@ class StackedMeta:
             return
         for t in self.tensors():
             t[new] = t[row]
-        if row in self.unread:
-            self.unread[new] = self.unread[row]
         self.holders[new] = cache
         cache.bind_stacked()
 
     def give(self, row: int):
         self.holders.pop(row, None)
-        self.unread.pop(row, None)
         self.free.append(row)
 
     @property

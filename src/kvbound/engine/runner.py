@@ -63,8 +63,6 @@ def group_key(seq, t: int) -> GroupKey | None:
     if kind == "prefill":  # one group whatever the pieces' lengths
         return GroupKey(kind)
     meta = seq.cache.stacked[0] if kind in ("evict", "chunk", "fill", "shared", "places") else None
-    if meta is not None and meta.planned:  # each layer is read as wide as the widest plan of any row read
-        meta.cover(seq.cache.stacked[1])
     n = len(seq.cache) if kind in ("fill", "chunk") else seq.cache.used if kind == "places" else 0
     return GroupKey(kind, meta, t, n, seq.cache.policy if kind == "places" else None)
 
