@@ -215,7 +215,8 @@ def add_eval_parser(sub):
     p.add_argument("--needle", default=None, help="the fact to hide (with --question and --answer)")
     p.add_argument("--question", default=None, help="the question that asks for --needle")
     p.add_argument("--answer", default=None, help="a word of the answer: found = the reply contains it")
-    p.add_argument("--budget-frac", type=float_list, default=[0.25, 0.5])
+    p.add_argument("--budget-frac", type=float_list, default=[0.25, 0.5], help="comma-separated: each bounded "
+                   "strategy's budget as a fraction of each --context, one run per fraction (default: 0.25,0.5)")
     p.add_argument("--pin-question", action="store_true", help="also run each bounded strategy with the "
                    "instruction+question span pinned")
     p.add_argument("--max-tokens", type=positive_int, default=24)
@@ -231,7 +232,9 @@ def add_eval_parser(sub):
     p.add_argument("--sample-offset", type=nonneg_int, default=0, help="number the instances from here, so a "
                    "later run adds new instances to an earlier run's JSON instead of repeating its own "
                    "(default: %(default)s)")
-    p.add_argument("--budget-frac", type=float_list, default=[0.25, 0.5])
+    p.add_argument("--budget-frac", type=float_list, default=[0.25, 0.5], help="comma-separated: each bounded "
+                   "strategy's budget as a fraction of what --budget-of names, one run per fraction "
+                   "(default: 0.25,0.5)")
     p.add_argument("--query", choices=["after", "before"], default="after", help="the question only after the "
                    "context, or also before it (a query-aware policy sees it) (default: %(default)s)")
     p.add_argument("--question-piece", action="store_true", help="feed the closing question as a prefill piece of "
