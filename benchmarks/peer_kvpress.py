@@ -256,8 +256,10 @@ def report(args):
         mean = sum(cells) / len(cells)
         print(f"{row:<44}" + "".join(f"{100 * c:>15.0f}%" for c in cells) + f"{100 * mean:>6.0f}%")
     scores = instance_scores(results)
+    if args.only and not any(row.startswith("kvbound ") and row_name(row) == args.only for row in rows):
+        sys.exit(f"peer_kvpress.py report: error: --only {args.only!r}: no kvbound row runs that strategy")
     print_bests(rows, tasks, grid, {side: len({r["sample"] for r in results if r["strategy"].startswith(side)})
-                                    for side in ("kvbound", "kvpress")}, scores)
+                                    for side in ("kvbound", "kvpress")}, scores, args.only)
     print_paired(scores)
 
 
@@ -278,11 +280,18 @@ def kvbound_records(paths, first=float("inf")) -> list[dict]:
     return out
 
 
-def family_bests(rows, tasks, grid, side: str, keep: str) -> list[tuple[float, list[str], str]]:
-    """Per task, the best score of one side's rows at one keep (the full cache left out), who reaches it, and the
-    first such row; (nan, [], None) where none of them ran the task."""
+def row_name(row: str) -> str:
+    """A table row's strategy, without its side, protocol tags and keep: 'kvbound b (equal memory)@0.5' -> 'b'."""
+    return row.split("@")[0].split(" ", 1)[1].split(" (")[0]
+
+
+def family_bests(rows, tasks, grid, side: str, keep: str,
+                 only: str | None = None) -> list[tuple[float, list[str], str]]:
+    """Per task, the best score of one side's rows at one keep (the full cache left out; `only`: that strategy's rows
+    alone), who reaches it, and the first such row; (nan, [], None) where none of them ran the task."""
     mine = [(row, cells) for row, cells in zip(rows, grid)
-            if row.startswith(side + " ") and row.endswith("@" + keep) and " baseline" not in row]
+            if row.startswith(side + " ") and row.endswith("@" + keep) and " baseline" not in row
+            and only in (None, row_name(row))]
     bests = []
     for j in range(len(tasks)):
         ran = [cells[j] for _, cells in mine if cells[j] == cells[j]]  # NaN: the row has no instance of the task
@@ -291,7 +300,7 @@ def family_bests(rows, tasks, grid, side: str, keep: str) -> list[tuple[float, l
             continue
         top = max(ran)
         tops = [row for row, cells in mine if round(100 * cells[j]) == round(100 * top)]
-        names = [row.split("@")[0].split(" ", 1)[1].split(" (")[0] for row in tops]
+        names = [row_name(row) for row in tops]
         bests.append((top, list(dict.fromkeys(names)), tops[0]))
     return bests
 
@@ -315,18 +324,20 @@ def instance_scores(results) -> dict:
     return scores
 
 
-def print_bests(rows, tasks, grid, instances: dict, scores: dict):
+def print_bests(rows, tasks, grid, instances: dict, scores: dict, only: str | None = None):
     """The target's test: kvbound's best policy against kvpress's best press, task family by family (`instances`:
     each side's instances a task, which `--first` makes equal), with the paired 95% interval of the difference
     between the two best rows (`paired_interval` over `scores`, `instance_scores`; it leaves out that each side's
-    best was picked among several rows)."""
+    best was picked among several rows). `only`: one kvbound strategy instead of kvbound's best row."""
     for keep in dict.fromkeys(row.split("@")[1] for row in rows):
-        ours, theirs = (family_bests(rows, tasks, grid, side, keep) for side in ("kvbound", "kvpress"))
+        ours, theirs = (family_bests(rows, tasks, grid, side, keep, only if side == "kvbound" else None)
+                        for side in ("kvbound", "kvpress"))
         both = [(task, a, b) for task, a, b in zip(tasks, ours, theirs) if a[2] and b[2]]  # families both ran
         if not both:
             continue
-        print(f"\nkeep {keep}: best of each side per task family ({instances['kvbound']} instances a task on "
-              f"kvbound's side, {instances['kvpress']} on kvpress's); difference, paired 95% interval")
+        mine = f"kvbound's {only}" if only else "best of each side"
+        print(f"\nkeep {keep}: {mine} against kvpress's best, per task family ({instances['kvbound']} instances a "
+              f"task on kvbound's side, {instances['kvpress']} on kvpress's); difference, paired 95% interval")
         met = below = 0
         for task, (a, who_a, row_a), (b, who_b, row_b) in both:
             ok = round(100 * a) >= round(100 * b)
@@ -411,6 +422,8 @@ def main():
     p.add_argument("--replies", required=True, nargs="+", help="reply files of `run` (several runs' presses merge)")
     p.add_argument("--kvbound", nargs="*")
     p.add_argument("--first", type=int, default=None, help="only the first N instances of each task, both sides")
+    p.add_argument("--only", default=None, help="one kvbound strategy (as --strategies names it) against kvpress's "
+                   "best press per family, instead of kvbound's best row")
     args = ap.parse_args()
     {"export": export, "run": run, "gpu": gpu, "report": report}[args.cmd](args)
 

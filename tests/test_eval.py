@@ -482,6 +482,16 @@ def test_peer_kvpress_report_pairs_the_best_rows_instances_in_a_bootstrap_interv
     grid = [[0.2, 0.7], [0.5, 0.7], [1, 1]]
     assert peer.family_bests(rows, ["t1", "t2"], grid, "kvbound", "0.5") == [
         (0.5, ["b"], "kvbound b (equal memory)@0.5"), (0.7, ["a", "b"], "kvbound a@0.5")]
+    assert peer.family_bests(rows, ["t1", "t2"], grid, "kvbound", "0.5", only="a") == [  # one strategy's row alone
+        (0.2, ["a"], "kvbound a@0.5"), (0.7, ["a"], "kvbound a@0.5")]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):  # a alone against kvpress's best: t1 0.2 against 0.3, below
+        peer.print_bests(rows + ["kvpress p@0.5"], ["t1", "t2"], grid + [[0.3, 0.1]], {"kvbound": 2, "kvpress": 2},
+                         {"kvbound a@0.5": {"t1": {0: 0.2, 1: 0.2}, "t2": {0: 0.7, 1: 0.7}},
+                          "kvpress p@0.5": {"t1": {0: 0.3, 1: 0.3}, "t2": {0: 0.1, 1: 0.1}}}, only="a")
+    out = buf.getvalue()
+    assert "kvbound's a against kvpress's best" in out and "t1" in out and " NO " in out
+    assert "kvbound >= kvpress on 1 of 2 families; below beyond the interval on 1" in out
     nan = float("nan")  # a run of some tasks only: its other cells are NaN, and those families are left out
     top, who, row = peer.family_bests(rows[:1], ["t1", "t2"], [[nan, 0.7]], "kvbound", "0.5")[0]
     assert top != top and (who, row) == ([], None)
