@@ -257,7 +257,9 @@ def report(args):
         print(f"{row:<44}" + "".join(f"{100 * c:>15.0f}%" for c in cells) + f"{100 * mean:>6.0f}%")
     scores = instance_scores(results)
     if args.only and not any(row.startswith("kvbound ") and row_name(row) == args.only for row in rows):
-        sys.exit(f"peer_kvpress.py report: error: --only {args.only!r}: no kvbound row runs that strategy")
+        print(f"peer_kvpress.py report: error: --only {args.only!r}: no kvbound row runs that strategy",
+              file=sys.stderr)
+        sys.exit(2)
     print_bests(rows, tasks, grid, {side: len({r["sample"] for r in results if r["strategy"].startswith(side)})
                                     for side in ("kvbound", "kvpress")}, scores, args.only)
     print_paired(scores)
