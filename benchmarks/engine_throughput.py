@@ -128,7 +128,7 @@ def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=50))
         for meta in eng.caches.stacked.values():  # layers of different budgets: how wide groups read each layer
             if meta.planned:
-                plans = meta.plan_rows[:-1][meta.plan_rows[:-1].sum(1) > 0].float()
+                plans = meta.plan_rows[sorted(meta.holders)].float()  # the rows caches hold now
                 print(f"read widths (place rows) summed over layers: {sum(meta.layer_width)}; the rows' plans: "
                       f"{plans.sum(1).mean():.0f} on average over {len(plans)} rows\n  widths {meta.layer_width}\n"
                       f"  plans' mean {[round(x) for x in plans.mean(0).tolist()]}")
