@@ -545,8 +545,15 @@ def main():
                     "order in the pool instead of shuffled (a pool filled in order, as the engine's often is)")
     ap.add_argument("--value-dot-grid", help="only time packed values read with value_dot on, off and the kernel's "
                     "choice (--quant-bits 8 / 4) on shape:batch:context:width,..., e.g. 8b:7:4096:8192")
+    ap.add_argument("--query-rows", type=int, default=None, help="pad each program's query heads to at least this "
+                    "many rows (triton_decode.MIN_QUERY_ROWS; 16 as before it)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    if args.query_rows is not None:
+        if args.query_rows < 1:
+            ap.error(f"--query-rows {args.query_rows}: at least 1")
+        from kvbound.kernels import triton_decode
+        triton_decode.MIN_QUERY_ROWS = args.query_rows
     try:
         if not set(args.quant_bits.split(",")) <= {"16", "8", "4", "fp8"}:
             raise ValueError(f"{args.quant_bits!r}: widths are 16, 8, 4 or fp8")

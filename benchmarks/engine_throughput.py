@@ -45,6 +45,7 @@ TILE_TABLES = {"long": triton_decode.TILES_LONG, "mid": triton_decode.TILES, "sh
                "narrow": triton_decode.TILES_NARROW, "many": triton_decode.TILES_LONG_MANY,
                "few": triton_decode.TILES_LONG_FEW}
 KERNEL_TILES = {name: dict(table) for name, table in TILE_TABLES.items()}  # the kernel's own, to go back to
+KERNEL_ROWS = triton_decode.MIN_QUERY_ROWS
 TILE_FORM = ("[long:|many:|few:|mid:|short:|narrow:]format:head_dim:keys:warps:stages[:split_blocks[:programs_per_sm"
              f"[:{TILE_FLAGS}]]]")
 
@@ -55,6 +56,11 @@ def tile_entries(spec: str) -> list:
     entries = []
     for tile in spec.split(",") if spec else []:
         fields = tile.split(":")
+        if fields[0] == "rows":  # rows:N pads each program's query heads to at least N rows (MIN_QUERY_ROWS)
+            if len(fields) != 2 or not fields[1].isdigit() or int(fields[1]) < 1:
+                raise ValueError(f"{tile!r} is not rows:N with N a whole number of rows")
+            entries.append(("rows", None, int(fields[1])))
+            continue
         table = fields.pop(0) if fields[0] in TILE_TABLES else "long"
         numbers = next((i for i, f in enumerate(fields[1:], 1) if not f.isdigit()), len(fields))
         fields, flags = fields[:numbers], fields[numbers:]
@@ -73,8 +79,12 @@ def use_tiles(entries):
     for name, table in TILE_TABLES.items():
         table.clear()
         table.update(KERNEL_TILES[name])
+    triton_decode.MIN_QUERY_ROWS = KERNEL_ROWS
     for name, key, tile in entries:
-        TILE_TABLES[name][key] = tile
+        if name == "rows":
+            triton_decode.MIN_QUERY_ROWS = tile
+        else:
+            TILE_TABLES[name][key] = tile
 
 
 def models(shape, dtype):
@@ -96,10 +106,12 @@ def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=
     tile_sweep: (label, entries) of tiles to try over `tiles` on the same running batch after that, each timed as
     the step's graph captured again with them (graph_ms_tiles); `tiles` alone after."""
     bs = 16
-    out_len = 1024 if policy.budget is not None else 160  # long enough to still decode when the last is in
-    need = -(-(policy.budget + 1) // bs) if policy.budget is not None else -(-(context + out_len) // bs)
+    need = -(-(policy.budget + 1) // bs) if policy.budget is not None else -(-(context + 160) // bs)
     fit = blocks // need
     n = min(fit, cap)
+    # long enough to still decode when the last prompt is in: a step prefills at most 8,192 tokens, fewer as more
+    # decode beside them (bounded caches only; a full cache's blocks are sized for 160)
+    out_len = 1024 + 2 * n * context // 8192 if policy.budget is not None else 160
     eng = LLMEngine(model, None, policy=policy, num_blocks=blocks, max_num_seqs=n, max_num_batched_tokens=8192,
                     prefill_chunk=512, kv_bits=kv_bits, kv_storage=kv_storage)
     for p in prompts(2, min(context, 1024), vocab, 98):  # the policy's kernels compile before the timing
@@ -365,7 +377,8 @@ def main():
                     "narrow:8:64:64:4:2:2, long:16:128:128:4:2:0:2)")
     ap.add_argument("--tile-sweep", default=None, help="with --bounded: tile lists (--packed-tiles' form) separated by "
                     "';', each over --packed-tiles and timed on every run's running batch after its own timing, by "
-                    "capturing the step's graph again (no new prefill), e.g. 'narrow:8:64:64:4:2:2;narrow:8:64:32:4:2'")
+                    "capturing the step's graph again (no new prefill), e.g. 'narrow:8:64:64:4:2:2;narrow:8:64:32:4:2'; an entry "
+                    "rows:N pads query heads to at least N rows (rows:16, as before MIN_QUERY_ROWS)")
     ap.add_argument("--profile", action="store_true", help="with --bounded: GPU and host time per kernel of a few "
                     "steady decode steps of each run")
     ap.add_argument("--skip-hf-batch", action="store_true")

@@ -392,6 +392,13 @@ def test_benchmark_tile_specs_read_every_tile_flag(monkeypatch):
         bench.tile_variants("64:4:2:4:-:p:-:b:x")
     with pytest.raises(ValueError, match="is not"):
         engine_bench.tile_entries("long:8:128:64")
+    from kvbound.kernels import triton_decode  # rows:N pads query heads to N rows for one sweep entry, then back
+    engine_bench.use_tiles(engine_bench.tile_entries("rows:16,narrow:8:64:64:4:2:2"))
+    assert triton_decode.MIN_QUERY_ROWS == 16 and triton_decode.TILES_NARROW[8, 64] == Tile(64, 4, 2, split_blocks=2)
+    engine_bench.use_tiles([])
+    assert triton_decode.MIN_QUERY_ROWS == 1 and triton_decode.TILES_NARROW == engine_bench.KERNEL_TILES["narrow"]
+    with pytest.raises(ValueError, match="rows:N"):
+        engine_bench.tile_entries("rows:0")
     with pytest.raises(ValueError, match="is not"):
         bench.tile_variants("64:4:2:sx")
 

@@ -167,6 +167,15 @@ TILES_SCORES = {(8, 128): Tile(64, 4, 2, programs_per_sm=16)}
 # at 64 x 1k (TILES), 1.15x -> 1.30x at 29 x 2k with scores (TILES_SCORES); results/early_loads_h100.log)
 TILES_LONG_SCORES = {(8, 128): Tile(128, 4, 2, programs_per_sm=2, pairs=True, early=True)}
 
+# A program's query heads (one KV head's) pad to a power of two, not to an MMA tile's 16 rows: Triton (3.6 on the
+# device) pads a small dot itself, and the softmax, scales and exported scores then work on G rows instead of 16.
+# Kernel alone with scores, 257 keys in 272-wide tables, H200 (results/query_rows_h200.log): SmolLM2 (G 3) at 685
+# sequences bf16 69.6 -> 65.0 us, 8-bit 98.5 -> 86.9, 4-bit 93.0 -> 74.1, fp8 100.4 -> 76.3; 8B (G 4) at 120 55.9 ->
+# 53.9, 77.7 -> 68.0, 71.4 -> 57.3, 74.0 -> 58.7; no wider table slowed beyond noise. The h2o engine step at bf16's
+# whole fit, graph ms (results/engine_query_rows_h200.log): SmolLM2 at 685 5.52 / 6.35 / 6.16 / 6.46 -> 5.41 / 6.17 /
+# 5.48 / 5.71 (bf16 / 8 / 4 / fp8); 8B at 120 7.33 / 8.12 / 7.91 / 7.85 -> 7.32 / 8.24 / 7.71 / 7.46
+MIN_QUERY_ROWS = 1
+
 
 @triton.jit
 def _split_kernel(Q, K, V, KS, KB, VS, VB, SlotTable, CtxLen, PartO, PartM, PartL, E, MBlk,
@@ -946,7 +955,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
             raise ValueError(f"{name} must have its KV heads contiguous (last stride 1), got strides {t.stride()}")
     num_splits = max(1, triton.cdiv(max_len, split))
     min_split = min(split, 4 * block_n)  # each sequence spreads its own length over the splits (`_seq_split`)
-    g_pad = max(16, triton.next_power_of_2(g))
+    g_pad = max(MIN_QUERY_ROWS, triton.next_power_of_2(g))
     part_o = torch.empty(bsz, hq, num_splits, d, device=q.device, dtype=torch.float32)
     part_m = torch.empty(bsz, hq, num_splits, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
