@@ -377,8 +377,9 @@ def main():
                     "narrow:8:64:64:4:2:2, long:16:128:128:4:2:0:2)")
     ap.add_argument("--tile-sweep", default=None, help="with --bounded: tile lists (--packed-tiles' form) separated by "
                     "';', each over --packed-tiles and timed on every run's running batch after its own timing, by "
-                    "capturing the step's graph again (no new prefill), e.g. 'narrow:8:64:64:4:2:2;narrow:8:64:32:4:2'; an entry "
-                    "rows:N pads query heads to at least N rows (rows:16, as before MIN_QUERY_ROWS)")
+                    "capturing the step's graph again (no new prefill), e.g. "
+                    "'narrow:8:64:64:4:2:2;narrow:8:64:32:4:2'; an entry rows:N pads query heads to at least N rows "
+                    "(rows:16, as before MIN_QUERY_ROWS)")
     ap.add_argument("--profile", action="store_true", help="with --bounded: GPU and host time per kernel of a few "
                     "steady decode steps of each run")
     ap.add_argument("--skip-hf-batch", action="store_true")

@@ -22,9 +22,9 @@ def main():
     args = ap.parse_args()
     name, bsz, width, ctx = "8b", 7, 8192, 4096
     if args.narrow:
-        name, b = args.narrow.split(":")
-        if name not in SHAPES:
-            ap.error(f"--narrow {args.narrow}: shape must be one of {', '.join(SHAPES)}")
+        name, _, b = args.narrow.partition(":")
+        if name not in SHAPES or not b.isdigit() or int(b) < 1:
+            ap.error(f"--narrow {args.narrow}: SHAPE:B with SHAPE one of {', '.join(SHAPES)} and B sequences")
         bsz, width, ctx = int(b), 272, 257
     sets, k, v, tables, lens, qs = tune_inputs(name, bsz, width, block=16)
     lens.fill_(ctx)
