@@ -473,7 +473,7 @@ def tune_configs(spec: str, fields: int) -> list:
     return configs
 
 
-TILE_FLAGS = "paired[:permute[:staged[:pairs[:early[:value_dot[:key_dequant]]]]]]"
+TILE_FLAGS = "paired[:permute[:staged[:pairs[:early[:value_dot[:key_dequant[:max_regs]]]]]]]"
 FLAG_CHOICES = {"paired": ("-", "k", "v", "kv"), "permute": ("p", "-"), "staged": ("s", "-"), "pairs": ("b", "-"),
                 "early": ("e", "-"), "value_dot": ("d", "n", "-"), "key_dequant": ("q", "-")}
 
@@ -481,26 +481,29 @@ FLAG_CHOICES = {"paired": ("-", "k", "v", "kv"), "permute": ("p", "-"), "staged"
 def tile_flags(tokens: list) -> dict:
     """A tile spec's trailing flags -> `Tile` fields: paired k, v, kv or - (`Tile.paired`), permute p (the default) or
     -, staged s or - (the default), pairs b or - (the default), early e or - (the default), value_dot d (on), n (off)
-    or - (the kernel's rule, the default), key_dequant q or - (the default). Shared by this script's --tile-variants
-    and the engine's --packed-tiles."""
-    defaults = ["-", "p", "-", "-", "-", "-", "-"]
+    or - (the kernel's rule, the default), key_dequant q or - (the default), max_regs rN (N registers a thread) or -
+    (the compiler's, the default). Shared by this script's --tile-variants and the engine's --packed-tiles."""
+    defaults = ["-", "p", "-", "-", "-", "-", "-", "-"]
     if len(tokens) > len(defaults):
         raise ValueError(f"{':'.join(tokens)!r}: at most {len(defaults)} flags, {TILE_FLAGS}")
     tokens = list(tokens) + defaults[len(tokens):]
     for (name, choices), token in zip(FLAG_CHOICES.items(), tokens):
         if token not in choices:
             raise ValueError(f"{name} {token!r}: choose from {', '.join(choices)}")
-    paired, permute, staged, pairs, early, value_dot, key_dequant = tokens
+    paired, permute, staged, pairs, early, value_dot, key_dequant, max_regs = tokens
+    if max_regs != "-" and not (max_regs[:1] == "r" and max_regs[1:].isdigit() and 24 <= int(max_regs[1:]) <= 255):
+        raise ValueError(f"max_regs {max_regs!r}: rN with N registers from 24 to 255, or -")
     return dict(paired=paired.strip("-"), permute=permute == "p", staged=staged == "s", pairs=pairs == "b",
                 early=early == "e", value_dot={"d": True, "n": False, "-": None}[value_dot],
-                key_dequant=key_dequant == "q")
+                key_dequant=key_dequant == "q", max_regs=None if max_regs == "-" else int(max_regs[1:]))
 
 
 def flags_label(flags: dict) -> str:
     """The flags as `tile_flags` reads them, for a table's row."""
     return ":".join((flags["paired"] or "-", "p" if flags["permute"] else "-", "s" if flags["staged"] else "-",
                      "b" if flags["pairs"] else "-", "e" if flags["early"] else "-",
-                     {True: "d", False: "n", None: "-"}[flags["value_dot"]], "q" if flags["key_dequant"] else "-"))
+                     {True: "d", False: "n", None: "-"}[flags["value_dot"]], "q" if flags["key_dequant"] else "-",
+                     "-" if flags["max_regs"] is None else f"r{flags['max_regs']}"))
 
 
 def tile_variants(spec: str) -> list:

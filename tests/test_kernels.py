@@ -173,10 +173,11 @@ def test_packed_decode_on_the_gpus_long_table_tiles_matches_dequantize_then_atte
 
 
 @pytest.mark.parametrize("fmt, d", [(8, 64), (4, 64), (8, 128), (4, 128)])
-def test_packed_decode_on_the_gpus_narrow_table_tiles_matches_dequantize_then_attend(fmt, d):
+@pytest.mark.parametrize("max_regs", [None, 96])
+def test_packed_decode_on_the_gpus_narrow_table_tiles_matches_dequantize_then_attend(fmt, d, max_regs):
     """The tile a bounded cache's narrow table takes on the GPU (h2o 256: 272 wide), exporting scores: at d=64 values
     through the dot as codes (`Tile.value_dot`), 8-bit's read as byte pairs, loads early; 4-bit's keys dequantized
-    (`Tile.key_dequant`) at either head size."""
+    (`Tile.key_dequant`) at either head size. Also with registers capped (`Tile.max_regs`), which spills on the GPU."""
     from kvbound.kernels.triton_decode import kernel_tile
     q, k, v, table, n = _case(9, 3, 6, 2, d, [257, 200, 31])
     (kc, kscale, kbias), (vc, vscale, vbias) = quantize(k, fmt, 64), quantize(v, fmt, 64)
@@ -188,7 +189,7 @@ def test_packed_decode_on_the_gpus_narrow_table_tiles_matches_dequantize_then_at
     out = decode_attention(*(t.to(DEV) for t in (q, kc, vc, table, n)), block_n=tile.keys, num_warps=tile.warps,
                            num_stages=tile.stages, split=tile.split_blocks * tile.keys, value_dot=tile.value_dot,
                            permute=tile.permute and DEV == "cuda", pairs=tile.pairs, early=tile.early,
-                           key_dequant=tile.key_dequant, score=score,
+                           key_dequant=tile.key_dequant, score=score, max_regs=max_regs,
                            score_mode="cumulative", quant={key: t if isinstance(t, int) else t.to(DEV)
                                                            for key, t in quant.items()}).cpu()
     want, want_score = _reference(q, kd, vd, table, n, "cumulative", torch.zeros(3, 257, 2), 0)
@@ -376,13 +377,18 @@ def test_benchmark_tile_specs_read_every_tile_flag(monkeypatch):
     from kvbound.kernels.triton_decode import Tile
     monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks"))
     bench, engine_bench = importlib.import_module("decode_attention"), importlib.import_module("engine_throughput")
-    default = dict(paired="", permute=True, staged=False, pairs=False, early=False, value_dot=None, key_dequant=False)
+    default = dict(paired="", permute=True, staged=False, pairs=False, early=False, value_dot=None, key_dequant=False,
+                   max_regs=None)
     assert bench.tile_variants("64:4:2:4") == [(64, 4, 2, 4, default)]
     assert bench.tile_variants("64:4:2:s2")[0][3] == "s2" and bench.split_or_programs(64, "s2") == dict(split=128)
-    flags = bench.tile_variants("64:4:2:4:kv:-:s:b:e:n:q")[0][4]
+    flags = bench.tile_variants("64:4:2:4:kv:-:s:b:e:n:q:r128")[0][4]
     assert flags == dict(paired="kv", permute=False, staged=True, pairs=True, early=True, value_dot=False,
-                         key_dequant=True)
-    assert bench.flags_label(flags) == "kv:-:s:b:e:n:q"
+                         key_dequant=True, max_regs=128)
+    assert bench.flags_label(flags) == "kv:-:s:b:e:n:q:r128"
+    assert engine_bench.tile_entries("narrow:8:128:64:4:3:4:4:-:p:-:-:-:-:-:r128")[0][2] == \
+        Tile(64, 4, 3, split_blocks=4, max_regs=128)
+    with pytest.raises(ValueError, match="max_regs 'r8'"):
+        bench.tile_variants("64:4:2:4:-:p:-:b:e:d:-:r8")
     (table, key, tile), = engine_bench.tile_entries("long:8:128:64:4:2:0:4:-:p:-:b:e")
     assert (table, key, tile) == ("long", (8, 128), Tile(64, 4, 2, None, 4, pairs=True, early=True))
     assert engine_bench.tile_entries("narrow:fp8:64:64:4:2:2")[0][2] == Tile(64, 4, 2, split_blocks=2)

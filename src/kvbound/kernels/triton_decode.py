@@ -62,7 +62,10 @@ class Tile(NamedTuple):
     on at d=128 only), where the group fits and no residuals are read. early: a block's packed codes and scales (a
     key's two groups, and values read through the dot) all load before its first dot, so the reads overlap.
     key_dequant: packed keys become fp16 in registers (code * scale + bias) for one q.k dot over the head, instead of
-    a dot per group of raw codes scaled after it (`_packed_qk`): fewer dots where few keys leave latency to save."""
+    a dot per group of raw codes scaled after it (`_packed_qk`): fewer dots where few keys leave latency to save.
+    max_regs: registers a thread may hold (ptxas's maxnreg; None: the compiler's count). Fewer let more programs
+    share an SM, at the cost of spills: 8-bit's narrow tile at d=128 takes 168 (3 programs an SM) against bf16's 120
+    (4), results/codegen_narrow_regs_sm90.log."""
     keys: int
     warps: int
     stages: int | None = None
@@ -75,6 +78,7 @@ class Tile(NamedTuple):
     value_dot: bool | None = None
     early: bool = False
     key_dequant: bool = False
+    max_regs: int | None = None
 
 
 # (bits or "fp8" or 16 for bf16, head_dim) -> the kernel's Tile on the GPU; packed formats' middle tables:
@@ -881,7 +885,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
                      ema_decay=0.95, quant=None, split=None, block_n=None, out=None, programs_per_sm=None,
                      num_warps=None, rows=None, victim=None, num_stages=None, value_dot=None, contiguous=False,
                      resid=None, layer=False, paired=None, permute=None, staged=None, pairs=None, early=None,
-                     key_dequant=None, count=None):
+                     key_dequant=None, count=None, max_regs=None):
     """q: [B, Hq, D]; k_pool/v_pool: [slots, Hkv, D] (or packed codes [slots, Hkv, D*bits/8] with
     quant=dict(bits=, group=, k_scale=, k_bias=, v_scale=, v_bias=) of [slots, Hkv, D/group]; or float8 e4m3
     codes [slots, Hkv, D] with quant=dict(bits="fp8", k_scale=, v_scale=) of [slots, Hkv, 1]);
@@ -907,6 +911,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     pairs: `Tile.pairs` (None: the table's tile's; 8-bit values read as codes only).
     early: `Tile.early` (None: the table's tile's).
     key_dequant: `Tile.key_dequant` (None: the table's tile's; packed 8 / 4-bit keys only).
+    max_regs: `Tile.max_regs` (None: the table's tile's; only where the kernel is compiled).
     count: [B, max_len, Hkv] float32 (or, with rows, [R, >= max_len, Hkv] read at row rows[b]), the tokens each key
     stands for: its logit gains log(count) (merged keys, `cache.merge`).
     Returns out [B, Hq, D] in q's dtype."""
@@ -936,6 +941,7 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
     pairs = tile.pairs if pairs is None else pairs
     early = tile.early if early is None else early
     key_dequant = (tile.key_dequant if key_dequant is None else key_dequant) and bits in (8, 4)
+    max_regs = tile.max_regs if max_regs is None else max_regs
     staged = tile.staged and not export if staged is None else staged  # staged lost where it also exported
     if split is None and tile.split_blocks and not explicit:
         split = tile.split_blocks * block_n
@@ -1001,7 +1007,8 @@ def decode_attention(q, k_pool, v_pool, slot_table, ctx_lens, scale=None, score=
         FP8=fp8, CONTIG=bool(contiguous), RESID=resid is not None, SINK=rt["sink"], RECENT=rt["recent"],
         PAIR_K="k" in paired, PAIR_V="v" in paired, PERMUTE=permute, STAGED=staged, PAIRS=pairs, EARLY=early,
         KDEQ=key_dequant, COUNT=count is not None, COUNT_ROWS=rows is not None, num_warps=num_warps,
-        **({} if num_stages is None else dict(num_stages=num_stages)))
+        **({} if num_stages is None else dict(num_stages=num_stages)),
+        **({} if max_regs is None else dict(maxnreg=max_regs)))
     _merge_kernel[(bsz, hq)](
         part_o, part_m, part_l, out, ctx_lens,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_m.stride(0), part_m.stride(1),
