@@ -172,6 +172,27 @@ def test_packed_decode_on_the_gpus_long_table_tiles_matches_dequantize_then_atte
         torch.testing.assert_close(score.cpu().double(), want_score, atol=1e-5, rtol=1e-4)
 
 
+def test_kernel_registers_compiles_a_narrow_tile_for_sm90_without_a_gpu():
+    """benchmarks/kernel_registers.py: the split kernel for sm_90 on the CPU, one line of counts a config; a cap on
+    registers holds; a bad config gets one line and exit 2."""
+    import pathlib
+    import subprocess
+    import sys
+    import triton
+    if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
+        pytest.skip("this Triton has no cuobjdump")
+    root = pathlib.Path(__file__).parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root / "src")}
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "kernel_registers.py"),
+                          '{"shape": "smollm2", "bits": 8, "max_regs": 96}'], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr
+    regs, spills, sass, shared = run.stdout.splitlines()[-1].split("}")[1].split()[:4]
+    assert int(regs) <= 96 and int(sass) > 100 and int(shared) > 0 and int(spills) >= 0
+    bad = subprocess.run([sys.executable, str(root / "benchmarks" / "kernel_registers.py"), '{"bits": 3}'],
+                         capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()[-1]) > 0 and "bits one of" in bad.stderr
+
+
 @pytest.mark.parametrize("fmt, d", [(8, 64), (4, 64), (8, 128), (4, 128)])
 @pytest.mark.parametrize("max_regs", [None, 96])
 def test_packed_decode_on_the_gpus_narrow_table_tiles_matches_dequantize_then_attend(fmt, d, max_regs):
