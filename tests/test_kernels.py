@@ -193,8 +193,8 @@ def test_kernel_registers_compiles_a_narrow_tile_for_sm90_without_a_gpu():
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()[-1]) > 0 and "bits one of" in bad.stderr
 
 
-@pytest.mark.parametrize("fmt, d", [(8, 64), (4, 64), (8, 128), (4, 128)])
-@pytest.mark.parametrize("max_regs", [None, 96])
+@pytest.mark.parametrize("fmt, d, max_regs", [(8, 64, None), (4, 64, None), (8, 128, None), (4, 128, None),
+                                              (8, 64, 96), (8, 128, 96)])
 def test_packed_decode_on_the_gpus_narrow_table_tiles_matches_dequantize_then_attend(fmt, d, max_regs):
     """The tile a bounded cache's narrow table takes on the GPU (h2o 256: 272 wide), exporting scores: at d=64 values
     through the dot as codes (`Tile.value_dot`), 8-bit's read as byte pairs, loads early; 4-bit's keys dequantized
