@@ -106,12 +106,12 @@ def steady_decode(model, policy, blocks, context, cap, vocab, steps=32, profile=
     tile_sweep: (label, entries) of tiles to try over `tiles` on the same running batch after that, each timed as
     the step's graph captured again with them (graph_ms_tiles); `tiles` alone after."""
     bs = 16
-    need = -(-(policy.budget + 1) // bs) if policy.budget is not None else -(-(context + 160) // bs)
+    out_len = 160  # a full cache's blocks hold its prompt and this many tokens
+    need = -(-(policy.budget + 1) // bs) if policy.budget is not None else -(-(context + out_len) // bs)
     fit = blocks // need
     n = min(fit, cap)
-    # long enough to still decode when the last prompt is in: a step prefills at most 8,192 tokens, fewer as more
-    # decode beside them (bounded caches only; a full cache's blocks are sized for 160)
-    out_len = 1024 + 2 * n * context // 8192 if policy.budget is not None else 160
+    if policy.budget is not None:  # long enough to still decode when the last prompt is in: a step prefills at most
+        out_len = 1024 + 2 * n * context // 8192  # 8,192 tokens, fewer as more decode beside them
     eng = LLMEngine(model, None, policy=policy, num_blocks=blocks, max_num_seqs=n, max_num_batched_tokens=8192,
                     prefill_chunk=512, kv_bits=kv_bits, kv_storage=kv_storage)
     for p in prompts(2, min(context, 1024), vocab, 98):  # the policy's kernels compile before the timing

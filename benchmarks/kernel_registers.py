@@ -22,9 +22,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from decode_attention import SHAPES  # query heads, KV heads, head_dim; benchmarks/ is on the path as the script's
 from kvbound.kernels import triton_decode
-
-SHAPES = {"8b": (32, 8, 128), "smollm2": (9, 3, 64)}  # query heads, KV heads, head_dim
 WIDTH, SEQS = 272, 64
 KEYS = {"shape", "bits", "rows", *triton_decode.Tile._fields} - {"split_blocks", "programs_per_sm", "staged"}
 
